@@ -1,0 +1,33 @@
+# Two commands a user needs: `make run` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU wheel: an unpinned `torch` pulls gigabytes of CUDA packages.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[bundled-mpi,dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m runner $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	$(PY) bench/data_parallel.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,232 @@
+"""The run configuration as typed values, validated before any process starts.
+
+`validate()` takes the composed config (a DictConfig from Hydra, or the `config.yaml` a worker
+reads) and returns a frozen `RunConfig`, or raises `ConfigError` naming *every* offending value.
+Nothing here imports Hydra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.core import GridShape
+from runner.core.registry import UnknownPluginError, accepted_options, unknown_options
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; `problems` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """A config group selection: the registered `name` and the plugin's keyword options."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    steps: int
+    batch_size: int
+    log_every: int = 1
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+    resume: str | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """How P > 1 ranks are started when the runner is not already inside an MPI job."""
+
+    command: tuple[str, ...] = ()  # empty: the mpiexec of the bundled MPICH
+    nproc_flag: str = "-n"
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """Fault injection for tests: make one rank raise at one step."""
+
+    raise_at_step: int | None = None
+    raise_on_rank: int = 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    grid: GridShape
+    trainer: TrainerConfig
+    model: Plugin
+    dataset: Plugin
+    strategy: Plugin
+    optimizer: Plugin
+    launcher: LauncherConfig
+    debug: DebugConfig
+
+
+def _plugin(cfg: DictConfig, key: str, problems: list[str]) -> Plugin:
+    node = cfg.get(key)
+    if not isinstance(node, Mapping) or "name" not in node:
+        problems.append(f"{key}: missing (choose one with {key}=NAME)")
+        return Plugin("")
+    options = {k: v for k, v in node.items() if k != "name"}
+    return Plugin(str(node["name"]), options)
+
+
+def _int(cfg: DictConfig, key: str, problems: list[str], minimum: int | None = 1,
+         optional: bool = False) -> int | None:
+    value = OmegaConf.select(cfg, key)
+    if value is None:
+        if not optional:
+            problems.append(f"{key}: required")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(f"{key}={value!r}: must be an integer")
+        return None
+    if minimum is not None and value < minimum:
+        problems.append(f"{key}={value}: must be >= {minimum}")
+        return None
+    return value
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(value.split())
+    return tuple(str(v) for v in value)
+
+
+def _check_options(key: str, factory: Any, options: Mapping[str, Any], reserved: tuple[str, ...],
+                   problems: list[str]) -> None:
+    bad = unknown_options(factory, options, reserved)
+    if bad:
+        valid = ", ".join(accepted_options(factory, reserved)) or "none"
+        problems.append(f"{key}: unknown option(s) {', '.join(f'{key}.{b}' for b in bad)}; "
+                        f"valid: {valid}")
+
+
+def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
+    """Check everything that can be checked without starting a process; raise `ConfigError`.
+
+    `world_size` is the size of the MPI job the run will use when that is already fixed (the user
+    started `mpiexec -n N python -m runner ...`): the grid must match it.
+    """
+    from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
+    from strategies import STRATEGIES
+
+    load_plugins()
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError([f"missing required value: {', '.join(missing)}"])
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as exc:  # interpolation errors name the key themselves
+        raise ConfigError([f"cannot resolve config: {exc}".splitlines()[0]]) from None
+
+    problems: list[str] = []
+    seed = _int(cfg, "seed", problems, minimum=0)
+    pr = _int(cfg, "grid.pr", problems)
+    pc = _int(cfg, "grid.pc", problems)
+    steps = _int(cfg, "trainer.steps", problems)
+    batch = _int(cfg, "trainer.batch_size", problems)
+    log_every = _int(cfg, "trainer.log_every", problems, optional=True) or 1
+    eval_every = _int(cfg, "trainer.eval_every", problems, optional=True)
+    checkpoint_every = _int(cfg, "trainer.checkpoint_every", problems, optional=True)
+    threads = _int(cfg, "trainer.threads", problems, optional=True)
+    resume = OmegaConf.select(cfg, "trainer.resume")
+    model, dataset = _plugin(cfg, "model", problems), _plugin(cfg, "dataset", problems)
+    strategy, optimizer = _plugin(cfg, "strategy", problems), _plugin(cfg, "optimizer", problems)
+
+    launcher_cfg = OmegaConf.select(cfg, "launcher") or {}
+    launcher = LauncherConfig(command=_strings(launcher_cfg.get("command")),
+                              nproc_flag=str(launcher_cfg.get("nproc_flag", "-n")),
+                              args=_strings(launcher_cfg.get("args")))
+    raise_at = _int(cfg, "debug.raise_at_step", problems, optional=True)
+    raise_on = _int(cfg, "debug.raise_on_rank", problems, minimum=0, optional=True) or 0
+    grid = GridShape(pr, pc) if pr and pc else None
+    if grid and world_size is not None and grid.size != world_size:
+        problems.append(f"grid.pr*grid.pc={grid.size} but the MPI job has {world_size} ranks "
+                        f"(set grid.pr and grid.pc so that their product is {world_size})")
+    if grid and raise_at is not None and raise_on >= grid.size:
+        problems.append(f"debug.raise_on_rank={raise_on} is not a rank of a {grid.size}-rank job")
+
+    # Plugins: known names, known options, and what each can say about the others.
+    spec = None
+    if dataset.name:
+        try:
+            dataset_cls = DATASETS.get(dataset.name)
+            _check_options("dataset", dataset_cls, dataset.options, (), problems)
+            spec = dataset_cls(**dataset.options).spec()
+        except UnknownPluginError as exc:
+            problems.append(f"dataset={dataset.name}: {exc}")
+        except (TypeError, ValueError) as exc:
+            problems.append(f"dataset={dataset.name}: {exc}")
+    if model.name:
+        try:
+            factory = MODELS.get(model.name)
+            _check_options("model", factory, model.options, ("input_shape", "num_classes"),
+                           problems)
+            if spec is not None:
+                _check_model_shapes(model, factory, spec, problems)
+        except UnknownPluginError as exc:
+            problems.append(f"model={model.name}: {exc}")
+    if optimizer.name:
+        try:
+            opt_cls = OPTIMIZERS.get(optimizer.name)
+            reserved = ("params", "grid", "total_steps")
+            before = len(problems)
+            _check_options("optimizer", opt_cls, optimizer.options, reserved, problems)
+            if len(problems) == before:
+                problems += opt_cls.check(**optimizer.options)
+        except UnknownPluginError as exc:
+            problems.append(f"optimizer={optimizer.name}: {exc}")
+    if strategy.name:
+        try:
+            strategy_cls = STRATEGIES.get(strategy.name)
+            before = len(problems)
+            _check_options("strategy", strategy_cls, strategy.options, (), problems)
+            if len(problems) == before and grid and batch:
+                problems += strategy_cls(**strategy.options).check(grid, batch)
+        except UnknownPluginError as exc:
+            problems.append(f"strategy={strategy.name}: {exc}")
+    if spec is not None and batch and batch > spec.train_size:
+        problems.append(f"trainer.batch_size={batch} is larger than the {spec.train_size} "
+                        f"training samples of dataset={dataset.name}")
+    if problems:
+        raise ConfigError(problems)
+    assert seed is not None and grid and steps and batch
+    return RunConfig(
+        seed=seed, grid=grid,
+        trainer=TrainerConfig(steps, batch, log_every, eval_every, checkpoint_every,
+                              None if resume is None else str(resume), threads),
+        model=model, dataset=dataset, strategy=strategy, optimizer=optimizer,
+        launcher=launcher, debug=DebugConfig(raise_at, raise_on),
+    )
+
+
+def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[str]) -> None:
+    """Build the model on the meta device and push a batch through: no memory, no compute."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            net = factory(spec.input_shape, spec.num_classes, **model.options)
+            out = net(torch.empty(2, *spec.input_shape))
+        if tuple(out.shape) != (2, spec.num_classes):
+            problems.append(f"model={model.name} gives outputs of shape {tuple(out.shape[1:])}, "
+                            f"the dataset has {spec.num_classes} classes")
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        problems.append(f"model={model.name} does not fit the dataset's inputs of shape "
+                        f"{tuple(spec.input_shape)}: {first}")

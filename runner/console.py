@@ -1,0 +1,113 @@
+"""What rank 0 shows: a rich progress bar on a terminal (plain lines otherwise) and result tables.
+
+Workers started by the head write to a pipe, not a terminal; the head passes
+GRIDRUN_FORCE_TERMINAL=1 when its own output is a terminal so rank 0 still draws the live bar.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+FORCE_TERMINAL_ENV = "GRIDRUN_FORCE_TERMINAL"
+
+
+def make_console(stderr: bool = False) -> Console:
+    force = os.environ.get(FORCE_TERMINAL_ENV) == "1" or None
+    return Console(stderr=stderr, force_terminal=force, highlight=False)
+
+
+class ProgressReporter:
+    """Training progress for rank 0; silent on every other rank."""
+
+    def __init__(self, enabled: bool, total_steps: int, title: str) -> None:
+        self.enabled, self.total, self.title = enabled, total_steps, title
+        self.console = make_console()
+        self.live = enabled and self.console.is_terminal
+        self._every = max(1, total_steps // 10)
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def __enter__(self) -> ProgressReporter:
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"),
+                TextColumn("{task.fields[rate]:.0f} samples/s"), TimeRemainingColumn(),
+                console=self.console, transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task(self.title, total=self.total, loss=float("nan"),
+                                                 rate=0.0)
+        elif self.enabled:
+            self.console.print(f"{self.title}: {self.total} steps")
+        return self
+
+    def step(self, step: int, loss: float, samples_per_s: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=loss, rate=samples_per_s)
+        elif self.enabled and (step % self._every == 0 or step == self.total or step == 1):
+            self.console.print(f"step {step:>6}/{self.total}  loss {loss:.4f}  "
+                               f"{samples_per_s:,.0f} samples/s")
+
+    def evaluation(self, step: int, loss: float, accuracy: float) -> None:
+        if self.enabled:
+            self.console.print(f"step {step:>6}/{self.total}  val loss {loss:.4f}  "
+                               f"val accuracy {accuracy:.4f}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def summary_table(summary: Mapping[str, Any]) -> Table:
+    grid = summary.get("grid", {})
+    ranks = summary.get("world_size")
+    measured = _fmt_bytes(summary.get("comm_bytes_per_step"))
+    predicted = _fmt_bytes(summary.get("predicted_comm_bytes_per_step"))
+    table = Table(title="gridrun result", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("strategy / optimizer", f"{summary.get('strategy')} / {summary.get('optimizer')}"),
+        ("grid (pr x pc)", f"{grid.get('pr')} x {grid.get('pc')}  ({ranks} ranks)"),
+        ("steps", _fmt(summary.get("steps"))),
+        ("final loss", _fmt(summary.get("final_loss"), ".4f")),
+        ("val accuracy", _fmt(summary.get("val_accuracy"), ".4f")),
+        ("wall time", f"{_fmt(summary.get('wall_time_s'), '.2f')} s"),
+        ("step time (median)", f"{_fmt(summary.get('median_step_time_s', 0) * 1e3, '.2f')} ms"),
+        ("samples / s", _fmt(summary.get("samples_per_s"), ",.0f")),
+        ("comm bytes / step", f"{measured} measured, {predicted} predicted"),
+        ("comm share of step", _fmt(summary.get("comm_time_share"), ".1%")),
+        ("params / rank", _fmt_bytes(summary.get("param_bytes_per_rank"))),
+        ("run dir", str(summary.get("run_dir"))),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def print_error(message: str) -> None:
+    """The one line a user gets for bad input."""
+    print(f"error: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,19 @@
+"""The distributed-tensor core: process grid, partitions, counted communication.
+
+Knows nothing of Hydra, configs, strategies or training (see DESIGN.md, "Layout").
+"""
+
+from runner.core.comm import CommCounter, CommRecord, CountedComm, PendingOp
+from runner.core.grid import GridShape, ProcessGrid
+from runner.core.partition import balanced_sizes, balanced_slice
+
+__all__ = [
+    "CommCounter",
+    "CommRecord",
+    "CountedComm",
+    "GridShape",
+    "PendingOp",
+    "ProcessGrid",
+    "balanced_sizes",
+    "balanced_slice",
+]

@@ -1,0 +1,207 @@
+"""The counted communicator: every collective goes through here and is recorded.
+
+A record holds the operation, the group size, the payload bytes (the size of the buffer handed
+to the collective, as DESIGN.md's `comm_bytes` defines it) and the seconds this rank was blocked
+in it. For a non-blocking operation the seconds are the time spent issuing it plus the time spent
+waiting for it, i.e. the part of the communication that was *not* hidden behind computation.
+
+A group of size 1 moves nothing: every operation returns at once and records nothing, and no MPI
+call is made. That lets a 1-process run use the same code without initialising MPI at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    group: str
+    group_size: int
+    nbytes: int
+    seconds: float
+    label: str
+
+
+@dataclass
+class CommTotals:
+    calls: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommCounter:
+    """Accumulates records from every communicator that shares it (world, row, column groups)."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    keep_records: bool = False
+    totals: CommTotals = field(default_factory=CommTotals)
+
+    def add(self, record: CommRecord) -> None:
+        self.totals.calls += 1
+        self.totals.nbytes += record.nbytes
+        self.totals.seconds += record.seconds
+        if self.keep_records:
+            self.records.append(record)
+
+    def snapshot(self) -> CommTotals:
+        return CommTotals(self.totals.calls, self.totals.nbytes, self.totals.seconds)
+
+    def since(self, earlier: CommTotals) -> CommTotals:
+        return CommTotals(
+            self.totals.calls - earlier.calls,
+            self.totals.nbytes - earlier.nbytes,
+            self.totals.seconds - earlier.seconds,
+        )
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI  # imported lazily: a 1-process run never initialises MPI
+
+    return MPI
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _require_contiguous(tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError("communication buffers must be contiguous tensors")
+
+
+class PendingOp:
+    """A non-blocking collective in flight; `wait()` completes it and records it."""
+
+    def __init__(self, owner: CountedComm, op: str, request: Any, nbytes: int, label: str,
+                 issue_seconds: float, keepalive: tuple[Any, ...]) -> None:
+        self._owner = owner
+        self._op = op
+        self._request = request
+        self._nbytes = nbytes
+        self._label = label
+        self._seconds = issue_seconds
+        self._keepalive = keepalive  # MPI reads these buffers until completion
+        self.done = request is None
+
+    def test(self) -> bool:
+        """Drive progress without blocking (MPI progresses non-blocking ops only inside calls)."""
+        if self.done:
+            return True
+        start = time.perf_counter()
+        self.done = bool(self._request.Test())
+        self._seconds += time.perf_counter() - start
+        if self.done:
+            self._finish()
+        return self.done
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        start = time.perf_counter()
+        self._request.Wait()
+        self._seconds += time.perf_counter() - start
+        self.done = True
+        self._finish()
+
+    def _finish(self) -> None:
+        self._owner._record(self._op, self._nbytes, self._seconds, self._label)
+        self._keepalive = ()
+
+
+class CountedComm:
+    """An mpi4py communicator (or none, for one process) whose collectives are all counted.
+
+    Tensors are handed to mpi4py directly (buffer protocol), never copied through NumPy.
+    """
+
+    def __init__(self, mpi_comm: Any | None, counter: CommCounter, name: str = "world") -> None:
+        self.mpi_comm = mpi_comm
+        self.counter = counter
+        self.name = name
+        self.rank: int = 0 if mpi_comm is None else mpi_comm.Get_rank()
+        self.size: int = 1 if mpi_comm is None else mpi_comm.Get_size()
+
+    def __repr__(self) -> str:
+        return f"CountedComm({self.name}, rank={self.rank}, size={self.size})"
+
+    def _record(self, op: str, nbytes: int, seconds: float, label: str) -> None:
+        self.counter.add(CommRecord(op, self.name, self.size, nbytes, seconds, label))
+
+    @contextmanager
+    def _timed(self, op: str, nbytes: int, label: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self._record(op, nbytes, time.perf_counter() - start, label)
+
+    # -- collectives on tensors -------------------------------------------------------------
+
+    def allreduce_(self, tensor: torch.Tensor, label: str = "") -> torch.Tensor:
+        """Sum `tensor` over the group, in place."""
+        if self.size == 1:
+            return tensor
+        _require_contiguous(tensor)
+        MPI = _mpi()
+        with self._timed("allreduce", _nbytes(tensor), label):
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        return tensor
+
+    def iallreduce_(self, tensor: torch.Tensor, label: str = "") -> PendingOp:
+        """Start an in-place sum of `tensor` over the group; complete it with `wait()`."""
+        if self.size == 1:
+            return PendingOp(self, "iallreduce", None, 0, label, 0.0, ())
+        _require_contiguous(tensor)
+        MPI = _mpi()
+        start = time.perf_counter()
+        request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        return PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
+                         time.perf_counter() - start, (tensor,))
+
+    def bcast_(self, tensor: torch.Tensor, root: int = 0, label: str = "") -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        _require_contiguous(tensor)
+        with self._timed("bcast", _nbytes(tensor), label):
+            self.mpi_comm.Bcast(tensor, root=root)
+        return tensor
+
+    # -- small control messages (pickled Python objects) --------------------------------------
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a small Python object (control data, not tensors; not counted as payload)."""
+        if self.size == 1:
+            return obj
+        return self.mpi_comm.bcast(obj, root=root)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        return self.mpi_comm.allgather(obj)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.mpi_comm.Barrier()
+
+    def split(self, color: int, key: int, name: str) -> CountedComm:
+        """A sub-communicator sharing this one's counter."""
+        if self.mpi_comm is None:
+            return CountedComm(None, self.counter, name)
+        return CountedComm(self.mpi_comm.Split(color, key), self.counter, name)
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job now (a failing rank must never leave the others hanging)."""
+        if self.mpi_comm is not None:
+            self.mpi_comm.Abort(code)
+
+
+def wait_all(ops: Sequence[PendingOp]) -> None:
+    for op in ops:
+        op.wait()

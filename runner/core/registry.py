@@ -1,0 +1,61 @@
+"""Name → plugin registries; config selects plugins by name."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownPluginError(KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class Registry(Generic[T]):
+    """Plugins of one kind (strategy, model, ...), registered by decorator."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._plugins: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def decorate(plugin: T) -> T:
+            if name in self._plugins and self._plugins[name] is not plugin:
+                raise ValueError(f"{self.kind} '{name}' is registered twice")
+            self._plugins[name] = plugin
+            return plugin
+
+        return decorate
+
+    def get(self, name: str) -> T:
+        try:
+            return self._plugins[name]
+        except KeyError:
+            raise UnknownPluginError(
+                f"unknown {self.kind} '{name}'; registered: {', '.join(self.names())}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._plugins)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._plugins
+
+
+def unknown_options(factory: Callable[..., Any], options: Mapping[str, Any],
+                    reserved: tuple[str, ...] = ()) -> list[str]:
+    """Names in `options` that `factory` does not accept as keyword arguments."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    accepted = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    accepted -= set(reserved)
+    return sorted(k for k in options if k not in accepted)
+
+
+def accepted_options(factory: Callable[..., Any], reserved: tuple[str, ...] = ()) -> list[str]:
+    params = inspect.signature(factory).parameters
+    return sorted(n for n in params if n not in reserved and n != "self")

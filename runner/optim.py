@@ -1,0 +1,90 @@
+"""Replica optimizers: how the batch replicas (the `Pc` dimension) agree.
+
+`sgd` is the synchronous baseline: the strategy averages gradients over the replicas every step,
+then every rank applies the same SGD update to its shard, so replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+
+from runner.core import ProcessGrid
+from runner.registry import register_optimizer
+
+
+def scheduled_lr(base_lr: float, step: int, total_steps: int, schedule: str,
+                 warmup_steps: int) -> float:
+    """Learning rate for 0-based `step`: linear warm-up, then constant or cosine decay to 0."""
+    if warmup_steps and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if schedule == "cosine":
+        span = max(1, total_steps - warmup_steps)
+        return 0.5 * base_lr * (1 + math.cos(math.pi * (step - warmup_steps) / span))
+    return base_lr
+
+
+class ReplicaOptimizer:
+    """Base of the `optimizer` config group."""
+
+    syncs_gradients: ClassVar[bool] = True  # the strategy all-reduces replica gradients
+
+    @staticmethod
+    def check(**options: object) -> list[str]:
+        return []
+
+    def step(self, step: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def lr(self) -> float:
+        raise NotImplementedError
+
+
+@register_optimizer("sgd")
+class SynchronousSGD(ReplicaOptimizer):
+    """Synchronous SGD with optional momentum, Nesterov and weight decay (PyTorch's SGD rule)."""
+
+    SCHEDULES = ("constant", "cosine")
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], grid: ProcessGrid, total_steps: int,
+                 lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, schedule: str = "constant",
+                 warmup_steps: int = 0) -> None:
+        self.base_lr, self.total_steps = lr, total_steps
+        self.schedule, self.warmup_steps = schedule, warmup_steps
+        self.torch_optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum,
+                                               weight_decay=weight_decay, nesterov=nesterov)
+
+    @staticmethod
+    def check(lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
+              nesterov: bool = False, schedule: str = "constant",
+              warmup_steps: int = 0) -> list[str]:
+        errors = []
+        if not lr > 0:
+            errors.append(f"optimizer.lr must be > 0, got {lr}")
+        if not 0 <= momentum < 1:
+            errors.append(f"optimizer.momentum must be in [0, 1), got {momentum}")
+        if weight_decay < 0:
+            errors.append(f"optimizer.weight_decay must be >= 0, got {weight_decay}")
+        if nesterov and momentum == 0:
+            errors.append("optimizer.nesterov needs optimizer.momentum > 0")
+        if schedule not in SynchronousSGD.SCHEDULES:
+            known = ", ".join(SynchronousSGD.SCHEDULES)
+            errors.append(f"optimizer.schedule must be one of {known}, got '{schedule}'")
+        if warmup_steps < 0:
+            errors.append(f"optimizer.warmup_steps must be >= 0, got {warmup_steps}")
+        return errors
+
+    def step(self, step: int) -> None:
+        lr = scheduled_lr(self.base_lr, step, self.total_steps, self.schedule, self.warmup_steps)
+        for group in self.torch_optimizer.param_groups:
+            group["lr"] = lr
+        self.torch_optimizer.step()
+
+    @property
+    def lr(self) -> float:
+        return float(self.torch_optimizer.param_groups[0]["lr"])

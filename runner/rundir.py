@@ -1,0 +1,119 @@
+"""The run directory: the contract other tools read (DESIGN.md, "Run directory").
+
+    config.yaml        the fully resolved config the ranks ran
+    metrics.jsonl      one JSON object per logged step
+    summary.json       the outcome
+    logs/rank<k>.log   each rank's log
+    checkpoints/       sharded checkpoints
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from omegaconf import DictConfig, OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def create(self, cfg: DictConfig) -> None:
+        """Make the directory and write the resolved config (once, by the head or rank 0)."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.config, OmegaConf.to_yaml(cfg, resolve=True))
+
+    def read_summary(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.summary.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary name, then rename: readers never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+class MetricsWriter:
+    """Appends one JSON line per record and flushes, so a crash loses at most the last line."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: TextIO = path.open("a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def git_commit() -> str | None:
+    """The project's commit, with '+dirty' when the working tree has changes."""
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True,
+                                  text=True, timeout=5, check=True).stdout.strip()
+
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    import torch
+
+    info: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import mpi4py
+
+        info["mpi4py"] = mpi4py.__version__
+        if "mpi4py.MPI" in sys.modules:  # only ask a library that this process initialised
+            from mpi4py import MPI
+
+            info["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+        else:
+            info["mpi"] = None  # a 1-process run does not use MPI
+    except ImportError:
+        info["mpi4py"] = info["mpi"] = None
+    return info

@@ -1,0 +1,65 @@
+"""The sweep table: one row per multirun job, printed and written as CSV. No Hydra here."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+COLUMNS = ("job", "overrides", "status", "final_loss", "val_accuracy", "wall_time_s",
+           "median_step_time_s", "comm_time_share", "comm_bytes_per_step",
+           "predicted_comm_bytes_per_step", "run_dir", "error")
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    number: int
+    overrides: Sequence[str]
+    run_dir: str
+    summary: Mapping[str, Any] | None
+    error: str | None = None
+
+
+def sweep_rows(jobs: Sequence[SweepJob]) -> list[dict[str, Any]]:
+    rows = []
+    for job in jobs:
+        summary = job.summary or {}
+        row: dict[str, Any] = {key: summary.get(key) for key in COLUMNS}
+        row.update(job=job.number, overrides=" ".join(job.overrides), run_dir=job.run_dir,
+                   status="completed" if job.error is None else "failed", error=job.error)
+        rows.append(row)
+    return rows
+
+
+def write_sweep_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _cell(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for header in ("job", "overrides", "final loss", "val acc", "time (s)", "step (ms)",
+                   "comm share", "comm B/step", "predicted B/step"):
+        table.add_column(header, justify="left" if header == "overrides" else "right")
+    for row in rows:
+        if row["status"] != "completed":
+            table.add_row(str(row["job"]), row["overrides"],
+                          f"[red]failed: {row['error']}[/red]", *[""] * 6)
+            continue
+        step_ms = None if row["median_step_time_s"] is None else row["median_step_time_s"] * 1e3
+        table.add_row(str(row["job"]), row["overrides"], _cell(row["final_loss"], ".4f"),
+                      _cell(row["val_accuracy"], ".4f"), _cell(row["wall_time_s"], ".2f"),
+                      _cell(step_ms, ".2f"), _cell(row["comm_time_share"], ".1%"),
+                      _cell(row["comm_bytes_per_step"], ",.0f"),
+                      _cell(row["predicted_comm_bytes_per_step"], ",.0f"))
+    return table

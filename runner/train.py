@@ -1,0 +1,185 @@
+"""The training loop every rank runs (the same code at P = 1 and at P = 1000)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runner.config import RunConfig
+from runner.console import ProgressReporter, make_console, summary_table
+from runner.core import CountedComm, ProcessGrid
+from runner.datasets import ClassificationData
+from runner.logs import get_logger
+from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
+from runner.rundir import MetricsWriter, RunDir, git_commit, versions, write_json
+from strategies import STRATEGIES, ParallelModel
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by `debug.raise_at_step` (tests of failure handling)."""
+
+
+class EpochSampler:
+    """Global batches from a seeded permutation per epoch: identical on every rank and for every
+    grid, so a run's sample order does not depend on P. Drops the incomplete last batch."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int) -> None:
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.epoch, self.position = 0, 0
+        self._order = torch.randperm(num_samples, generator=self.generator)
+
+    def next_batch(self) -> torch.Tensor:
+        if self.position + self.batch_size > self.num_samples:
+            self.epoch += 1
+            self.position = 0
+            self._order = torch.randperm(self.num_samples, generator=self.generator)
+        batch = self._order[self.position:self.position + self.batch_size]
+        self.position += self.batch_size
+        return batch
+
+
+@dataclass
+class Evaluation:
+    loss: float
+    accuracy: float
+
+
+def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
+    """Validation loss and accuracy over the whole set; each batch replica scores its share."""
+    rows = model.local_rows(len(x))
+    model.eval()
+    with torch.no_grad():
+        out = model(x[rows])
+        stats = torch.tensor([F.cross_entropy(out, y[rows], reduction="sum").item(),
+                              (out.argmax(dim=1) == y[rows]).sum().item(), float(len(y[rows]))],
+                             dtype=torch.float64)
+    model.train()
+    model.batch_comm.allreduce_(stats, label="eval")
+    loss_sum, correct, count = stats.tolist()
+    return Evaluation(loss_sum / count, correct / count)
+
+
+def mean_loss(loss: torch.Tensor, comm: CountedComm) -> float:
+    """Mean over the global batch from the batch replicas' local means (equal shards)."""
+    buffer = loss.detach().reshape(1).clone()
+    comm.allreduce_(buffer, label="loss")
+    return buffer.item() / comm.size
+
+
+def loss_bytes_per_step(comm_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """The loss all-reduce the loop issues every step (0 when the batch is not split)."""
+    return 0 if comm_size == 1 else torch.empty((), dtype=dtype).element_size()
+
+
+def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
+    load_plugins()
+    log = get_logger()
+    is_rank0 = grid.rank == 0
+    started = time.perf_counter()
+    torch.manual_seed(run.seed)
+
+    dataset = DATASETS.get(run.dataset.name)(**run.dataset.options)
+    spec = dataset.spec()
+    data: ClassificationData = dataset.load()
+    model = MODELS.get(run.model.name)(spec.input_shape, spec.num_classes, **run.model.options)
+    strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
+    optimizer_cls = OPTIMIZERS.get(run.optimizer.name)
+    predicted_bytes = (strategy.predicted_comm_bytes_per_step(model, grid.shape,
+                                                              run.trainer.batch_size)
+                       + loss_bytes_per_step(grid.batch.size))
+    pmodel = strategy.parallelize(model, grid, sync_replica_gradients=optimizer_cls.syncs_gradients)
+    optimizer = optimizer_cls(pmodel.parameters(), grid=grid, total_steps=run.trainer.steps,
+                              **run.optimizer.options)
+    log.info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)", grid,
+             sum(p.numel() for p in pmodel.parameters()), run.dataset.name, spec.train_size,
+             spec.val_size)
+
+    sampler = EpochSampler(spec.train_size, run.trainer.batch_size, run.seed)
+    rows = pmodel.local_rows(run.trainer.batch_size)
+    metrics = MetricsWriter(run_dir.metrics) if is_rank0 else None
+    step_times: list[float] = []
+    comm_bytes: list[int] = []
+    comm_seconds: list[float] = []
+    loss_value = float("nan")
+    evaluation: Evaluation | None = None
+    steps, title = run.trainer.steps, f"{run.strategy.name} {grid.pr}x{grid.pc}"
+
+    with ProgressReporter(is_rank0, steps, title) as progress:
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            before = grid.counter.snapshot()
+            index = sampler.next_batch()[rows]
+            x, y = data.train_x[index], data.train_y[index]
+            pmodel.zero_grad()
+            loss = F.cross_entropy(pmodel(x), y)
+            loss.backward()
+            pmodel.finish_gradient_sync()
+            optimizer.step(step - 1)
+            loss_value = mean_loss(loss, pmodel.batch_comm)
+            if run.debug.raise_at_step == step and grid.rank == run.debug.raise_on_rank:
+                raise InjectedFailure(f"injected failure on rank {grid.rank} at step {step} "
+                                      f"(debug.raise_at_step)")
+            elapsed = time.perf_counter() - start
+            comm = grid.counter.since(before)
+            step_times.append(elapsed)
+            comm_bytes.append(comm.nbytes)
+            comm_seconds.append(comm.seconds)
+            rate = run.trainer.batch_size / elapsed
+            if metrics and (step % run.trainer.log_every == 0 or step == steps):
+                metrics.write({"step": step, "loss": loss_value, "lr": optimizer.lr,
+                               "step_time_s": elapsed, "comm_time_s": comm.seconds,
+                               "comm_bytes": comm.nbytes, "samples_per_s": rate})
+            progress.step(step, loss_value, rate)
+            if step % run.trainer.log_every == 0:
+                log.info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss_value,
+                         elapsed, comm.seconds, comm.nbytes)
+            eval_every = run.trainer.eval_every
+            if step == steps or (eval_every and step % eval_every == 0):
+                evaluation = evaluate(pmodel, data.val_x, data.val_y)
+                log.info("step %d val loss %.6f accuracy %.4f", step, evaluation.loss,
+                         evaluation.accuracy)
+                progress.evaluation(step, evaluation.loss, evaluation.accuracy)
+                if metrics:
+                    metrics.write({"step": step, "split": "val", "loss": evaluation.loss,
+                                   "accuracy": evaluation.accuracy})
+    if metrics:
+        metrics.close()
+
+    wall = time.perf_counter() - started
+    param_bytes = pmodel.param_bytes()
+    summary: dict[str, Any] = {
+        "status": "completed",
+        "strategy": run.strategy.name,
+        "optimizer": run.optimizer.name,
+        "grid": {"pr": grid.pr, "pc": grid.pc},
+        "world_size": grid.size,
+        "steps": steps,
+        "final_loss": loss_value,
+        "val_loss": evaluation.loss if evaluation else None,
+        "val_accuracy": evaluation.accuracy if evaluation else None,
+        "wall_time_s": wall,
+        "mean_step_time_s": statistics.fmean(step_times),
+        "median_step_time_s": statistics.median(step_times),
+        "samples_per_s": run.trainer.batch_size / statistics.median(step_times),
+        "comm_bytes_per_step": statistics.fmean(comm_bytes),
+        "predicted_comm_bytes_per_step": predicted_bytes,
+        "comm_time_s_per_step": statistics.fmean(comm_seconds),
+        "comm_time_share": sum(comm_seconds) / sum(step_times),
+        "param_bytes_per_rank": param_bytes,
+        "seed": run.seed,
+        "versions": versions(),
+        "git_commit": git_commit() if is_rank0 else None,
+        "run_dir": str(run_dir.path),
+    }
+    if is_rank0:
+        write_json(run_dir.summary, summary)
+        make_console().print(summary_table(summary))
+    log.info("done: final loss %.6f, wall %.2fs", loss_value, wall)
+    return summary
+

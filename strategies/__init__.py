@@ -1,0 +1,10 @@
+"""Parallel strategies: transformations from a sequential model to a distributed one.
+
+Each strategy lives in its own module and registers itself on import.
+"""
+
+from strategies import data as _data  # noqa: F401  (registers "data")
+from strategies.base import ParallelModel, Strategy
+from strategies.registry import STRATEGIES, register_strategy
+
+__all__ = ["STRATEGIES", "ParallelModel", "Strategy", "register_strategy"]

@@ -1,0 +1,128 @@
+"""Bucketed gradient all-reduce, overlapped with backward (the communication half of `data`).
+
+Each parameter's `.grad` is a view into a flat bucket buffer, so autograd accumulates straight
+into the buffer and nothing is copied. A post-accumulate-grad hook counts the gradients that are
+ready; when a bucket is complete its non-blocking all-reduce is started while backward goes on
+computing earlier layers. Buckets are started strictly in index order on every rank, because MPI
+requires all ranks to issue collectives on a communicator in the same order, and backward may
+finish parameters in a different order than their buckets were laid out.
+
+Buckets are filled in reverse registration order (roughly the order backward produces
+gradients); the first bucket is kept small so the first all-reduce starts early (as in DDP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runner.core import CountedComm, PendingOp
+
+
+@dataclass
+class _Bucket:
+    buffer: torch.Tensor
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]
+    ready: int = 0
+    op: PendingOp | None = None
+
+
+class GradientBuckets:
+    """Averages the gradients of `params` over `comm` with bucketed, overlapped all-reduces."""
+
+    def __init__(self, params: list[nn.Parameter], comm: CountedComm,
+                 bucket_cap_bytes: int, first_bucket_cap_bytes: int | None = None,
+                 label: str = "grad") -> None:
+        self.comm = comm
+        self.label = label
+        self.buckets: list[_Bucket] = []
+        self._slot_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
+        self._next_launch = 0
+        trainable = [p for p in params if p.requires_grad]
+        caps = [first_bucket_cap_bytes or bucket_cap_bytes, bucket_cap_bytes]
+        for group in _group_by_size(list(reversed(trainable)), caps):
+            self._add_bucket(group)
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+        dtype = params[0].dtype
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        views, offset = [], 0
+        for p in params:
+            view = buffer[offset:offset + p.numel()].view_as(p)
+            p.grad = view
+            self._slot_of[id(p)] = (len(self.buckets), len(views))
+            views.append(view)
+            offset += p.numel()
+        self.buckets.append(_Bucket(buffer, params, views))
+
+    @property
+    def bucket_bytes(self) -> list[int]:
+        return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket_index, index = self._slot_of[id(param)]
+        bucket = self.buckets[bucket_index]
+        if param.grad is not bucket.views[index]:
+            # Someone replaced .grad (e.g. set it to None and autograd made a new one): put it
+            # back into the bucket so the exchange sees it.
+            bucket.views[index].copy_(param.grad)
+            param.grad = bucket.views[index]
+        bucket.ready += 1
+        self._launch_ready()
+        # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight.
+        for b in self.buckets[: self._next_launch]:
+            if b.op is not None and not b.op.done:
+                b.op.test()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.op = self.comm.iallreduce_(bucket.buffer, label=self.label)
+        self._next_launch += 1
+
+    def finish(self) -> None:
+        """Start what backward left unstarted (unused parameters), wait for all, average."""
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        scale = 1.0 / self.comm.size
+        for bucket in self.buckets:
+            assert bucket.op is not None
+            bucket.op.wait()
+            if self.comm.size > 1:
+                bucket.buffer.mul_(scale)
+            bucket.ready = 0
+            bucket.op = None
+        self._next_launch = 0
+
+    def zero_(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+
+def _group_by_size(params: list[nn.Parameter], caps: list[int]) -> list[list[nn.Parameter]]:
+    """Consecutive groups of same-dtype parameters; group k holds at most caps[min(k, -1)] bytes
+    (a single parameter larger than the cap gets a group of its own)."""
+    groups: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    current_bytes = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        cap = caps[min(len(groups), len(caps) - 1)]
+        if current and (current_bytes + nbytes > cap or p.dtype != current[0].dtype):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+    return groups

@@ -1,0 +1,62 @@
+"""`strategy=data`: the model replicated on every rank, the global batch split over all P.
+
+Gradients are averaged by bucketed all-reduces started from gradient hooks while backward still
+runs (see `buckets.py`). Needs `Pr = 1`: every rank is a batch replica.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from runner.core import GridShape, ProcessGrid
+from strategies.base import ParallelModel, Strategy
+from strategies.buckets import GradientBuckets
+from strategies.registry import register_strategy
+
+_MB = 1 << 20
+
+
+class DataParallelModel(ParallelModel):
+    def __init__(self, module: nn.Module, grid: ProcessGrid, reducer: GradientBuckets | None):
+        super().__init__(module, grid)
+        self.reducer = reducer
+
+    def finish_gradient_sync(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish()
+
+
+@register_strategy("data")
+class DataParallel(Strategy):
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+        self.bucket_cap_bytes = int(bucket_cap_mb * _MB)
+        self.first_bucket_bytes = int(first_bucket_mb * _MB)
+
+    def check(self, grid: GridShape, global_batch: int) -> list[str]:
+        errors = []
+        if grid.pr != 1:
+            errors.append(f"strategy=data replicates the whole model and needs grid.pr=1, "
+                          f"got grid.pr={grid.pr} (use strategy=grid to split the model)")
+        if self.bucket_cap_bytes <= 0 or self.first_bucket_bytes <= 0:
+            errors.append("strategy.bucket_cap_mb and strategy.first_bucket_mb must be > 0")
+        if global_batch < grid.size:
+            errors.append(f"trainer.batch_size={global_batch} is smaller than the {grid.size} "
+                          f"ranks: every data-parallel rank needs at least one sample")
+        elif global_batch % grid.size:
+            errors.append(f"trainer.batch_size={global_batch} is not divisible by the "
+                          f"{grid.size} data-parallel ranks (grid.pr*grid.pc)")
+        return errors
+
+    def parallelize(self, model: nn.Module, grid: ProcessGrid,
+                    sync_replica_gradients: bool = True) -> ParallelModel:
+        reducer = None
+        if sync_replica_gradients and grid.batch.size > 1:
+            reducer = GradientBuckets(list(model.parameters()), grid.batch,
+                                      self.bucket_cap_bytes, self.first_bucket_bytes)
+        return DataParallelModel(model, grid, reducer)
+
+    def predicted_comm_bytes_per_step(self, model: nn.Module, grid: GridShape,
+                                      global_batch: int) -> int:
+        if grid.size == 1:
+            return 0
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
