@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.config import ConfigError
+from runner.config import ConfigError, validate
 from runner.console import print_error
 from runner.launch import MPIEnvironment, RunFailed, detect_mpi_environment, execute
 from runner.rundir import PROJECT_ROOT
@@ -55,7 +55,8 @@ def one_line(exc: BaseException) -> str:
 
 
 def precheck(args: list[str]) -> str | None:
-    """Compose a single run's overrides once, to turn composition errors into one line."""
+    """Compose and validate a single run's overrides before Hydra makes a run directory, so bad
+    input costs one line and leaves nothing behind."""
     if any(a in _HYDRA_FLAGS or a.split("=")[0] in _HYDRA_FLAGS for a in args):
         return None
     from hydra import compose, initialize_config_dir
@@ -64,9 +65,13 @@ def precheck(args: list[str]) -> str | None:
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose(config_name="config", overrides=args)
+            cfg = compose(config_name="config", overrides=args)
     except (HydraException, OmegaConfBaseException) as exc:
         return one_line(exc)
+    try:
+        validate(cfg, world_size=None if _mpi is None else _mpi.size)
+    except ConfigError as exc:
+        return str(exc)
     return None
 
 
@@ -92,7 +97,6 @@ def _lead_mpi_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Rank 0 of a job the user started: validate against its size, then train with the rest."""
     from mpi4py import MPI
 
-    from runner.config import validate
     from runner.rundir import RunDir
     from runner.worker import announce_run_dir, run_rank
 

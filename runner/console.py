@@ -18,9 +18,15 @@ from rich.table import Table
 FORCE_TERMINAL_ENV = "GRIDRUN_FORCE_TERMINAL"
 
 
+_PLAIN_WIDTH = 140  # for logs and pipes, where rich would otherwise assume 80 columns
+
+
 def make_console(stderr: bool = False) -> Console:
     force = os.environ.get(FORCE_TERMINAL_ENV) == "1" or None
-    return Console(stderr=stderr, force_terminal=force, highlight=False)
+    console = Console(stderr=stderr, force_terminal=force, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = _PLAIN_WIDTH
+    return console
 
 
 class ProgressReporter:

@@ -53,8 +53,7 @@ def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
         table.add_column(header, justify="left" if header == "overrides" else "right")
     for row in rows:
         if row["status"] != "completed":
-            table.add_row(str(row["job"]), row["overrides"],
-                          f"[red]failed: {row['error']}[/red]", *[""] * 6)
+            table.add_row(str(row["job"]), row["overrides"], "[red]failed[/red]", *[""] * 6)
             continue
         step_ms = None if row["median_step_time_s"] is None else row["median_step_time_s"] * 1e3
         table.add_row(str(row["job"]), row["overrides"], _cell(row["final_loss"], ".4f"),
@@ -63,3 +62,8 @@ def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
                       _cell(row["comm_bytes_per_step"], ",.0f"),
                       _cell(row["predicted_comm_bytes_per_step"], ",.0f"))
     return table
+
+
+def sweep_failures(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [f"job {row['job']} ({row['overrides']}): {row['error']}" for row in rows
+            if row["status"] != "completed"]

@@ -4,11 +4,14 @@ Jobs run one after another (concurrent jobs would share the cores and spoil ever
 For each job the launcher composes the job's config, and the task function validates it, writes
 the job's run directory and starts `mpiexec -n pr*pc` for it (1-rank jobs train in this process).
 A job that is invalid or fails is recorded and the sweep goes on; at the end a sweep table (one
-row per job) is printed and written to `<sweep dir>/sweep_summary.csv`.
+row per job) is printed and written to `<sweep dir>/sweep_summary.csv`. Expected failures (a
+config the validator refused, a training job that failed) are listed under the table and the
+sweep exits with code 1; anything else is left to Hydra, which shows its traceback.
 """
 
 
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ from hydra.core.utils import (
     run_job,
     setup_globals,
 )
+from hydra.errors import HydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
@@ -52,8 +56,10 @@ class MPILauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
-        from runner.console import make_console
-        from runner.sweep import SweepJob, sweep_rows, sweep_table, write_sweep_csv
+        from runner.config import ConfigError
+        from runner.console import make_console, print_error
+        from runner.launch import RunFailed
+        from runner.sweep import SweepJob, sweep_failures, sweep_rows, sweep_table, write_sweep_csv
 
         assert self.config is not None and self.hydra_context is not None
         assert self.task_function is not None
@@ -93,4 +99,11 @@ class MPILauncher(Launcher):
         write_sweep_csv(sweep_dir / SWEEP_CSV, rows)
         console.print(sweep_table(rows, title=f"sweep {sweep_dir}"))
         console.print(f"sweep table: {sweep_dir / SWEEP_CSV}")
+        failures = sweep_failures(rows)
+        expected = (ConfigError, RunFailed, HydraException)
+        if failures and all(r.status == JobStatus.COMPLETED or isinstance(r._return_value, expected)
+                            for r in returns):
+            for line in failures:
+                print_error(line)
+            sys.exit(1)
         return returns
