@@ -1,0 +1,53 @@
+"""Shared helpers: run the real command line, read run directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+# Generous: 4 ranks on 2 cores; a hang must still end the test rather than the CI job.
+TIMEOUT_S = 240
+
+
+def run_cli(*args: str, mpi_ranks: int | None = None, timeout: float = TIMEOUT_S,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m runner ARGS`, optionally as `mpiexec -n N python -m runner ARGS`."""
+    command = [sys.executable, "-m", "runner", *args]
+    if mpi_ranks is not None:
+        command = [MPIEXEC, "-n", str(mpi_ranks), *command]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def run_mpi_script(script: str, ranks: int, *args: str,
+                   timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(ROOT / script), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if "split" not in r]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.fixture(scope="session")
+def session_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runs")

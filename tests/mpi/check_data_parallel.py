@@ -1,0 +1,182 @@
+"""Checks that need real ranks, run as one MPI launch: `mpiexec -n 4 python THIS`.
+
+Prints `ok <name>` per passed check; any failure prints its traceback and aborts the job.
+The reference for every gradient is computed independently: each rank also computes the
+full-batch gradient sequentially and compares.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+from runner.core import CommCounter, ProcessGrid, balanced_slice
+from strategies.data import DataParallel
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(),
+                         nn.Linear(16, 5))
+
+
+def global_batch(batch: int = 8 * SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(42)
+    return torch.randn(batch, 12, generator=gen), torch.randint(0, 5, (batch,), generator=gen)
+
+
+def reference_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    F.cross_entropy(ref(x), y).backward()
+    return [p.grad.clone() for p in ref.parameters()]
+
+
+def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-6 * max(1.0, w.abs().max().item()), f"{what}: parameter {i} off by {err}"
+
+
+def data_parallel_step(bucket_mb: float, steps: int = 2) -> tuple[nn.Module, CommCounter]:
+    grid = ProcessGrid(1, SIZE, COMM, counter=CommCounter(keep_records=True))
+    pmodel = DataParallel(bucket_cap_mb=bucket_mb, first_bucket_mb=bucket_mb).parallelize(
+        make_model(), grid)
+    x, y = global_batch()
+    rows = balanced_slice(len(x), SIZE, RANK)
+    for step in range(steps):  # buckets must reset between steps
+        pmodel.zero_grad()
+        F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+        pmodel.finish_gradient_sync()
+        assert_close([p.grad for p in pmodel.parameters()],
+                     reference_grads(pmodel.module, x, y), f"step {step}")
+        with torch.no_grad():
+            for p in pmodel.parameters():
+                p -= 0.1 * p.grad
+    return pmodel, grid.counter
+
+
+@check
+def averaged_gradients_equal_the_full_batch_gradient() -> None:
+    data_parallel_step(bucket_mb=25.0)
+
+
+@check
+def one_bucket_per_parameter_still_launches_in_order() -> None:
+    pmodel, counter = data_parallel_step(bucket_mb=1e-6, steps=1)
+    grads = [r for r in counter.records if r.label == "grad"]
+    params = list(pmodel.parameters())
+    assert len(grads) == len(params), (len(grads), len(params))
+    # Reverse registration order: the last layer's bias is exchanged first.
+    assert [r.nbytes for r in grads] == [p.numel() * 4 for p in reversed(params)]
+    assert all(r.op == "iallreduce" and r.group == "batch" and r.group_size == SIZE
+               for r in grads)
+
+
+@check
+def all_reduces_start_while_backward_is_still_running() -> None:
+    grid = ProcessGrid(1, SIZE, COMM)
+    pmodel = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6).parallelize(make_model(), grid)
+    reducer = pmodel.reducer
+    launched_when_first_layer_ready = []
+    first_weight = pmodel.module[0].weight  # its gradient is the last one backward produces
+    first_weight.register_hook(lambda g: launched_when_first_layer_ready.append(
+        reducer._next_launch))
+    x, y = global_batch()
+    rows = balanced_slice(len(x), SIZE, RANK)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    # Before the first layer's gradient existed, the later layers' buckets were already sent.
+    assert launched_when_first_layer_ready[0] >= 4, launched_when_first_layer_ready
+    assert reducer._next_launch == len(reducer.buckets)  # all started before finish()
+    pmodel.finish_gradient_sync()
+
+
+@check
+def counted_bytes_equal_the_parameter_bytes() -> None:
+    pmodel, counter = data_parallel_step(bucket_mb=25.0, steps=1)
+    param_bytes = sum(p.numel() * p.element_size() for p in pmodel.parameters())
+    assert counter.totals.nbytes == param_bytes, (counter.totals.nbytes, param_bytes)
+    predicted = DataParallel().predicted_comm_bytes_per_step(pmodel.module,
+                                                             ProcessGrid(1, SIZE, COMM).shape, 32)
+    assert predicted == param_bytes
+
+
+@check
+def an_unused_parameter_does_not_hang_the_exchange() -> None:
+    class WithUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = make_model()
+            self.extra = nn.Linear(3, 3)  # never used in forward: its hook never fires
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    model = WithUnused()
+    grid = ProcessGrid(1, SIZE, COMM)
+    pmodel = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6).parallelize(model, grid)
+    x, y = global_batch()
+    rows = balanced_slice(len(x), SIZE, RANK)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    pmodel.finish_gradient_sync()
+    assert torch.count_nonzero(model.extra.weight.grad) == 0
+
+
+@check
+def a_replaced_grad_is_put_back_into_its_bucket() -> None:
+    grid = ProcessGrid(1, SIZE, COMM)
+    pmodel = DataParallel().parallelize(make_model(), grid)
+    for p in pmodel.parameters():
+        p.grad = None  # what optimizer.zero_grad(set_to_none=True) does
+    x, y = global_batch()
+    rows = balanced_slice(len(x), SIZE, RANK)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    pmodel.finish_gradient_sync()
+    assert_close([p.grad for p in pmodel.parameters()], reference_grads(pmodel.module, x, y),
+                 "after set_to_none")
+
+
+@check
+def grid_groups_follow_the_named_dimensions() -> None:
+    if SIZE != 4:
+        return
+    grid = ProcessGrid(2, 2, COMM)
+    assert (grid.batch_index, grid.model_index) == divmod(RANK, 2)
+    model_peers = grid.model.allgather_object(RANK)
+    batch_peers = grid.batch.allgather_object(RANK)
+    assert model_peers == [2 * (RANK // 2), 2 * (RANK // 2) + 1], model_peers
+    assert batch_peers == [RANK % 2, RANK % 2 + 2], batch_peers
+    x = torch.tensor([float(RANK)])
+    grid.model.allreduce_(x)
+    assert x.item() == sum(model_peers)
+
+
+def main() -> None:
+    for fn in CHECKS:
+        try:
+            fn()
+            COMM.Barrier()
+            if RANK == 0:
+                print(f"ok {fn.__name__}", flush=True)
+        except BaseException:
+            sys.stderr.write(f"[rank {RANK}] {fn.__name__} FAILED\n{traceback.format_exc()}")
+            sys.stderr.flush()
+            COMM.Abort(1)
+
+
+if __name__ == "__main__":
+    main()

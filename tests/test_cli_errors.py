@@ -1,0 +1,62 @@
+"""Bad input: one clear line on stderr, exit code 2, no traceback, no run directory, no MPI job."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+CASES = {
+    "zero_ranks": (["grid.pc=0"], ["grid.pc=0: must be >= 1"]),
+    "data_with_model_split": (["grid.pr=3"], ["strategy=data", "needs grid.pr=1"]),
+    "batch_not_divisible": (["trainer.batch_size=30"], ["trainer.batch_size=30",
+                                                        "not divisible by the 4"]),
+    "batch_smaller_than_ranks": (["grid.pc=8", "trainer.batch_size=4"],
+                                 ["smaller than the 8 ranks"]),
+    "unknown_model": (["model=transformer9"], ["unknown model 'transformer9'", "cnn, mlp"]),
+    "unknown_strategy": (["strategy=pipeline"], ["unknown strategy 'pipeline'", "data"]),
+    "unknown_dataset": (["dataset=imagenet"], ["unknown dataset 'imagenet'", "digits"]),
+    "unknown_optimizer": (["optimizer=adamw"], ["unknown optimizer 'adamw'", "sgd"]),
+    "missing_value": (["trainer.steps=???"], ["missing required value: trainer.steps"]),
+    "unknown_option": (["+model.depth=3"], ["model.depth", "valid: activation, hidden"]),
+    "model_does_not_fit_data": (["model=cnn", "dataset=synthetic"], ["model=cnn", "(64,)"]),
+    "every_problem_named": (["grid.pc=0", "optimizer.momentum=1.5", "trainer.steps=0"],
+                            ["grid.pc=0", "optimizer.momentum", "trainer.steps=0"]),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("bad")
+    recorder = tmp / "fake_mpiexec"  # proves no MPI job was started: it leaves a mark if run
+    recorder.write_text(f"#!/bin/sh\ntouch {tmp}/mpi_job_started\n")
+    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
+
+    def run(name: str) -> tuple[str, subprocess.CompletedProcess[str], Path]:
+        args, _ = CASES[name]
+        run_dir = tmp / name
+        return name, run_cli(*args, f"launcher.command={recorder}",
+                             f"hydra.run.dir={run_dir}", timeout=120), run_dir
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        found = {name: (result, run_dir) for name, result, run_dir in pool.map(run, CASES)}
+    return {"cases": found, "marker": tmp / "mpi_job_started"}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_line_and_exit_2(results: dict, name: str) -> None:
+    result, run_dir = results["cases"][name]
+    _, expected = CASES[name]
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in expected:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert not run_dir.exists(), "a refused config must not leave a run directory"
+    assert not results["marker"].exists(), "an MPI job was started for a bad config"

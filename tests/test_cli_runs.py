@@ -1,0 +1,184 @@
+"""End to end through the real command line, with real MPI ranks.
+
+Each launch costs interpreter and torch start-up on every rank, so runs are made once (cached
+per session) and several tests read the same run directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import assert_ok, read_metrics, read_summary, run_cli, train_losses
+
+STEPS = 50
+COMMON = [f"trainer.steps={STEPS}", "trainer.eval_every=25", "seed=1"]
+RUNS: dict[str, tuple[list[str], int | None]] = {
+    # name: (overrides, ranks of a user-started mpiexec, or None for the runner's own launch)
+    "mlp_p1": (["grid.pc=1"], None),
+    "mlp_p1_again": (["grid.pc=1"], None),
+    # Through launcher.command (a wrapper that records its arguments, then runs the bundled
+    # mpiexec): the site-launcher path a cluster user takes.
+    "mlp_p2": (["grid.pc=2", "launcher.command=tests/recording_mpiexec.sh",
+                "launcher.args=[-genv,GRIDRUN_TEST_MARK,1]"], None),
+    "mlp_p4": (["grid.pc=4"], None),
+    "mlp_p4_again": (["grid.pc=4"], None),
+    "cnn_p1": (["model=cnn", "grid.pc=1"], None),
+    "cnn_p2_user_mpiexec": (["model=cnn", "grid.pc=2"], 2),
+}
+
+
+class Runs:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def __call__(self, name: str) -> Path:
+        run_dir = self.root / name
+        if name not in self.results:
+            overrides, mpi_ranks = RUNS[name]
+            self.results[name] = run_cli(*COMMON, *overrides, f"hydra.run.dir={run_dir}",
+                                         mpi_ranks=mpi_ranks)
+        assert_ok(self.results[name])
+        return run_dir
+
+
+@pytest.fixture(scope="session")
+def runs(session_tmp: Path) -> Runs:
+    return Runs(session_tmp)
+
+
+def _relative_gap(a: list[float], b: list[float]) -> float:
+    assert a and len(a) == len(b)
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", ["mlp_p2", "mlp_p4"])
+def test_data_parallel_reproduces_single_process_losses(runs: Runs, name: str) -> None:
+    losses = train_losses(runs(name))
+    assert len(losses) == STEPS
+    assert _relative_gap(train_losses(runs("mlp_p1")), losses) <= 1e-5
+
+
+def test_site_launcher_command_and_args_are_used(runs: Runs) -> None:
+    run_dir = runs("mlp_p2")
+    recorded = (run_dir / "launcher_args.txt").read_text().split()
+    assert recorded[:4] == ["-n", "2", "-genv", "GRIDRUN_TEST_MARK"]
+    assert recorded[-3:] == ["-m", "runner.worker", str(run_dir)]
+
+
+def test_cnn_in_a_user_started_mpi_job_reproduces_single_process(runs: Runs) -> None:
+    run_dir = runs("cnn_p2_user_mpiexec")
+    assert _relative_gap(train_losses(runs("cnn_p1")), train_losses(run_dir)) <= 1e-5
+    # Rank 0 made the one directory; every rank wrote its log there.
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert read_summary(run_dir)["world_size"] == 2
+
+
+@pytest.mark.parametrize("first,second", [("mlp_p1", "mlp_p1_again"), ("mlp_p4", "mlp_p4_again")])
+def test_same_command_twice_gives_identical_losses(runs: Runs, first: str, second: str) -> None:
+    assert train_losses(runs(first)) == train_losses(runs(second))
+
+
+def test_run_directory_contract(runs: Runs) -> None:
+    run_dir = runs("mlp_p4")
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", ".hydra/config.yaml",
+                 ".hydra/overrides.yaml", ".hydra/hydra.yaml"):
+        assert (run_dir / name).is_file(), name
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [f"rank{k}.log"
+                                                                    for k in range(4)]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["grid"] == {"pr": 1, "pc": 4} and config["trainer"]["steps"] == STEPS
+    assert "${" not in (run_dir / "config.yaml").read_text(), "config.yaml must be resolved"
+
+    metrics = read_metrics(run_dir)
+    train = [m for m in metrics if "split" not in m]
+    val = [m for m in metrics if m.get("split") == "val"]
+    assert [m["step"] for m in train] == list(range(1, STEPS + 1))
+    for m in train:
+        assert set(m) == {"step", "loss", "lr", "step_time_s", "comm_time_s", "comm_bytes",
+                          "samples_per_s"}
+    assert [m["step"] for m in val] == [25, 50]
+    assert all(set(m) == {"step", "split", "loss", "accuracy"} for m in val)
+
+    summary = read_summary(run_dir)
+    for key in ("strategy", "optimizer", "grid", "world_size", "steps", "final_loss",
+                "val_accuracy", "wall_time_s", "mean_step_time_s", "comm_bytes_per_step",
+                "predicted_comm_bytes_per_step", "seed", "versions", "git_commit",
+                "param_bytes_per_rank", "comm_time_share"):
+        assert key in summary, key
+    assert summary["grid"] == {"pr": 1, "pc": 4} and summary["world_size"] == 4
+    assert summary["final_loss"] == train[-1]["loss"]
+    assert set(summary["versions"]) == {"python", "torch", "mpi4py", "mpi"}
+    assert "MPICH" in summary["versions"]["mpi"]
+    assert 0.0 <= summary["comm_time_share"] <= 1.0
+
+
+def test_measured_bytes_equal_predicted_every_step(runs: Runs) -> None:
+    run_dir = runs("mlp_p4")
+    summary = read_summary(run_dir)
+    # 64 -> 128 -> 128 -> 10 MLP on 8x8 digits: weights+biases in float32, plus the 4-byte loss.
+    params = (64 * 128 + 128) + (128 * 128 + 128) + (128 * 10 + 10)
+    assert summary["param_bytes_per_rank"] == 4 * params
+    assert summary["predicted_comm_bytes_per_step"] == 4 * params + 4
+    for m in read_metrics(run_dir):
+        if "split" not in m:
+            assert m["comm_bytes"] == summary["predicted_comm_bytes_per_step"], m
+    assert read_summary(runs("mlp_p1"))["comm_bytes_per_step"] == 0
+
+
+def test_training_learns_digits(runs: Runs) -> None:
+    assert read_summary(runs("mlp_p4"))["val_accuracy"] > 0.8  # 50 steps; chance is 0.1
+
+
+def test_a_failing_rank_ends_the_job_with_its_traceback(session_tmp: Path) -> None:
+    run_dir = session_tmp / "failing"
+    result = run_cli(*COMMON, "grid.pc=4", "debug.raise_at_step=3", "debug.raise_on_rank=2",
+                     f"hydra.run.dir={run_dir}", timeout=120)  # a hang would hit the timeout
+    assert result.returncode not in (0, 2), result.returncode
+    assert "[rank 2] failed" in result.stderr and "InjectedFailure" in result.stderr
+    assert "Traceback" in result.stderr
+    assert "failed on rank 2" in result.stderr.strip().splitlines()[-1]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and summary["failed_rank"] == 2
+    assert "rank 2 failed" in (run_dir / "logs" / "rank2.log").read_text()
+
+
+def test_user_mpi_job_of_the_wrong_size_is_refused(session_tmp: Path) -> None:
+    run_dir = session_tmp / "wrong_size"
+    result = run_cli("grid.pc=4", f"hydra.run.dir={run_dir}", mpi_ranks=2, timeout=120)
+    assert result.returncode == 2
+    assert "error: grid.pr*grid.pc=4 but the MPI job has 2 ranks" in result.stderr
+    assert "Traceback" not in result.stderr and not run_dir.exists()
+
+
+def test_multirun_gives_each_job_its_own_mpi_job_and_a_sweep_table(session_tmp: Path) -> None:
+    sweep = session_tmp / "sweep"
+    result = run_cli("-m", "grid.pc=1,2", "dataset=synthetic", "trainer.steps=10",
+                     "trainer.batch_size=32", f"hydra.sweep.dir={sweep}")
+    assert_ok(result)
+    rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
+    assert [r["overrides"] for r in rows] == [
+        "grid.pc=1 dataset=synthetic trainer.steps=10 trainer.batch_size=32",
+        "grid.pc=2 dataset=synthetic trainer.steps=10 trainer.batch_size=32"]
+    assert all(r["status"] == "completed" for r in rows)
+    for job, ranks in ((0, 1), (1, 2)):
+        summary = read_summary(sweep / str(job))
+        assert summary["world_size"] == ranks and summary["run_dir"] == str(sweep / str(job))
+        assert (sweep / str(job) / ".hydra" / "overrides.yaml").is_file()
+    losses = [train_losses(sweep / str(job)) for job in (0, 1)]
+    assert len(losses[0]) == 10 and _relative_gap(*losses) <= 1e-5
+    assert "sweep" in result.stdout and "final loss" in result.stdout
+
+
+def test_experiment_configs_compose_and_validate() -> None:
+    from runner.app import precheck
+
+    for experiment in ("digits_cnn", "synthetic_mlp"):
+        assert precheck([f"experiment={experiment}"]) is None
+    assert json.dumps(precheck(["experiment=nope"])).startswith('"unknown experiment')

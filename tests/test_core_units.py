@@ -1,0 +1,74 @@
+"""Core pieces that need no MPI: partitions, the size-1 communicator, registries, env detection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.core import CommCounter, CountedComm, ProcessGrid, balanced_sizes, balanced_slice
+from runner.core.registry import Registry, UnknownPluginError, unknown_options
+from runner.launch import detect_mpi_environment
+
+
+@pytest.mark.parametrize("total,parts", [(10, 3), (7, 7), (3, 5), (0, 2), (1024, 4), (13, 1)])
+def test_balanced_partition_covers_everything_once(total: int, parts: int) -> None:
+    sizes = balanced_sizes(total, parts)
+    assert sum(sizes) == total and len(sizes) == parts
+    assert max(sizes) - min(sizes) <= 1
+    covered = [i for k in range(parts) for i in range(total)[balanced_slice(total, parts, k)]]
+    assert covered == list(range(total))
+
+
+def test_partition_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        balanced_sizes(4, 0)
+    with pytest.raises(ValueError):
+        balanced_slice(4, 2, 2)
+
+
+def test_single_process_comm_moves_and_records_nothing() -> None:
+    counter = CommCounter(keep_records=True)
+    comm = CountedComm(None, counter)
+    x = torch.arange(4.0)
+    assert comm.allreduce_(x) is x and x.tolist() == [0, 1, 2, 3]
+    op = comm.iallreduce_(x)
+    op.wait()
+    assert op.done and counter.totals.calls == 0 and counter.records == []
+
+
+def test_one_by_one_grid_needs_no_mpi() -> None:
+    grid = ProcessGrid(1, 1)
+    assert (grid.size, grid.rank, grid.model.size, grid.batch.size) == (1, 0, 1, 1)
+    with pytest.raises(ValueError, match="needs 4 ranks"):
+        ProcessGrid(2, 2)
+
+
+def test_registry_names_the_registered_plugins() -> None:
+    registry: Registry[object] = Registry("widget")
+    registry.register("b")(object)
+    registry.register("a")(int)
+    with pytest.raises(UnknownPluginError, match="unknown widget 'c'; registered: a, b"):
+        registry.get("c")
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register("a")(float)
+
+
+def test_unknown_options_are_found_from_the_signature() -> None:
+    def factory(input_shape, num_classes, hidden=(1,), activation="relu"):
+        return None
+
+    assert unknown_options(factory, {"hidden": 1, "depth": 2}, ("input_shape",)) == ["depth"]
+    assert unknown_options(factory, {"input_shape": 1}, ("input_shape",)) == ["input_shape"]
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, None),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4"}, (1, 4)),
+    ({"PMI_RANK": "0", "PMI_SIZE": "1"}, None),  # a singleton is not a job of several ranks
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8"}, (3, 8)),
+    ({"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0"}, (2, 4)),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"}, None),  # the sbatch script itself
+])
+def test_detect_mpi_environment(env: dict[str, str], expected: tuple[int, int] | None) -> None:
+    found = detect_mpi_environment(env)
+    assert (None if found is None else (found.rank, found.size)) == expected

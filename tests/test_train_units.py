@@ -1,0 +1,63 @@
+"""Pure pieces of the engine, in one process: sampling, schedules, sweep rows, error lines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runner.app import one_line
+from runner.optim import SynchronousSGD, scheduled_lr
+from runner.sweep import SweepJob, sweep_failures, sweep_rows
+from runner.train import EpochSampler
+from strategies.buckets import _group_by_size
+
+
+def test_sampler_is_a_seeded_permutation_per_epoch() -> None:
+    sampler = EpochSampler(num_samples=10, batch_size=3, seed=7)
+    epoch = torch.cat([sampler.next_batch() for _ in range(3)])  # 9 of 10, last one dropped
+    assert len(set(epoch.tolist())) == 9
+    assert sampler.next_batch().tolist() != [] and sampler.epoch == 1
+    again = EpochSampler(num_samples=10, batch_size=3, seed=7)
+    assert torch.equal(torch.cat([again.next_batch() for _ in range(3)]), epoch)
+    other = EpochSampler(num_samples=10, batch_size=3, seed=8)
+    assert not torch.equal(torch.cat([other.next_batch() for _ in range(3)]), epoch)
+
+
+def test_learning_rate_schedules() -> None:
+    assert scheduled_lr(0.1, 0, 100, "constant", 0) == 0.1
+    assert scheduled_lr(0.1, 0, 100, "constant", 4) == pytest.approx(0.025)
+    assert scheduled_lr(0.1, 3, 100, "constant", 4) == pytest.approx(0.1)
+    assert scheduled_lr(0.1, 4, 104, "cosine", 4) == pytest.approx(0.1)
+    assert scheduled_lr(0.1, 54, 104, "cosine", 4) == pytest.approx(0.05)
+    assert math.isclose(scheduled_lr(0.1, 104, 104, "cosine", 4), 0.0, abs_tol=1e-12)
+
+
+def test_sgd_names_every_bad_hyper_parameter() -> None:
+    problems = SynchronousSGD.check(lr=0, momentum=1.0, weight_decay=-1, schedule="step")
+    assert len(problems) == 4
+    assert SynchronousSGD.check(lr=0.1, momentum=0.9) == []
+
+
+def test_buckets_group_consecutive_parameters_under_the_cap() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 10, 10, 100, 5)]
+    groups = _group_by_size(params, caps=[40, 80])  # bytes: first bucket 40, then 80
+    assert [[p.numel() for p in g] for g in groups] == [[10], [10, 10], [100], [5]]
+
+
+def test_sweep_rows_mark_failed_jobs() -> None:
+    jobs = [SweepJob(0, ["grid.pc=1"], "/r/0", {"final_loss": 0.5, "val_accuracy": 0.9}),
+            SweepJob(1, ["grid.pc=3"], "/r/1", None, "not divisible")]
+    rows = sweep_rows(jobs)
+    assert rows[0]["status"] == "completed" and rows[0]["final_loss"] == 0.5
+    assert rows[1]["status"] == "failed" and rows[1]["overrides"] == "grid.pc=3"
+    assert sweep_failures(rows) == ["job 1 (grid.pc=3): not divisible"]
+
+
+def test_hydra_errors_become_one_line() -> None:
+    text = ("In 'config': Could not find 'model/foo'\n\nAvailable options in 'model':\n\tcnn\n"
+            "\tmlp\nConfig search path:\n\tprovider=hydra, path=pkg://hydra.conf\n")
+    assert one_line(Exception(text)) == "unknown model 'foo'; available: cnn, mlp"
+    assert one_line(Exception("bad input '[1'\nSee https://hydra.cc/x for details")) == \
+        "bad input '[1'"
