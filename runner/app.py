@@ -105,7 +105,7 @@ def _lead_mpi_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
                     "shell and hydra/launcher=mpi starts one MPI job per sweep job")
         sys.exit(EXIT_BAD_INPUT)
     try:
-        validate(cfg.copy(), world_size=MPI.COMM_WORLD.Get_size())
+        validate(cfg, world_size=MPI.COMM_WORLD.Get_size())
     except ConfigError as exc:
         print_error(str(exc))
         sys.exit(EXIT_BAD_INPUT)  # the exit hook releases the other ranks

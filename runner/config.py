@@ -7,6 +7,7 @@ Nothing here imports Hydra.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     from strategies import STRATEGIES
 
     load_plugins()
+    cfg = copy.deepcopy(cfg)  # resolving below must not change the caller's config
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError([f"missing required value: {', '.join(missing)}"])

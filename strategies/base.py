@@ -53,11 +53,13 @@ class Strategy:
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""
-        errors = []
+        if global_batch < grid.pc:
+            return [f"trainer.batch_size={global_batch} is smaller than the {grid.pc} ranks that "
+                    f"split the batch (grid.pc): each needs at least one sample"]
         if global_batch % grid.pc:
-            errors.append(f"trainer.batch_size={global_batch} is not divisible by the "
-                          f"{grid.pc} batch replicas (grid.pc)")
-        return errors
+            return [f"trainer.batch_size={global_batch} is not divisible by the {grid.pc} ranks "
+                    f"that split the batch (grid.pc)"]
+        return []
 
     def parallelize(self, model: nn.Module, grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:

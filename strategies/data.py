@@ -34,20 +34,13 @@ class DataParallel(Strategy):
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         errors = []
-        if grid.pr != 1:
-            errors.append(f"strategy=data replicates the whole model and needs grid.pr=1, "
-                          f"got grid.pr={grid.pr} (use strategy=grid to split the model)")
         if self.bucket_cap_bytes <= 0 or self.first_bucket_bytes <= 0:
             errors.append("strategy.bucket_cap_mb and strategy.first_bucket_mb must be > 0")
         if grid.pr != 1:
+            errors.append(f"strategy=data replicates the whole model and needs grid.pr=1, "
+                          f"got grid.pr={grid.pr} (use strategy=grid to split the model)")
             return errors
-        if global_batch < grid.size:
-            errors.append(f"trainer.batch_size={global_batch} is smaller than the {grid.size} "
-                          f"ranks: every data-parallel rank needs at least one sample")
-        elif global_batch % grid.size:
-            errors.append(f"trainer.batch_size={global_batch} is not divisible by the "
-                          f"{grid.size} data-parallel ranks (grid.pc)")
-        return errors
+        return errors + super().check(grid, global_batch)
 
     def parallelize(self, model: nn.Module, grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:

@@ -12,7 +12,7 @@ call is made. That lets a 1-process run use the same code without initialising M
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,19 +189,3 @@ class CountedComm:
     def barrier(self) -> None:
         if self.size > 1:
             self.mpi_comm.Barrier()
-
-    def split(self, color: int, key: int, name: str) -> CountedComm:
-        """A sub-communicator sharing this one's counter."""
-        if self.mpi_comm is None:
-            return CountedComm(None, self.counter, name)
-        return CountedComm(self.mpi_comm.Split(color, key), self.counter, name)
-
-    def abort(self, code: int = 1) -> None:
-        """End the whole job now (a failing rank must never leave the others hanging)."""
-        if self.mpi_comm is not None:
-            self.mpi_comm.Abort(code)
-
-
-def wait_all(ops: Sequence[PendingOp]) -> None:
-    for op in ops:
-        op.wait()
