@@ -147,6 +147,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     checkpoint_every = _int(cfg, "trainer.checkpoint_every", problems, optional=True)
     threads = _int(cfg, "trainer.threads", problems, optional=True)
     resume = OmegaConf.select(cfg, "trainer.resume")
+    for key, value in (("trainer.checkpoint_every", checkpoint_every), ("trainer.resume", resume)):
+        if value is not None:  # keys of the contract, not implemented yet: refuse, never ignore
+            problems.append(f"{key}={value}: checkpointing and resume are not implemented yet; "
+                            f"leave it null")
     model, dataset = _plugin(cfg, "model", problems), _plugin(cfg, "dataset", problems)
     strategy, optimizer = _plugin(cfg, "strategy", problems), _plugin(cfg, "optimizer", problems)
 

@@ -25,6 +25,8 @@ CASES = {
     "missing_value": (["trainer.steps=???"], ["missing required value: trainer.steps"]),
     "unknown_option": (["+model.depth=3"], ["model.depth", "valid: activation, hidden"]),
     "model_does_not_fit_data": (["model=cnn", "dataset=synthetic"], ["model=cnn", "(64,)"]),
+    "checkpoint_not_silently_ignored": (["trainer.checkpoint_every=10"],
+                                        ["trainer.checkpoint_every=10", "not implemented"]),
     "every_problem_named": (["grid.pc=0", "optimizer.momentum=1.5", "trainer.steps=0"],
                             ["grid.pc=0", "optimizer.momentum", "trainer.steps=0"]),
 }
