@@ -5,13 +5,14 @@ Knows nothing of Hydra, configs, strategies or training (see DESIGN.md, "Layout"
 
 from runner.core.comm import CommCounter, CommRecord, CountedComm, PendingOp
 from runner.core.grid import GridShape, ProcessGrid
-from runner.core.partition import balanced_sizes, balanced_slice
+from runner.core.partition import Partition, balanced_sizes, balanced_slice
 
 __all__ = [
     "CommCounter",
     "CommRecord",
     "CountedComm",
     "GridShape",
+    "Partition",
     "PendingOp",
     "ProcessGrid",
     "balanced_sizes",

@@ -1,9 +1,11 @@
 """The counted communicator: every collective goes through here and is recorded.
 
-A record holds the operation, the group size, the payload bytes (the size of the buffer handed
-to the collective, as DESIGN.md's `comm_bytes` defines it) and the seconds this rank was blocked
-in it. For a non-blocking operation the seconds are the time spent issuing it plus the time spent
-waiting for it, i.e. the part of the communication that was *not* hidden behind computation.
+A record holds the operation, the group size, the payload bytes and the seconds this rank was
+blocked in it. Payload bytes are the `n` of the α–β cost of the operation: the buffer for
+all-reduce, broadcast and reduce; the whole gathered tensor for all-gather; the whole tensor
+before scattering for reduce-scatter; this rank's input for all-to-all. For a non-blocking
+operation the seconds are the time spent issuing it plus the time spent waiting for it, i.e. the
+part of the communication that was *not* hidden behind computation.
 
 A group of size 1 moves nothing: every operation returns at once and records nothing, and no MPI
 call is made. That lets a 1-process run use the same code without initialising MPI at all.
@@ -73,9 +75,28 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _displacements(counts: list[int]) -> list[int]:
+    offsets, total = [], 0
+    for count in counts:
+        offsets.append(total)
+        total += count
+    return offsets
+
+
+def has_c_strides(tensor: torch.Tensor) -> bool:
+    """Exactly row-major strides. Stricter than `is_contiguous()`, which ignores the strides of
+    size-1 dims: mpi4py's DLPack import checks every stride."""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride()), strict=True):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _require_contiguous(tensor: torch.Tensor) -> None:
-    if not tensor.is_contiguous():
-        raise ValueError("communication buffers must be contiguous tensors")
+    if not has_c_strides(tensor):
+        raise ValueError("communication buffers must be row-major contiguous tensors")
 
 
 class PendingOp:
@@ -129,6 +150,7 @@ class CountedComm:
         self.name = name
         self.rank: int = 0 if mpi_comm is None else mpi_comm.Get_rank()
         self.size: int = 1 if mpi_comm is None else mpi_comm.Get_size()
+        self._staging: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"CountedComm({self.name}, rank={self.rank}, size={self.size})"
@@ -172,6 +194,57 @@ class CountedComm:
         with self._timed("bcast", _nbytes(tensor), label):
             self.mpi_comm.Bcast(tensor, root=root)
         return tensor
+
+    def reduce_(self, tensor: torch.Tensor, root: int = 0, label: str = "") -> torch.Tensor:
+        """Sum `tensor` onto `root`, in place there (other ranks' tensors are left as they were)."""
+        if self.size == 1:
+            return tensor
+        _require_contiguous(tensor)
+        MPI = _mpi()
+        with self._timed("reduce", _nbytes(tensor), label):
+            if self.rank == root:
+                self.mpi_comm.Reduce(MPI.IN_PLACE, tensor, op=MPI.SUM, root=root)
+            else:
+                self.mpi_comm.Reduce(tensor, None, op=MPI.SUM, root=root)
+        return tensor
+
+    def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int],
+                    label: str = "") -> torch.Tensor:
+        """Concatenate every rank's `piece` (of `counts[rank]` elements) into `out`, by rank."""
+        _require_contiguous(piece)
+        _require_contiguous(out)
+        with self._timed("allgather", _nbytes(out), label):
+            self.mpi_comm.Allgatherv(piece, [out, (counts, _displacements(counts))])
+        return out
+
+    def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int],
+                        label: str = "") -> torch.Tensor:
+        """Sum `full` over the group; rank k receives elements of block k (`counts[k]` long)."""
+        _require_contiguous(full)
+        _require_contiguous(out)
+        MPI = _mpi()
+        with self._timed("reduce_scatter", _nbytes(full), label):
+            self.mpi_comm.Reduce_scatter(full, out, counts, op=MPI.SUM)
+        return out
+
+    def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
+                   recv_counts: list[int], label: str = "") -> torch.Tensor:
+        """Block k of `send` goes to rank k; block k of `recv` comes from rank k."""
+        _require_contiguous(send)
+        _require_contiguous(recv)
+        with self._timed("alltoall", _nbytes(send), label):
+            self.mpi_comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
+                                    [recv, (recv_counts, _displacements(recv_counts))])
+        return recv
+
+    def staging(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A scratch buffer reused across calls (blocking operations only: it is free again as
+        soon as the call that used it returns)."""
+        key = (tag, shape, dtype)
+        buffer = self._staging.get(key)
+        if buffer is None:
+            buffer = self._staging[key] = torch.empty(shape, dtype=dtype)
+        return buffer
 
     # -- small control messages (pickled Python objects) --------------------------------------
 

@@ -20,3 +20,25 @@ def balanced_slice(total: int, parts: int, index: int) -> slice:
     base, extra = divmod(total, parts)
     start = index * base + min(index, extra)
     return slice(start, start + base + (1 if index < extra else 0))
+
+
+class Partition:
+    """A global extent split into balanced contiguous pieces, one per rank of a group."""
+
+    def __init__(self, total: int, parts: int) -> None:
+        self.total, self.parts = total, parts
+        self.sizes = balanced_sizes(total, parts)
+        self.offsets = [sum(self.sizes[:i]) for i in range(parts)]
+
+    def slice(self, index: int) -> slice:
+        return slice(self.offsets[index], self.offsets[index] + self.sizes[index])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Partition) and (self.total, self.parts) == (other.total,
+                                                                              other.parts)
+
+    def __hash__(self) -> int:
+        return hash((self.total, self.parts))
+
+    def __repr__(self) -> str:
+        return f"Partition({self.total} over {self.parts}: {self.sizes})"

@@ -1,0 +1,234 @@
+"""Parallel data movement as linear operators with hand-written adjoints (DistDL's approach).
+
+Convention: every rank holds its own tensor, and the inner product of two distributed tensors is
+the sum over ranks of the local inner products. Under it each primitive's adjoint is another
+primitive, and that adjoint is its backward:
+
+    broadcast   (root's x to every rank)       ↔  sum-reduce (every x summed onto root)
+    all-sum-reduce                             ↔  itself
+    all-gather  (pieces along a dim → whole)   ↔  reduce-scatter (sum, then each its piece)
+    repartition (split along a → split along b) ↔ repartition (split along b → split along a)
+
+Pieces may be uneven: a `Partition` says how long each rank's piece is along the split dim.
+Every call goes through the counted communicator. Outputs are new tensors (autograd keeps them);
+the scratch copies a non-contiguous layout needs are reused across calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd import Function
+
+from runner.core.comm import CountedComm, has_c_strides
+from runner.core.partition import Partition
+
+# -- the operators and their adjoints, without autograd ------------------------------------------
+
+
+def broadcast_op(x: torch.Tensor, comm: CountedComm, root: int = 0,
+                 label: str = "") -> torch.Tensor:
+    """y_k = x_root on every rank k (other ranks' x is ignored; only its shape is used)."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    return comm.bcast_(out, root, label)
+
+
+def sum_reduce_op(x: torch.Tensor, comm: CountedComm, root: int = 0,
+                  label: str = "") -> torch.Tensor:
+    """y_root = Σ_k x_k; y is zero on every other rank."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    comm.reduce_(out, root, label)
+    if comm.rank != root:
+        out.zero_()
+    return out
+
+
+def all_sum_reduce_op(x: torch.Tensor, comm: CountedComm, label: str = "") -> torch.Tensor:
+    """y_k = Σ_j x_j on every rank k."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    return comm.allreduce_(out, label)
+
+
+def _front(x: torch.Tensor, dim: int, comm: CountedComm, tag: str) -> torch.Tensor:
+    """`x` with `dim` moved to the front, contiguous (a reused scratch copy when needed)."""
+    moved = x.detach().movedim(dim, 0)
+    if has_c_strides(moved):
+        return moved
+    scratch = comm.staging(tag, tuple(moved.shape), moved.dtype)
+    return scratch.copy_(moved)
+
+
+def all_gather_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
+                  label: str = "") -> torch.Tensor:
+    """Concatenate the ranks' pieces along `dim`; rank k's piece is `part.sizes[k]` long."""
+    _check_piece(x, dim, part, comm)
+    if comm.size == 1:
+        return x.detach().clone()
+    piece = _front(x, dim, comm, "gather.send")
+    inner = math.prod(piece.shape[1:])
+    out = torch.empty((part.total, *piece.shape[1:]), dtype=x.dtype)
+    comm.allgatherv_(piece, out, [s * inner for s in part.sizes], label)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
+                      label: str = "") -> torch.Tensor:
+    """Sum the ranks' whole tensors, then keep this rank's piece along `dim`."""
+    if x.shape[dim] != part.total:
+        raise ValueError(f"reduce-scatter along dim {dim}: expected {part.total}, got "
+                         f"{x.shape[dim]}")
+    if comm.size == 1:
+        return x.detach().clone()
+    full = _front(x, dim, comm, "scatter.send")
+    inner = math.prod(full.shape[1:])
+    out = torch.empty((part.sizes[comm.rank], *full.shape[1:]), dtype=x.dtype)
+    comm.reduce_scatter_(full, out, [s * inner for s in part.sizes], label)
+    return out.movedim(0, dim)
+
+
+def repartition_op(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Partition,
+                   new_split_dim: int, new_split: Partition, label: str = "") -> torch.Tensor:
+    """From pieces along `split_dim` (whole along `new_split_dim`) to pieces along
+    `new_split_dim` (whole along `split_dim`): an all-to-all."""
+    if split_dim == new_split_dim:
+        raise ValueError("repartition needs two different dims")
+    _check_piece(x, split_dim, split, comm)
+    if x.shape[new_split_dim] != new_split.total:
+        raise ValueError(f"repartition: dim {new_split_dim} must be whole ({new_split.total}), "
+                         f"got {x.shape[new_split_dim]}")
+    if comm.size == 1:
+        return x.detach().clone()
+    me = comm.rank
+    blocks = [x.detach().narrow(new_split_dim, new_split.offsets[k], new_split.sizes[k])
+              for k in range(comm.size)]
+    send_counts = [b.numel() for b in blocks]
+    send = comm.staging("alltoall.send", (sum(send_counts),), x.dtype)
+    offset = 0
+    for block, count in zip(blocks, send_counts, strict=True):
+        send[offset:offset + count].view(block.shape).copy_(block)
+        offset += count
+    shapes = []
+    for k in range(comm.size):
+        shape = list(x.shape)
+        shape[split_dim], shape[new_split_dim] = split.sizes[k], new_split.sizes[me]
+        shapes.append(shape)
+    recv_counts = [math.prod(s) for s in shapes]
+    recv = comm.staging("alltoall.recv", (sum(recv_counts),), x.dtype)
+    comm.alltoallv_(send, send_counts, recv, recv_counts, label)
+    pieces, offset = [], 0
+    for shape, count in zip(shapes, recv_counts, strict=True):
+        pieces.append(recv[offset:offset + count].view(shape))
+        offset += count
+    return torch.cat(pieces, dim=split_dim)
+
+
+def _check_piece(x: torch.Tensor, dim: int, part: Partition, comm: CountedComm) -> None:
+    if part.parts != comm.size:
+        raise ValueError(f"partition into {part.parts} pieces on a group of {comm.size}")
+    if x.shape[dim] != part.sizes[comm.rank]:
+        raise ValueError(f"rank {comm.rank} holds {x.shape[dim]} along dim {dim}, its piece of "
+                         f"{part} is {part.sizes[comm.rank]}")
+
+
+# -- autograd: forward is the operator, backward its adjoint ---------------------------------------
+
+
+class _Broadcast(Function):
+    @staticmethod
+    def forward(ctx, x, comm, root, label):
+        ctx.args = (comm, root, label)
+        return broadcast_op(x, comm, root, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, root, label = ctx.args
+        return sum_reduce_op(grad, comm, root, label), None, None, None
+
+
+class _SumReduce(Function):
+    @staticmethod
+    def forward(ctx, x, comm, root, label):
+        ctx.args = (comm, root, label)
+        return sum_reduce_op(x, comm, root, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, root, label = ctx.args
+        return broadcast_op(grad, comm, root, label), None, None, None
+
+
+class _AllSumReduce(Function):
+    @staticmethod
+    def forward(ctx, x, comm, label):
+        ctx.args = (comm, label)
+        return all_sum_reduce_op(x, comm, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, label = ctx.args
+        return all_sum_reduce_op(grad, comm, label), None, None
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, part, label):
+        ctx.args = (comm, dim, part, label)
+        return all_gather_op(x, comm, dim, part, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, dim, part, label = ctx.args
+        return reduce_scatter_op(grad, comm, dim, part, label), None, None, None, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, part, label):
+        ctx.args = (comm, dim, part, label)
+        return reduce_scatter_op(x, comm, dim, part, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, dim, part, label = ctx.args
+        return all_gather_op(grad, comm, dim, part, label), None, None, None, None
+
+
+class _Repartition(Function):
+    @staticmethod
+    def forward(ctx, x, comm, split_dim, split, new_dim, new_split, label):
+        ctx.args = (comm, split_dim, split, new_dim, new_split, label)
+        return repartition_op(x, comm, split_dim, split, new_dim, new_split, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, split_dim, split, new_dim, new_split, label = ctx.args
+        return (repartition_op(grad, comm, new_dim, new_split, split_dim, split, label),
+                None, None, None, None, None, None)
+
+
+def broadcast(x: torch.Tensor, comm: CountedComm, root: int = 0, label: str = "") -> torch.Tensor:
+    return _Broadcast.apply(x, comm, root, label)
+
+
+def sum_reduce(x: torch.Tensor, comm: CountedComm, root: int = 0, label: str = "") -> torch.Tensor:
+    return _SumReduce.apply(x, comm, root, label)
+
+
+def all_sum_reduce(x: torch.Tensor, comm: CountedComm, label: str = "") -> torch.Tensor:
+    return _AllSumReduce.apply(x, comm, label)
+
+
+def all_gather(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
+               label: str = "") -> torch.Tensor:
+    return _AllGather.apply(x, comm, dim, part, label)
+
+
+def reduce_scatter(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
+                   label: str = "") -> torch.Tensor:
+    return _ReduceScatter.apply(x, comm, dim, part, label)
+
+
+def repartition(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Partition,
+                new_split_dim: int, new_split: Partition, label: str = "") -> torch.Tensor:
+    return _Repartition.apply(x, comm, split_dim, split, new_split_dim, new_split, label)
