@@ -168,7 +168,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         problems.append(f"debug.raise_on_rank={raise_on} is not a rank of a {grid.size}-rank job")
 
     # Plugins: known names, known options, and what each can say about the others.
-    spec = None
+    spec = meta_model = None
     if dataset.name:
         try:
             dataset_cls = DATASETS.get(dataset.name)
@@ -184,7 +184,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
             _check_options("model", factory, model.options, ("input_shape", "num_classes"),
                            problems)
             if spec is not None:
-                _check_model_shapes(model, factory, spec, problems)
+                meta_model = _check_model_shapes(model, factory, spec, problems)
         except UnknownPluginError as exc:
             problems.append(f"model={model.name}: {exc}")
     if optimizer.name:
@@ -202,8 +202,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
             strategy_cls = STRATEGIES.get(strategy.name)
             before = len(problems)
             _check_options("strategy", strategy_cls, strategy.options, (), problems)
-            if len(problems) == before and grid and batch:
-                problems += strategy_cls(**strategy.options).check(grid, batch)
+            if len(problems) == before:
+                instance = strategy_cls(**strategy.options)
+                if grid and batch:
+                    problems += instance.check(grid, batch)
+                if meta_model is not None:
+                    problems += instance.check_model(meta_model)
         except UnknownPluginError as exc:
             problems.append(f"strategy={strategy.name}: {exc}")
     if spec is not None and batch and batch > spec.train_size:
@@ -221,18 +225,22 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     )
 
 
-def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[str]) -> None:
-    """Build the model on the meta device and push a batch through: no memory, no compute."""
+def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[str]) -> Any:
+    """Build the model on the meta device and push a batch through: no memory, no compute.
+    Returns the meta model (for the strategy's own checks), or None when it does not fit."""
     import torch
 
     try:
         with torch.device("meta"):
             net = factory(spec.input_shape, spec.num_classes, **model.options)
             out = net(torch.empty(2, *spec.input_shape))
-        if tuple(out.shape) != (2, spec.num_classes):
-            problems.append(f"model={model.name} gives outputs of shape {tuple(out.shape[1:])}, "
-                            f"the dataset has {spec.num_classes} classes")
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         problems.append(f"model={model.name} does not fit the dataset's inputs of shape "
                         f"{tuple(spec.input_shape)}: {first}")
+        return None
+    if tuple(out.shape) != (2, spec.num_classes):
+        problems.append(f"model={model.name} gives outputs of shape {tuple(out.shape[1:])}, "
+                        f"the dataset has {spec.num_classes} classes")
+        return None
+    return net

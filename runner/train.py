@@ -51,29 +51,29 @@ class Evaluation:
 
 
 def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
-    """Validation loss and accuracy over the whole set; each batch replica scores its share."""
-    rows = model.local_rows(len(x))
+    """Validation loss and accuracy over the whole set; each rank scores its output rows."""
+    targets = y[model.output_rows(len(x))]
     model.eval()
     with torch.no_grad():
-        out = model(x[rows])
-        stats = torch.tensor([F.cross_entropy(out, y[rows], reduction="sum").item(),
-                              (out.argmax(dim=1) == y[rows]).sum().item(), float(len(y[rows]))],
+        out = model(x[model.input_rows(len(x))])
+        stats = torch.tensor([F.cross_entropy(out, targets, reduction="sum").item(),
+                              (out.argmax(dim=1) == targets).sum().item(), float(len(targets))],
                              dtype=torch.float64)
     model.train()
-    model.batch_comm.allreduce_(stats, label="eval")
+    model.loss_comm.allreduce_(stats, label="eval")
     loss_sum, correct, count = stats.tolist()
     return Evaluation(loss_sum / count, correct / count)
 
 
 def mean_loss(loss: torch.Tensor, comm: CountedComm) -> float:
-    """Mean over the global batch from the batch replicas' local means (equal shards)."""
+    """Mean over the global batch from the ranks' local means (equal shards)."""
     buffer = loss.detach().reshape(1).clone()
     comm.allreduce_(buffer, label="loss")
     return buffer.item() / comm.size
 
 
 def loss_bytes_per_step(comm_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """The loss all-reduce the loop issues every step (0 when the batch is not split)."""
+    """The loss all-reduce the loop issues every step (0 on one rank)."""
     return 0 if comm_size == 1 else torch.empty((), dtype=dtype).element_size()
 
 
@@ -90,9 +90,9 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     model = MODELS.get(run.model.name)(spec.input_shape, spec.num_classes, **run.model.options)
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
     optimizer_cls = OPTIMIZERS.get(run.optimizer.name)
-    predicted_bytes = (strategy.predicted_comm_bytes_per_step(model, grid.shape,
-                                                              run.trainer.batch_size)
-                       + loss_bytes_per_step(grid.batch.size))
+    predicted_bytes = (strategy.predicted_comm_bytes_per_step(
+        model, spec.input_shape, grid.shape, run.trainer.batch_size)
+        + loss_bytes_per_step(grid.size))
     pmodel = strategy.parallelize(model, grid, sync_replica_gradients=optimizer_cls.syncs_gradients)
     optimizer = optimizer_cls(pmodel.parameters(), grid=grid, total_steps=run.trainer.steps,
                               **run.optimizer.options)
@@ -101,7 +101,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
              spec.val_size)
 
     sampler = EpochSampler(spec.train_size, run.trainer.batch_size, run.seed)
-    rows = pmodel.local_rows(run.trainer.batch_size)
+    input_rows = pmodel.input_rows(run.trainer.batch_size)
+    output_rows = pmodel.output_rows(run.trainer.batch_size)
     metrics = MetricsWriter(run_dir.metrics) if is_rank0 else None
     step_times: list[float] = []
     comm_bytes: list[int] = []
@@ -114,14 +115,14 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
         for step in range(1, steps + 1):
             start = time.perf_counter()
             before = grid.counter.snapshot()
-            index = sampler.next_batch()[rows]
-            x, y = data.train_x[index], data.train_y[index]
+            batch = sampler.next_batch()
+            x, y = data.train_x[batch[input_rows]], data.train_y[batch[output_rows]]
             pmodel.zero_grad()
             loss = F.cross_entropy(pmodel(x), y)
             loss.backward()
             pmodel.finish_gradient_sync()
             optimizer.step(step - 1)
-            loss_value = mean_loss(loss, pmodel.batch_comm)
+            loss_value = mean_loss(loss, pmodel.loss_comm)
             if run.debug.raise_at_step == step and grid.rank == run.debug.raise_on_rank:
                 raise InjectedFailure(f"injected failure on rank {grid.rank} at step {step} "
                                       f"(debug.raise_at_step)")

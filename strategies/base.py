@@ -1,4 +1,14 @@
-"""What every strategy provides: a config check and the `parallelize` transformation."""
+"""What every strategy provides, and the row contract every parallel model keeps.
+
+Rows of a global batch of B samples:
+- input: each rank is fed the rows of its batch group (`Partition(B, pc)`, piece `batch_index`),
+  the same rows on every rank of a model group;
+- output: each rank returns the logits of its own sub-shard of those rows
+  (`Partition(rows of the batch group, pr)`, piece `model_index`).
+So every sample's loss is computed on exactly one rank, and with equal shards (B divisible by P)
+the global mean loss is the mean over all P ranks of their local means. Gradient exchanges scale
+by 1/P accordingly.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +17,30 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from runner.core import CountedComm, GridShape, ProcessGrid, balanced_slice
+from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from strategies.buckets import GradientBuckets
 
 
 class ParallelModel(nn.Module):
-    """A model whose forward runs on this rank's part of the global batch.
+    """This rank's part of the model, and the gradient exchanges that make its steps agree."""
 
-    `batch_comm` is the group of ranks that hold different samples of the batch: the global mean
-    loss is the mean of their local mean losses (all shards are equal, see `Strategy.check`).
-    """
-
-    def __init__(self, module: nn.Module, grid: ProcessGrid) -> None:
+    def __init__(self, grid: ProcessGrid) -> None:
         super().__init__()
-        self.module = module
         self.grid = grid
+        self.reducers: list[GradientBuckets] = []
 
     @property
-    def batch_comm(self) -> CountedComm:
-        return self.grid.batch
+    def loss_comm(self) -> CountedComm:
+        """The ranks whose local losses make up the global loss: all of them."""
+        return self.grid.world
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.module(inputs)
+    def input_rows(self, global_rows: int) -> slice:
+        return Partition(global_rows, self.grid.pc).slice(self.grid.batch_index)
 
-    def local_rows(self, global_rows: int) -> slice:
-        """This rank's rows of a global batch (or evaluation set) of `global_rows` samples."""
-        return balanced_slice(global_rows, self.grid.pc, self.grid.batch_index)
+    def output_rows(self, global_rows: int) -> slice:
+        group = self.input_rows(global_rows)
+        own = Partition(group.stop - group.start, self.grid.pr).slice(self.grid.model_index)
+        return slice(group.start + own.start, group.start + own.stop)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         # Gradients may be views into communication buckets: zero them, never drop them.
@@ -41,6 +50,8 @@ class ParallelModel(nn.Module):
 
     def finish_gradient_sync(self) -> None:
         """Complete every gradient exchange started during backward."""
+        for reducer in self.reducers:
+            reducer.finish()
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -53,12 +64,16 @@ class Strategy:
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""
-        if global_batch < grid.pc:
-            return [f"trainer.batch_size={global_batch} is smaller than the {grid.pc} ranks that "
-                    f"split the batch (grid.pc): each needs at least one sample"]
-        if global_batch % grid.pc:
-            return [f"trainer.batch_size={global_batch} is not divisible by the {grid.pc} ranks "
-                    f"that split the batch (grid.pc)"]
+        if global_batch < grid.size:
+            return [f"trainer.batch_size={global_batch} is smaller than the {grid.size} ranks "
+                    f"(grid.pr*grid.pc): every rank needs at least one sample"]
+        if global_batch % grid.size:
+            return [f"trainer.batch_size={global_batch} is not divisible by the {grid.size} ranks "
+                    f"(grid.pr*grid.pc): each rank's loss covers an equal share of the batch"]
+        return []
+
+    def check_model(self, model: nn.Module) -> list[str]:
+        """Every reason this strategy cannot transform `model` (built on the meta device)."""
         return []
 
     def parallelize(self, model: nn.Module, grid: ProcessGrid,
@@ -70,7 +85,19 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def predicted_comm_bytes_per_step(self, model: nn.Module, grid: GridShape,
-                                      global_batch: int) -> int:
-        """Payload bytes rank 0 hands to collectives in one training step."""
+    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                      grid: GridShape, global_batch: int) -> int:
+        """Payload bytes rank 0 hands to collectives in one training step (loss excluded)."""
         raise NotImplementedError
+
+
+def gradient_exchange(params: list[nn.Parameter], comm: CountedComm, scale: float,
+                      bucket_cap_bytes: int, first_bucket_bytes: int) -> list[GradientBuckets]:
+    """Sum `params`' gradients over `comm` and scale them; nothing when there is nothing to do."""
+    if not params or (comm.size == 1 and scale == 1.0):
+        return []
+    return [GradientBuckets(params, comm, scale, bucket_cap_bytes, first_bucket_bytes)]
+
+
+def param_bytes(params: list[torch.nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)

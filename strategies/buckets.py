@@ -1,4 +1,4 @@
-"""Bucketed gradient all-reduce, overlapped with backward (the communication half of `data`).
+"""Bucketed gradient all-reduce, overlapped with backward (the communication of every strategy).
 
 Each parameter's `.grad` is a view into a flat bucket buffer, so autograd accumulates straight
 into the buffer and nothing is copied. A post-accumulate-grad hook counts the gradients that are
@@ -31,12 +31,15 @@ class _Bucket:
 
 
 class GradientBuckets:
-    """Averages the gradients of `params` over `comm` with bucketed, overlapped all-reduces."""
+    """Sums the gradients of `params` over `comm` with bucketed, overlapped all-reduces, then
+    multiplies them by `scale` (1/P for the mean over all P ranks' losses). On a group of one
+    only the scaling is left."""
 
-    def __init__(self, params: list[nn.Parameter], comm: CountedComm,
+    def __init__(self, params: list[nn.Parameter], comm: CountedComm, scale: float,
                  bucket_cap_bytes: int, first_bucket_cap_bytes: int | None = None,
                  label: str = "grad") -> None:
         self.comm = comm
+        self.scale = scale
         self.label = label
         self.buckets: list[_Bucket] = []
         self._slot_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
@@ -91,15 +94,14 @@ class GradientBuckets:
         self._next_launch += 1
 
     def finish(self) -> None:
-        """Start what backward left unstarted (unused parameters), wait for all, average."""
+        """Start what backward left unstarted (unused parameters), wait for all, scale."""
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
-        scale = 1.0 / self.comm.size
         for bucket in self.buckets:
             assert bucket.op is not None
             bucket.op.wait()
-            if self.comm.size > 1:
-                bucket.buffer.mul_(scale)
+            if self.scale != 1.0:
+                bucket.buffer.mul_(self.scale)
             bucket.ready = 0
             bucket.op = None
         self._next_launch = 0

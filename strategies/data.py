@@ -6,31 +6,30 @@ runs (see `buckets.py`). Needs `Pr = 1`: every rank is a batch replica.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from runner.core import GridShape, ProcessGrid
-from strategies.base import ParallelModel, Strategy
-from strategies.buckets import GradientBuckets
+from strategies.base import ParallelModel, Strategy, gradient_exchange, param_bytes
 from strategies.registry import register_strategy
 
-_MB = 1 << 20
+MB = 1 << 20
 
 
 class DataParallelModel(ParallelModel):
-    def __init__(self, module: nn.Module, grid: ProcessGrid, reducer: GradientBuckets | None):
-        super().__init__(module, grid)
-        self.reducer = reducer
+    def __init__(self, module: nn.Module, grid: ProcessGrid) -> None:
+        super().__init__(grid)
+        self.module = module
 
-    def finish_gradient_sync(self) -> None:
-        if self.reducer is not None:
-            self.reducer.finish()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
 
 
 @register_strategy("data")
 class DataParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
-        self.bucket_cap_bytes = int(bucket_cap_mb * _MB)
-        self.first_bucket_bytes = int(first_bucket_mb * _MB)
+        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
+        self.first_bucket_bytes = int(first_bucket_mb * MB)
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         errors = []
@@ -44,14 +43,13 @@ class DataParallel(Strategy):
 
     def parallelize(self, model: nn.Module, grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        reducer = None
-        if sync_replica_gradients and grid.batch.size > 1:
-            reducer = GradientBuckets(list(model.parameters()), grid.batch,
-                                      self.bucket_cap_bytes, self.first_bucket_bytes)
-        return DataParallelModel(model, grid, reducer)
+        pmodel = DataParallelModel(model, grid)
+        if sync_replica_gradients:
+            pmodel.reducers = gradient_exchange(list(model.parameters()), grid.world,
+                                                1.0 / grid.size, self.bucket_cap_bytes,
+                                                self.first_bucket_bytes)
+        return pmodel
 
-    def predicted_comm_bytes_per_step(self, model: nn.Module, grid: GridShape,
-                                      global_batch: int) -> int:
-        if grid.size == 1:
-            return 0
-        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                      grid: GridShape, global_batch: int) -> int:
+        return 0 if grid.size == 1 else param_bytes(list(model.parameters()))

@@ -1,0 +1,141 @@
+"""`strategy=grid`: integrated model and batch parallelism on a `Pr × Pc` grid.
+
+Fully-connected layers (and any layer after the first one) are split over the `Pr` ranks of a
+model group — rows of W, see `sharded.py` — while the batch is split over the `Pc` model groups.
+Layers before the first fully-connected one (the convolutions) are batch-parallel over all P
+ranks: each rank runs them on its own sub-shard of its group's rows, and an all-gather over the
+model group (adjoint: reduce-scatter) moves the result into the fully-connected layout.
+
+Gradients: a sharded weight is held by the `Pc` ranks of one batch group, so its gradient is
+all-reduced over that group (|W|/Pr per rank); the batch-parallel layers' weights are replicated
+on all P ranks and all-reduced over all of them. Both are bucketed and overlapped with backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core.primitives import all_gather
+from strategies.base import ParallelModel, Strategy, gradient_exchange, param_bytes
+from strategies.data import MB
+from strategies.registry import register_strategy
+from strategies.sharded import (
+    PlanStep,
+    build_sharded,
+    feature_sizes,
+    plan_layers,
+    predicted_bytes,
+    unsupported_layers,
+)
+
+
+class GridParallelModel(ParallelModel):
+    """`prefix` runs batch-parallel on this rank's sub-shard (or, without parameters, on the
+    whole group's rows); `body` is split over the model group and ends on this rank's rows."""
+
+    def __init__(self, grid: ProcessGrid, prefix: nn.Sequential, prefix_batch_parallel: bool,
+                 body: nn.Sequential, ends_on_own_rows: bool) -> None:
+        super().__init__(grid)
+        self.prefix, self.body = prefix, body
+        self.prefix_batch_parallel = prefix_batch_parallel
+        self.ends_on_own_rows = ends_on_own_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.grid.model
+        rows = Partition(x.shape[0], model.size)
+        if self.prefix_batch_parallel:
+            x = self.prefix(x[rows.slice(model.rank)])
+            if model.size > 1:
+                x = all_gather(x, model, 0, rows, label="boundary")
+        else:
+            x = self.prefix(x)
+        y = self.body(x)
+        return y if self.ends_on_own_rows else y[rows.slice(model.rank)]
+
+
+def split_at_first_linear(model: nn.Module) -> int:
+    layers = list(model.children())
+    return next((i for i, layer in enumerate(layers) if isinstance(layer, nn.Linear)),
+                len(layers))
+
+
+def sequential_problems(model: nn.Module, strategy: str) -> list[str]:
+    if not isinstance(model, nn.Sequential):
+        return [f"strategy={strategy} transforms nn.Sequential models, got "
+                f"{type(model).__name__}"]
+    return [f"strategy={strategy} cannot split {p}" for p in unsupported_layers(list(model))]
+
+
+def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
+                     sync_replica_gradients: bool, bucket_cap_bytes: int,
+                     first_bucket_bytes: int) -> GridParallelModel:
+    """Layers before `split` batch-parallel, the rest split over the model group."""
+    layers = list(model)
+    steps = plan_layers(layers, split, grid.pr)
+    prefix = nn.Sequential(*layers[:split])
+    prefix_params = list(prefix.parameters())
+    body = build_sharded(layers, steps, grid.model, grid.model_index)
+    ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
+    pmodel = GridParallelModel(grid, prefix, bool(prefix_params), body, ends_on_own_rows)
+    if sync_replica_gradients:
+        # Losses of all P ranks make the global mean: scale by 1/P.
+        sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
+    else:
+        # Each model group is a replica on its own: its loss is the mean over its Pr ranks.
+        sharded_comm, replicated_comm, scale = None, grid.model, 1.0 / grid.pr
+    caps = (bucket_cap_bytes, first_bucket_bytes)
+    if sharded_comm is None:
+        sharded_comm = CountedComm(None, grid.counter, "self")
+    pmodel.reducers = (gradient_exchange(list(body.parameters()), sharded_comm, scale, *caps)
+                       + gradient_exchange(prefix_params, replicated_comm, scale, *caps))
+    return pmodel
+
+
+def predict_grid_bytes(model: nn.Sequential, split: int, sample_shape: tuple[int, ...],
+                       grid: GridShape, global_batch: int) -> int:
+    """Rank 0's payload bytes per step: activations over the model group, gradients over the
+    batch group (sharded weights) and the world (batch-parallel weights)."""
+    layers = list(model)
+    steps: list[PlanStep] = plan_layers(layers, split, grid.pr)
+    rows = Partition(global_batch, grid.pc).sizes[0]
+    total = predicted_bytes(layers, steps, sample_shape, rows, grid.pr)
+    prefix_params = [p for layer in layers[:split] for p in layer.parameters()]
+    if prefix_params and grid.pr > 1:  # the boundary gather and its reduce-scatter
+        total += 2 * rows * feature_sizes(layers[:split], sample_shape)[-1] * 4
+    if grid.pc > 1:
+        total += sum(_shard_bytes(layers[s.layer], Partition(s.total, grid.pr).sizes[0])
+                     for s in steps if s.kind == "shard")
+    if prefix_params and grid.size > 1:
+        total += param_bytes(prefix_params)
+    return total
+
+
+def _shard_bytes(layer: nn.Module, rows: int) -> int:
+    """Bytes of model-group rank 0's shard (its first `rows` output features) of `layer`."""
+    whole = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+    return sum(p.numel() // whole * rows * p.element_size() for p in layer.parameters())
+
+
+@register_strategy("grid")
+class GridParallel(Strategy):
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
+        self.first_bucket_bytes = int(first_bucket_mb * MB)
+
+    def check_model(self, model: nn.Module) -> list[str]:
+        return sequential_problems(model, self.name)
+
+    def parallelize(self, model: nn.Module, grid: ProcessGrid,
+                    sync_replica_gradients: bool = True) -> ParallelModel:
+        assert isinstance(model, nn.Sequential)
+        return build_grid_model(model, grid, split_at_first_linear(model),
+                                sync_replica_gradients, self.bucket_cap_bytes,
+                                self.first_bucket_bytes)
+
+    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                      grid: GridShape, global_batch: int) -> int:
+        assert isinstance(model, nn.Sequential)
+        return predict_grid_bytes(model, split_at_first_linear(model), sample_shape, grid,
+                                  global_batch)

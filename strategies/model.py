@@ -1,0 +1,43 @@
+"""`strategy=model`: pure model parallelism (`Pc = 1`), every layer split over all P ranks.
+
+Fully-connected layers are split by rows of W, convolutions by output channel (`sharded.py`);
+every rank sees the whole batch. This is the grid strategy with one model group and no
+batch-parallel prefix.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from runner.core import GridShape, ProcessGrid
+from strategies.base import ParallelModel, Strategy
+from strategies.data import MB
+from strategies.grid import build_grid_model, predict_grid_bytes, sequential_problems
+from strategies.registry import register_strategy
+
+
+@register_strategy("model")
+class ModelParallel(Strategy):
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
+        self.first_bucket_bytes = int(first_bucket_mb * MB)
+
+    def check(self, grid: GridShape, global_batch: int) -> list[str]:
+        if grid.pc != 1:
+            return [f"strategy=model splits every layer over all ranks and needs grid.pc=1, got "
+                    f"grid.pc={grid.pc} (use strategy=grid to also split the batch)"]
+        return super().check(grid, global_batch)
+
+    def check_model(self, model: nn.Module) -> list[str]:
+        return sequential_problems(model, self.name)
+
+    def parallelize(self, model: nn.Module, grid: ProcessGrid,
+                    sync_replica_gradients: bool = True) -> ParallelModel:
+        assert isinstance(model, nn.Sequential)
+        return build_grid_model(model, grid, 0, sync_replica_gradients, self.bucket_cap_bytes,
+                                self.first_bucket_bytes)
+
+    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                      grid: GridShape, global_batch: int) -> int:
+        assert isinstance(model, nn.Sequential)
+        return predict_grid_bytes(model, 0, sample_shape, grid, global_batch)

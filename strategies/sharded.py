@@ -1,0 +1,191 @@
+"""Layers split over the model group (`Pr` ranks), and the plan that places their communication.
+
+A `Linear` keeps only its rows of W (output features) and of the bias; a `Conv2d` only its output
+channels. Layers that act on each feature/channel alone (activations, pooling) run on the shard
+as it is; before any layer that needs every feature (the next Linear or Conv2d, a Flatten), the
+shards are all-gathered along dim 1. The last sharded output is not gathered but repartitioned:
+features-split becomes rows-split, so each rank of the model group ends with the logits of its own
+rows of the batch (and its loss counts each sample once). The communication itself is in
+`runner.core.primitives`; these modules only say where it happens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.core import CountedComm, Partition
+from runner.core.primitives import all_gather, repartition
+
+# Layers that act on each feature or channel separately: they run on a shard unchanged.
+CHANNEL_LOCAL: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity,
+    nn.MaxPool2d, nn.AvgPool2d,
+)
+SHARDABLE: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One step of a sharded stack: `kind` is 'shard', 'local', 'gather' or 'to_rows'.
+
+    `layer` indexes the sequential model (shard/local); `total` is the whole size of the sharded
+    dim 1 (shard/gather/to_rows); `after` is the index of the layer whose output is moved.
+    """
+
+    kind: str
+    layer: int | None = None
+    total: int | None = None
+    after: int | None = None
+
+
+def unsupported_layers(layers: Sequence[nn.Module]) -> list[str]:
+    """Why these layers cannot be split over a model group (empty: they can)."""
+    problems = []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, nn.Conv2d) and layer.groups != 1:
+            problems.append(f"layer {i} ({layer}) is a grouped convolution")
+        elif not isinstance(layer, SHARDABLE) and any(True for _ in layer.parameters()):
+            problems.append(f"layer {i} ({type(layer).__name__}) has parameters and is neither "
+                            f"Linear nor Conv2d")
+    return problems
+
+
+def plan_layers(layers: Sequence[nn.Module], start: int, group_size: int) -> list[PlanStep]:
+    """Where shards, gathers and the final repartition go for `layers[start:]`."""
+    steps: list[PlanStep] = []
+    sharded: int | None = None  # the whole size of dim 1 while it is split
+    last = start
+    for i in range(start, len(layers)):
+        layer = layers[i]
+        if isinstance(layer, SHARDABLE):
+            if sharded is not None:
+                steps.append(PlanStep("gather", total=sharded, after=last))
+            sharded = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+            steps.append(PlanStep("shard", layer=i, total=sharded))
+        elif isinstance(layer, CHANNEL_LOCAL):
+            steps.append(PlanStep("local", layer=i))
+        else:
+            if sharded is not None:
+                steps.append(PlanStep("gather", total=sharded, after=last))
+                sharded = None
+            steps.append(PlanStep("local", layer=i))
+        last = i
+    if sharded is not None:
+        steps.append(PlanStep("to_rows", total=sharded, after=last))
+    if group_size == 1:  # nothing to move on a group of one
+        steps = [s for s in steps if s.kind in ("shard", "local")]
+    return steps
+
+
+class ShardedLinear(nn.Module):
+    """Rows `part.slice(index)` of a Linear's weight and bias (output features)."""
+
+    def __init__(self, linear: nn.Linear, part: Partition, index: int) -> None:
+        super().__init__()
+        rows = part.slice(index)
+        self.in_features, self.out_features = linear.in_features, part.sizes[index]
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach()[rows].clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ShardedConv2d(nn.Module):
+    """Output channels `part.slice(index)` of a Conv2d (every input channel is needed)."""
+
+    def __init__(self, conv: nn.Conv2d, part: Partition, index: int) -> None:
+        super().__init__()
+        channels = part.slice(index)
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.weight = nn.Parameter(conv.weight.detach()[channels].clone())
+        self.bias = (None if conv.bias is None
+                     else nn.Parameter(conv.bias.detach()[channels].clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+
+
+class GatherShards(nn.Module):
+    """All-gather dim 1 over the model group (adjoint: reduce-scatter)."""
+
+    def __init__(self, comm: CountedComm, total: int) -> None:
+        super().__init__()
+        self.comm, self.part = comm, Partition(total, comm.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather(x, self.comm, 1, self.part, label="activations")
+
+
+class ShardsToRows(nn.Module):
+    """Repartition from dim 1 split (features) to dim 0 split (rows) over the model group."""
+
+    def __init__(self, comm: CountedComm, total: int) -> None:
+        super().__init__()
+        self.comm, self.part = comm, Partition(total, comm.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = Partition(x.shape[0], self.comm.size)
+        return repartition(x, self.comm, 1, self.part, 0, rows, label="output")
+
+
+def build_sharded(layers: Sequence[nn.Module], steps: list[PlanStep], comm: CountedComm,
+                  index: int) -> nn.Sequential:
+    """The modules of `steps` for model-group rank `index`, weights sliced from `layers`."""
+    modules: list[nn.Module] = []
+    for step in steps:
+        if step.kind == "shard":
+            layer = layers[step.layer]
+            part = Partition(step.total, comm.size)
+            modules.append(ShardedLinear(layer, part, index) if isinstance(layer, nn.Linear)
+                           else ShardedConv2d(layer, part, index))
+        elif step.kind == "local":
+            modules.append(layers[step.layer])
+        elif step.kind == "gather":
+            modules.append(GatherShards(comm, step.total))
+        else:
+            modules.append(ShardsToRows(comm, step.total))
+    return nn.Sequential(*modules)
+
+
+def feature_sizes(layers: Sequence[nn.Module], sample_shape: Sequence[int]) -> list[int]:
+    """Elements per sample of each layer's output, from one sample pushed through on the layers'
+    own device (no memory or compute on the meta device, one sample's worth on the CPU)."""
+    params = [p for layer in layers for p in layer.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    sizes = []
+    with torch.no_grad():
+        h = torch.zeros(1, *sample_shape, device=device)
+        for layer in layers:
+            h = layer(h)
+            sizes.append(math.prod(h.shape[1:]))
+    return sizes
+
+
+def predicted_bytes(layers: Sequence[nn.Module], steps: list[PlanStep], sample_shape: Sequence[int],
+                    rows: int, group_size: int, itemsize: int = 4) -> int:
+    """Payload bytes model-group rank 0 moves in one forward+backward of `rows` samples.
+
+    A gather and its adjoint reduce-scatter each move the whole gathered activation; the final
+    repartition moves rank 0's feature shard forward and its row shard of the gradient back.
+    """
+    if group_size == 1:
+        return 0
+    per_sample = feature_sizes(layers, sample_shape)
+    total = 0
+    for step in steps:
+        if step.kind == "gather":
+            total += 2 * rows * per_sample[step.after] * itemsize
+        elif step.kind == "to_rows":
+            whole = per_sample[step.after]
+            shard = whole // step.total * Partition(step.total, group_size).sizes[0]
+            own_rows = Partition(rows, group_size).sizes[0]
+            total += (rows * shard + own_rows * whole) * itemsize
+    return total
