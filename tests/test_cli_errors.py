@@ -13,10 +13,13 @@ from tests.conftest import run_cli
 
 CASES = {
     "zero_ranks": (["grid.pc=0"], ["grid.pc=0: must be >= 1"]),
-    "data_with_model_split": (["grid.pr=3"], ["strategy=data", "needs grid.pr=1"]),
+    "data_with_model_split": (["strategy=data", "grid.pr=3"], ["strategy=data",
+                                                                "needs grid.pr=1"]),
+    "model_with_batch_split": (["strategy=model", "grid.pr=2", "grid.pc=2"],
+                               ["strategy=model", "needs grid.pc=1"]),
     "batch_not_divisible": (["trainer.batch_size=30"], ["trainer.batch_size=30",
                                                         "not divisible by the 4"]),
-    "batch_smaller_than_ranks": (["grid.pc=8", "trainer.batch_size=4"],
+    "batch_smaller_than_ranks": (["grid.pr=1", "grid.pc=8", "trainer.batch_size=4"],
                                  ["smaller than the 8 ranks"]),
     "unknown_model": (["model=transformer9"], ["unknown model 'transformer9'", "cnn, mlp"]),
     "unknown_strategy": (["strategy=pipeline"], ["unknown strategy 'pipeline'", "data"]),

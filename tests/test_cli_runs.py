@@ -18,18 +18,20 @@ from tests.conftest import assert_ok, read_metrics, read_summary, run_cli, train
 
 STEPS = 50
 COMMON = [f"trainer.steps={STEPS}", "trainer.eval_every=25", "seed=1"]
+DATA = ["strategy=data", "grid.pr=1"]
 RUNS: dict[str, tuple[list[str], int | None]] = {
     # name: (overrides, ranks of a user-started mpiexec, or None for the runner's own launch)
-    "mlp_p1": (["grid.pc=1"], None),
-    "mlp_p1_again": (["grid.pc=1"], None),
+    "mlp_p1": ([*DATA, "grid.pc=1"], None),
+    "mlp_p1_again": ([*DATA, "grid.pc=1"], None),
+    "grid_default_2x2": ([], None),  # the default strategy and grid
     # Through launcher.command (a wrapper that records its arguments, then runs the bundled
     # mpiexec): the site-launcher path a cluster user takes.
-    "mlp_p2": (["grid.pc=2", "launcher.command=tests/recording_mpiexec.sh",
+    "mlp_p2": ([*DATA, "grid.pc=2", "launcher.command=tests/recording_mpiexec.sh",
                 "launcher.args=[-genv,GRIDRUN_TEST_MARK,1]"], None),
-    "mlp_p4": (["grid.pc=4"], None),
-    "mlp_p4_again": (["grid.pc=4"], None),
-    "cnn_p1": (["model=cnn", "grid.pc=1"], None),
-    "cnn_p2_user_mpiexec": (["model=cnn", "grid.pc=2"], 2),
+    "mlp_p4": ([*DATA, "grid.pc=4"], None),
+    "mlp_p4_again": ([*DATA, "grid.pc=4"], None),
+    "cnn_p1": ([*DATA, "model=cnn", "grid.pc=1"], None),
+    "cnn_p2_user_mpiexec": ([*DATA, "model=cnn", "grid.pc=2"], 2),
 }
 
 
@@ -58,8 +60,8 @@ def _relative_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("name", ["mlp_p2", "mlp_p4"])
-def test_data_parallel_reproduces_single_process_losses(runs: Runs, name: str) -> None:
+@pytest.mark.parametrize("name", ["mlp_p2", "mlp_p4", "grid_default_2x2"])
+def test_parallel_runs_reproduce_single_process_losses(runs: Runs, name: str) -> None:
     losses = train_losses(runs(name))
     assert len(losses) == STEPS
     assert _relative_gap(train_losses(runs("mlp_p1")), losses) <= 1e-5
@@ -132,13 +134,23 @@ def test_measured_bytes_equal_predicted_every_step(runs: Runs) -> None:
     assert read_summary(runs("mlp_p1"))["comm_bytes_per_step"] == 0
 
 
+def test_default_grid_run_splits_the_weights(runs: Runs) -> None:
+    summary = read_summary(runs("grid_default_2x2"))
+    assert summary["strategy"] == "grid" and summary["grid"] == {"pr": 2, "pc": 2}
+    whole = read_summary(runs("mlp_p1"))["param_bytes_per_rank"]
+    assert whole / 2 <= summary["param_bytes_per_rank"] <= whole / 2 + 4 * (64 + 128 + 128 + 3)
+    predicted = summary["predicted_comm_bytes_per_step"]
+    assert all(m["comm_bytes"] == predicted for m in read_metrics(runs("grid_default_2x2"))
+               if "split" not in m)
+
+
 def test_training_learns_digits(runs: Runs) -> None:
     assert read_summary(runs("mlp_p4"))["val_accuracy"] > 0.8  # 50 steps; chance is 0.1
 
 
 def test_a_failing_rank_ends_the_job_with_its_traceback(session_tmp: Path) -> None:
     run_dir = session_tmp / "failing"
-    result = run_cli(*COMMON, "grid.pc=4", "debug.raise_at_step=3", "debug.raise_on_rank=2",
+    result = run_cli(*COMMON, *DATA, "grid.pc=4", "debug.raise_at_step=3", "debug.raise_on_rank=2",
                      f"hydra.run.dir={run_dir}", timeout=120)  # a hang would hit the timeout
     assert result.returncode not in (0, 2), result.returncode
     assert "[rank 2] failed" in result.stderr and "InjectedFailure" in result.stderr
@@ -151,7 +163,8 @@ def test_a_failing_rank_ends_the_job_with_its_traceback(session_tmp: Path) -> No
 
 def test_user_mpi_job_of_the_wrong_size_is_refused(session_tmp: Path) -> None:
     run_dir = session_tmp / "wrong_size"
-    result = run_cli("grid.pc=4", f"hydra.run.dir={run_dir}", mpi_ranks=2, timeout=120)
+    result = run_cli("grid.pr=2", "grid.pc=2", f"hydra.run.dir={run_dir}", mpi_ranks=2,
+                     timeout=120)
     assert result.returncode == 2
     assert "error: grid.pr*grid.pc=4 but the MPI job has 2 ranks" in result.stderr
     assert "Traceback" not in result.stderr and not run_dir.exists()
@@ -159,17 +172,18 @@ def test_user_mpi_job_of_the_wrong_size_is_refused(session_tmp: Path) -> None:
 
 def test_multirun_gives_each_job_its_own_mpi_job_and_a_sweep_table(session_tmp: Path) -> None:
     sweep = session_tmp / "sweep"
-    result = run_cli("-m", "grid.pc=1,2", "dataset=synthetic", "trainer.steps=10",
+    result = run_cli("-m", "grid.pr=1,2", "grid.pc=1", "dataset=synthetic", "trainer.steps=10",
                      "trainer.batch_size=32", f"hydra.sweep.dir={sweep}")
     assert_ok(result)
     rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
     assert [r["overrides"] for r in rows] == [
-        "grid.pc=1 dataset=synthetic trainer.steps=10 trainer.batch_size=32",
-        "grid.pc=2 dataset=synthetic trainer.steps=10 trainer.batch_size=32"]
+        "grid.pr=1 grid.pc=1 dataset=synthetic trainer.steps=10 trainer.batch_size=32",
+        "grid.pr=2 grid.pc=1 dataset=synthetic trainer.steps=10 trainer.batch_size=32"]
     assert all(r["status"] == "completed" for r in rows)
     for job, ranks in ((0, 1), (1, 2)):
         summary = read_summary(sweep / str(job))
         assert summary["world_size"] == ranks and summary["run_dir"] == str(sweep / str(job))
+        assert summary["strategy"] == "grid"
         assert (sweep / str(job) / ".hydra" / "overrides.yaml").is_file()
     losses = [train_losses(sweep / str(job)) for job in (0, 1)]
     assert len(losses[0]) == 10 and _relative_gap(*losses) <= 1e-5

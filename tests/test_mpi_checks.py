@@ -9,7 +9,12 @@ import pytest
 
 from tests.conftest import ROOT, run_mpi_script
 
-SCRIPTS = {"tests/mpi/check_data_parallel.py": (2, 4)}
+# script: the world sizes it runs at (check_core carves grids up to 2x3 out of 6 ranks).
+SCRIPTS = {
+    "tests/mpi/check_data_parallel.py": (2, 4),
+    "tests/mpi/check_core.py": (6,),
+    "tests/mpi/check_model_grid.py": (4,),
+}
 
 
 def _declared_checks(script: str) -> list[str]:
@@ -19,8 +24,8 @@ def _declared_checks(script: str) -> list[str]:
 
 
 @pytest.mark.parametrize("script,ranks", [(s, n) for s, sizes in SCRIPTS.items() for n in sizes])
-def test_mpi_checks(script: str, ranks: int) -> None:
-    result = run_mpi_script(script, ranks)
+def test_mpi_checks(script: str, ranks: int, tmp_path: Path) -> None:
+    result = run_mpi_script(script, ranks, str(tmp_path))
     passed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
     declared = _declared_checks(script)
     assert declared, "no checks found"

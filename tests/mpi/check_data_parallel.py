@@ -83,7 +83,7 @@ def one_bucket_per_parameter_still_launches_in_order() -> None:
     assert len(grads) == len(params), (len(grads), len(params))
     # Reverse registration order: the last layer's bias is exchanged first.
     assert [r.nbytes for r in grads] == [p.numel() * 4 for p in reversed(params)]
-    assert all(r.op == "iallreduce" and r.group == "batch" and r.group_size == SIZE
+    assert all(r.op == "iallreduce" and r.group == "world" and r.group_size == SIZE
                for r in grads)
 
 
@@ -91,7 +91,7 @@ def one_bucket_per_parameter_still_launches_in_order() -> None:
 def all_reduces_start_while_backward_is_still_running() -> None:
     grid = ProcessGrid(1, SIZE, COMM)
     pmodel = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6).parallelize(make_model(), grid)
-    reducer = pmodel.reducer
+    (reducer,) = pmodel.reducers
     launched_when_first_layer_ready = []
     first_weight = pmodel.module[0].weight  # its gradient is the last one backward produces
     first_weight.register_hook(lambda g: launched_when_first_layer_ready.append(
@@ -110,8 +110,8 @@ def counted_bytes_equal_the_parameter_bytes() -> None:
     pmodel, counter = data_parallel_step(bucket_mb=25.0, steps=1)
     param_bytes = sum(p.numel() * p.element_size() for p in pmodel.parameters())
     assert counter.totals.nbytes == param_bytes, (counter.totals.nbytes, param_bytes)
-    predicted = DataParallel().predicted_comm_bytes_per_step(pmodel.module,
-                                                             ProcessGrid(1, SIZE, COMM).shape, 32)
+    predicted = DataParallel().predicted_comm_bytes_per_step(
+        pmodel.module, (12,), ProcessGrid(1, SIZE, COMM).shape, 32)
     assert predicted == param_bytes
 
 
