@@ -14,8 +14,6 @@ call is made. That lets a 1-process run use the same code without initialising M
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,12 +45,14 @@ class CommCounter:
     keep_records: bool = False
     totals: CommTotals = field(default_factory=CommTotals)
 
-    def add(self, record: CommRecord) -> None:
-        self.totals.calls += 1
-        self.totals.nbytes += record.nbytes
-        self.totals.seconds += record.seconds
-        if self.keep_records:
-            self.records.append(record)
+    def add(self, op: str, group: str, group_size: int, nbytes: int, seconds: float,
+            label: str) -> None:
+        totals = self.totals
+        totals.calls += 1
+        totals.nbytes += nbytes
+        totals.seconds += seconds
+        if self.keep_records:  # a record object per call only when someone reads them
+            self.records.append(CommRecord(op, group, group_size, nbytes, seconds, label))
 
     def snapshot(self) -> CommTotals:
         return CommTotals(self.totals.calls, self.totals.nbytes, self.totals.seconds)
@@ -156,13 +156,7 @@ class CountedComm:
         return f"CountedComm({self.name}, rank={self.rank}, size={self.size})"
 
     def _record(self, op: str, nbytes: int, seconds: float, label: str) -> None:
-        self.counter.add(CommRecord(op, self.name, self.size, nbytes, seconds, label))
-
-    @contextmanager
-    def _timed(self, op: str, nbytes: int, label: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self._record(op, nbytes, time.perf_counter() - start, label)
+        self.counter.add(op, self.name, self.size, nbytes, seconds, label)
 
     # -- collectives on tensors -------------------------------------------------------------
 
@@ -172,9 +166,34 @@ class CountedComm:
             return tensor
         _require_contiguous(tensor)
         MPI = _mpi()
-        with self._timed("allreduce", _nbytes(tensor), label):
-            self.mpi_comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        start = time.perf_counter()
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
+
+    def allreduce(self, tensor: torch.Tensor, out: torch.Tensor, label: str = "") -> torch.Tensor:
+        """`out` = sum of `tensor` over the group (out of place: no copy of the input needed)."""
+        if self.size == 1:
+            return out.copy_(tensor)
+        _require_contiguous(tensor)
+        MPI = _mpi()
+        start = time.perf_counter()
+        self.mpi_comm.Allreduce(tensor, out, op=MPI.SUM)
+        self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
+        return out
+
+    def reduce(self, tensor: torch.Tensor, out: torch.Tensor | None, root: int = 0,
+               label: str = "") -> torch.Tensor | None:
+        """Sum of `tensor` over the group into `out` on `root` (out of place; `out` unused
+        elsewhere)."""
+        if self.size == 1:
+            return None if out is None else out.copy_(tensor)
+        _require_contiguous(tensor)
+        MPI = _mpi()
+        start = time.perf_counter()
+        self.mpi_comm.Reduce(tensor, out if self.rank == root else None, op=MPI.SUM, root=root)
+        self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
+        return out
 
     def iallreduce_(self, tensor: torch.Tensor, label: str = "") -> PendingOp:
         """Start an in-place sum of `tensor` over the group; complete it with `wait()`."""
@@ -191,8 +210,9 @@ class CountedComm:
         if self.size == 1:
             return tensor
         _require_contiguous(tensor)
-        with self._timed("bcast", _nbytes(tensor), label):
-            self.mpi_comm.Bcast(tensor, root=root)
+        start = time.perf_counter()
+        self.mpi_comm.Bcast(tensor, root=root)
+        self._record("bcast", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
 
     def reduce_(self, tensor: torch.Tensor, root: int = 0, label: str = "") -> torch.Tensor:
@@ -201,11 +221,12 @@ class CountedComm:
             return tensor
         _require_contiguous(tensor)
         MPI = _mpi()
-        with self._timed("reduce", _nbytes(tensor), label):
-            if self.rank == root:
-                self.mpi_comm.Reduce(MPI.IN_PLACE, tensor, op=MPI.SUM, root=root)
-            else:
-                self.mpi_comm.Reduce(tensor, None, op=MPI.SUM, root=root)
+        start = time.perf_counter()
+        if self.rank == root:
+            self.mpi_comm.Reduce(MPI.IN_PLACE, tensor, op=MPI.SUM, root=root)
+        else:
+            self.mpi_comm.Reduce(tensor, None, op=MPI.SUM, root=root)
+        self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
 
     def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int],
@@ -213,8 +234,9 @@ class CountedComm:
         """Concatenate every rank's `piece` (of `counts[rank]` elements) into `out`, by rank."""
         _require_contiguous(piece)
         _require_contiguous(out)
-        with self._timed("allgather", _nbytes(out), label):
-            self.mpi_comm.Allgatherv(piece, [out, (counts, _displacements(counts))])
+        start = time.perf_counter()
+        self.mpi_comm.Allgatherv(piece, [out, (counts, _displacements(counts))])
+        self._record("allgather", _nbytes(out), time.perf_counter() - start, label)
         return out
 
     def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int],
@@ -223,8 +245,9 @@ class CountedComm:
         _require_contiguous(full)
         _require_contiguous(out)
         MPI = _mpi()
-        with self._timed("reduce_scatter", _nbytes(full), label):
-            self.mpi_comm.Reduce_scatter(full, out, counts, op=MPI.SUM)
+        start = time.perf_counter()
+        self.mpi_comm.Reduce_scatter(full, out, counts, op=MPI.SUM)
+        self._record("reduce_scatter", _nbytes(full), time.perf_counter() - start, label)
         return out
 
     def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
@@ -232,9 +255,10 @@ class CountedComm:
         """Block k of `send` goes to rank k; block k of `recv` comes from rank k."""
         _require_contiguous(send)
         _require_contiguous(recv)
-        with self._timed("alltoall", _nbytes(send), label):
-            self.mpi_comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
-                                    [recv, (recv_counts, _displacements(recv_counts))])
+        start = time.perf_counter()
+        self.mpi_comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
+                                [recv, (recv_counts, _displacements(recv_counts))])
+        self._record("alltoall", _nbytes(send), time.perf_counter() - start, label)
         return recv
 
     def staging(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

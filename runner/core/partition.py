@@ -29,6 +29,15 @@ class Partition:
         self.total, self.parts = total, parts
         self.sizes = balanced_sizes(total, parts)
         self.offsets = [sum(self.sizes[:i]) for i in range(parts)]
+        self._counts: dict[int, list[int]] = {}
+
+    def counts(self, inner: int) -> list[int]:
+        """Element counts of the pieces when each unit of the split dim holds `inner` elements
+        (cached: layers ask for the same counts every step)."""
+        cached = self._counts.get(inner)
+        if cached is None:
+            cached = self._counts[inner] = [size * inner for size in self.sizes]
+        return cached
 
     def slice(self, index: int) -> slice:
         return slice(self.offsets[index], self.offsets[index] + self.sizes[index])

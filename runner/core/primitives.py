@@ -27,32 +27,38 @@ from runner.core.partition import Partition
 # -- the operators and their adjoints, without autograd ------------------------------------------
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    return x if has_c_strides(x) else x.contiguous()
+
+
 def broadcast_op(x: torch.Tensor, comm: CountedComm, root: int = 0,
                  label: str = "") -> torch.Tensor:
-    """y_k = x_root on every rank k (other ranks' x is ignored; only its shape is used)."""
-    out = x.detach().clone(memory_format=torch.contiguous_format)
+    """y_k = x_root on every rank k (other ranks' x is ignored; only its shape is used).
+    On root the output shares x's storage: nothing needs copying there."""
+    out = _dense(x) if comm.rank == root else torch.empty(x.shape, dtype=x.dtype)
     return comm.bcast_(out, root, label)
 
 
 def sum_reduce_op(x: torch.Tensor, comm: CountedComm, root: int = 0,
                   label: str = "") -> torch.Tensor:
     """y_root = Σ_k x_k; y is zero on every other rank."""
-    out = x.detach().clone(memory_format=torch.contiguous_format)
-    comm.reduce_(out, root, label)
-    if comm.rank != root:
-        out.zero_()
-    return out
+    if comm.rank == root:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        comm.reduce(_dense(x), out, root, label)
+        return out
+    comm.reduce(_dense(x), None, root, label)
+    return torch.zeros(x.shape, dtype=x.dtype)
 
 
 def all_sum_reduce_op(x: torch.Tensor, comm: CountedComm, label: str = "") -> torch.Tensor:
     """y_k = Σ_j x_j on every rank k."""
-    out = x.detach().clone(memory_format=torch.contiguous_format)
-    return comm.allreduce_(out, label)
+    return comm.allreduce(_dense(x), torch.empty(x.shape, dtype=x.dtype), label)
 
 
 def _front(x: torch.Tensor, dim: int, comm: CountedComm, tag: str) -> torch.Tensor:
     """`x` with `dim` moved to the front, contiguous (a reused scratch copy when needed)."""
-    moved = x.detach().movedim(dim, 0)
+    moved = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
     if has_c_strides(moved):
         return moved
     scratch = comm.staging(tag, tuple(moved.shape), moved.dtype)
@@ -68,8 +74,8 @@ def all_gather_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
     piece = _front(x, dim, comm, "gather.send")
     inner = math.prod(piece.shape[1:])
     out = torch.empty((part.total, *piece.shape[1:]), dtype=x.dtype)
-    comm.allgatherv_(piece, out, [s * inner for s in part.sizes], label)
-    return out.movedim(0, dim)
+    comm.allgatherv_(piece, out, part.counts(inner), label)
+    return out if dim == 0 else out.movedim(0, dim)
 
 
 def reduce_scatter_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
@@ -83,8 +89,8 @@ def reduce_scatter_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partit
     full = _front(x, dim, comm, "scatter.send")
     inner = math.prod(full.shape[1:])
     out = torch.empty((part.sizes[comm.rank], *full.shape[1:]), dtype=x.dtype)
-    comm.reduce_scatter_(full, out, [s * inner for s in part.sizes], label)
-    return out.movedim(0, dim)
+    comm.reduce_scatter_(full, out, part.counts(inner), label)
+    return out if dim == 0 else out.movedim(0, dim)
 
 
 def repartition_op(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Partition,
