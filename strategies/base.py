@@ -20,6 +20,8 @@ from torch import nn
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from strategies.buckets import GradientBuckets
 
+MB = 1 << 20
+
 
 class ParallelModel(nn.Module):
     """This rank's part of the model, and the gradient exchanges that make its steps agree."""
@@ -62,8 +64,15 @@ class Strategy:
 
     name: ClassVar[str] = ""
 
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+        # Gradient buckets: the first one small so the first all-reduce starts early.
+        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
+        self.first_bucket_bytes = int(first_bucket_mb * MB)
+
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""
+        if self.bucket_cap_bytes <= 0 or self.first_bucket_bytes <= 0:
+            return ["strategy.bucket_cap_mb and strategy.first_bucket_mb must be > 0"]
         if global_batch < grid.size:
             return [f"trainer.batch_size={global_batch} is smaller than the {grid.size} ranks "
                     f"(grid.pr*grid.pc): every rank needs at least one sample"]

@@ -13,8 +13,6 @@ from runner.core import GridShape, ProcessGrid
 from strategies.base import ParallelModel, Strategy, gradient_exchange, param_bytes
 from strategies.registry import register_strategy
 
-MB = 1 << 20
-
 
 class DataParallelModel(ParallelModel):
     def __init__(self, module: nn.Module, grid: ProcessGrid) -> None:
@@ -27,19 +25,11 @@ class DataParallelModel(ParallelModel):
 
 @register_strategy("data")
 class DataParallel(Strategy):
-    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
-        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
-        self.first_bucket_bytes = int(first_bucket_mb * MB)
-
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
-        errors = []
-        if self.bucket_cap_bytes <= 0 or self.first_bucket_bytes <= 0:
-            errors.append("strategy.bucket_cap_mb and strategy.first_bucket_mb must be > 0")
         if grid.pr != 1:
-            errors.append(f"strategy=data replicates the whole model and needs grid.pr=1, "
-                          f"got grid.pr={grid.pr} (use strategy=grid to split the model)")
-            return errors
-        return errors + super().check(grid, global_batch)
+            return [f"strategy=data replicates the whole model and needs grid.pr=1, "
+                    f"got grid.pr={grid.pr} (use strategy=grid to split the model)"]
+        return super().check(grid, global_batch)
 
     def parallelize(self, model: nn.Module, grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:

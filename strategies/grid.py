@@ -19,7 +19,6 @@ from torch import nn
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, gradient_exchange, param_bytes
-from strategies.data import MB
 from strategies.registry import register_strategy
 from strategies.sharded import (
     PlanStep,
@@ -120,10 +119,6 @@ def _shard_bytes(layer: nn.Module, rows: int) -> int:
 
 @register_strategy("grid")
 class GridParallel(Strategy):
-    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
-        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
-        self.first_bucket_bytes = int(first_bucket_mb * MB)
-
     def check_model(self, model: nn.Module) -> list[str]:
         return sequential_problems(model, self.name)
 

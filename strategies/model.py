@@ -11,17 +11,12 @@ from torch import nn
 
 from runner.core import GridShape, ProcessGrid
 from strategies.base import ParallelModel, Strategy
-from strategies.data import MB
 from strategies.grid import build_grid_model, predict_grid_bytes, sequential_problems
 from strategies.registry import register_strategy
 
 
 @register_strategy("model")
 class ModelParallel(Strategy):
-    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
-        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
-        self.first_bucket_bytes = int(first_bucket_mb * MB)
-
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         if grid.pc != 1:
             return [f"strategy=model splits every layer over all ranks and needs grid.pc=1, got "

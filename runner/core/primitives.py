@@ -16,7 +16,9 @@ the scratch copies a non-contiguous layout needs are reused across calls.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch.autograd import Function
@@ -140,101 +142,43 @@ def _check_piece(x: torch.Tensor, dim: int, part: Partition, comm: CountedComm) 
 # -- autograd: forward is the operator, backward its adjoint ---------------------------------------
 
 
-class _Broadcast(Function):
-    @staticmethod
-    def forward(ctx, x, comm, root, label):
-        ctx.args = (comm, root, label)
-        return broadcast_op(x, comm, root, label)
+def _operator(name: str, forward: Callable[..., torch.Tensor],
+              adjoint: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """An autograd function computing `forward(x, *args)` whose backward is `adjoint(g, *args)`.
 
-    @staticmethod
-    def backward(ctx, grad):
-        comm, root, label = ctx.args
-        return sum_reduce_op(grad, comm, root, label), None, None, None
+    Only `x` is differentiable: the other arguments describe the data movement."""
 
+    def fwd(ctx, x, *args):
+        ctx.args = args
+        return forward(x, *args)
 
-class _SumReduce(Function):
-    @staticmethod
-    def forward(ctx, x, comm, root, label):
-        ctx.args = (comm, root, label)
-        return sum_reduce_op(x, comm, root, label)
+    def bwd(ctx, grad):
+        return (adjoint(grad, *ctx.args), *(None for _ in ctx.args))
 
-    @staticmethod
-    def backward(ctx, grad):
-        comm, root, label = ctx.args
-        return broadcast_op(grad, comm, root, label), None, None, None
+    function = type(name, (Function,), {"forward": staticmethod(fwd),
+                                        "backward": staticmethod(bwd)})
+    signature = inspect.signature(forward)
 
+    def call(*args: object, **kwargs: object) -> torch.Tensor:
+        bound = signature.bind(*args, **kwargs)  # Function.apply takes positions only
+        bound.apply_defaults()
+        return function.apply(*bound.args)
 
-class _AllSumReduce(Function):
-    @staticmethod
-    def forward(ctx, x, comm, label):
-        ctx.args = (comm, label)
-        return all_sum_reduce_op(x, comm, label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        comm, label = ctx.args
-        return all_sum_reduce_op(grad, comm, label), None, None
+    call.__name__, call.__doc__ = name, forward.__doc__
+    return call
 
 
-class _AllGather(Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim, part, label):
-        ctx.args = (comm, dim, part, label)
-        return all_gather_op(x, comm, dim, part, label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        comm, dim, part, label = ctx.args
-        return reduce_scatter_op(grad, comm, dim, part, label), None, None, None, None
-
-
-class _ReduceScatter(Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim, part, label):
-        ctx.args = (comm, dim, part, label)
-        return reduce_scatter_op(x, comm, dim, part, label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        comm, dim, part, label = ctx.args
-        return all_gather_op(grad, comm, dim, part, label), None, None, None, None
-
-
-class _Repartition(Function):
-    @staticmethod
-    def forward(ctx, x, comm, split_dim, split, new_dim, new_split, label):
-        ctx.args = (comm, split_dim, split, new_dim, new_split, label)
-        return repartition_op(x, comm, split_dim, split, new_dim, new_split, label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        comm, split_dim, split, new_dim, new_split, label = ctx.args
-        return (repartition_op(grad, comm, new_dim, new_split, split_dim, split, label),
-                None, None, None, None, None, None)
-
-
-def broadcast(x: torch.Tensor, comm: CountedComm, root: int = 0, label: str = "") -> torch.Tensor:
-    return _Broadcast.apply(x, comm, root, label)
-
-
-def sum_reduce(x: torch.Tensor, comm: CountedComm, root: int = 0, label: str = "") -> torch.Tensor:
-    return _SumReduce.apply(x, comm, root, label)
-
-
-def all_sum_reduce(x: torch.Tensor, comm: CountedComm, label: str = "") -> torch.Tensor:
-    return _AllSumReduce.apply(x, comm, label)
-
-
-def all_gather(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
-               label: str = "") -> torch.Tensor:
-    return _AllGather.apply(x, comm, dim, part, label)
-
-
-def reduce_scatter(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
-                   label: str = "") -> torch.Tensor:
-    return _ReduceScatter.apply(x, comm, dim, part, label)
-
-
-def repartition(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Partition,
-                new_split_dim: int, new_split: Partition, label: str = "") -> torch.Tensor:
-    return _Repartition.apply(x, comm, split_dim, split, new_split_dim, new_split, label)
+broadcast: Callable[..., torch.Tensor] = _operator(
+    "Broadcast", broadcast_op, sum_reduce_op)
+sum_reduce: Callable[..., torch.Tensor] = _operator(
+    "SumReduce", sum_reduce_op, broadcast_op)
+all_sum_reduce: Callable[..., torch.Tensor] = _operator(
+    "AllSumReduce", all_sum_reduce_op, all_sum_reduce_op)
+all_gather: Callable[..., torch.Tensor] = _operator(
+    "AllGather", all_gather_op, reduce_scatter_op)
+reduce_scatter: Callable[..., torch.Tensor] = _operator(
+    "ReduceScatter", reduce_scatter_op, all_gather_op)
+repartition: Callable[..., torch.Tensor] = _operator(
+    "Repartition", repartition_op,
+    lambda g, comm, split_dim, split, new_dim, new_split, label="": repartition_op(
+        g, comm, new_dim, new_split, split_dim, split, label))

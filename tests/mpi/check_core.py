@@ -11,10 +11,8 @@ concatenation of the pieces every rank can rebuild from the shared seed).
 
 from __future__ import annotations
 
-import sys
-import traceback
-
 import torch
+from harness import check, run_checks
 from mpi4py import MPI
 
 from runner.core import CountedComm, Partition, ProcessGrid
@@ -24,12 +22,7 @@ WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
 GRIDS = [(1, 1), (1, 4), (4, 1), (2, 2), (2, 3)]
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-CHECKS = []
 
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
 
 
 def seeded(shape, seed: int, dtype) -> torch.Tensor:
@@ -161,18 +154,5 @@ def every_call_is_counted_with_its_payload() -> None:
             ("reduce_scatter", part.total * 3 * 4, comm.size)], records
 
 
-def main() -> None:
-    for fn in CHECKS:
-        try:
-            fn()
-            WORLD.Barrier()
-            if RANK == 0:
-                print(f"ok {fn.__name__}", flush=True)
-        except BaseException:
-            sys.stderr.write(f"[rank {RANK}] {fn.__name__} FAILED\n{traceback.format_exc()}")
-            sys.stderr.flush()
-            WORLD.Abort(1)
-
-
 if __name__ == "__main__":
-    main()
+    run_checks()

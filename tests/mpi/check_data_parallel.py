@@ -7,11 +7,9 @@ full-batch gradient sequentially and compares.
 
 from __future__ import annotations
 
-import sys
-import traceback
-
 import torch
 import torch.nn.functional as F
+from harness import check, run_checks
 from mpi4py import MPI
 from torch import nn
 
@@ -20,12 +18,7 @@ from strategies.data import DataParallel
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
-CHECKS = []
 
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -165,18 +158,5 @@ def grid_groups_follow_the_named_dimensions() -> None:
     assert x.item() == sum(model_peers)
 
 
-def main() -> None:
-    for fn in CHECKS:
-        try:
-            fn()
-            COMM.Barrier()
-            if RANK == 0:
-                print(f"ok {fn.__name__}", flush=True)
-        except BaseException:
-            sys.stderr.write(f"[rank {RANK}] {fn.__name__} FAILED\n{traceback.format_exc()}")
-            sys.stderr.flush()
-            COMM.Abort(1)
-
-
 if __name__ == "__main__":
-    main()
+    run_checks()

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
+from harness import check, run_checks
 from mpi4py import MPI
 from omegaconf import OmegaConf
 from torch import nn
@@ -32,13 +32,8 @@ from strategies.sharded import ShardedConv2d, ShardedLinear
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_model_grid")
-CHECKS = []
 GRIDS = [(2, 1), (4, 1), (1, 4), (2, 2)]
 
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
 
 
 def sub_grid(pr: int, pc: int) -> ProcessGrid | None:
@@ -206,18 +201,5 @@ def training_reproduces_the_single_process_losses() -> None:
                     f"predicted {predicted}")
 
 
-def main() -> None:
-    for fn in CHECKS:
-        try:
-            fn()
-            WORLD.Barrier()
-            if RANK == 0:
-                print(f"ok {fn.__name__}", flush=True)
-        except BaseException:
-            sys.stderr.write(f"[rank {RANK}] {fn.__name__} FAILED\n{traceback.format_exc()}")
-            sys.stderr.flush()
-            WORLD.Abort(1)
-
-
 if __name__ == "__main__":
-    main()
+    run_checks()
