@@ -118,7 +118,10 @@ class PendingOp:
         if self.done:
             return True
         start = time.perf_counter()
-        self.done = bool(self._request.Test())
+        if isinstance(self._request, list):
+            self.done = bool(_mpi().Request.Testall(self._request))
+        else:
+            self.done = bool(self._request.Test())
         self._seconds += time.perf_counter() - start
         if self.done:
             self._finish()
@@ -128,7 +131,10 @@ class PendingOp:
         if self.done:
             return
         start = time.perf_counter()
-        self._request.Wait()
+        if isinstance(self._request, list):
+            _mpi().Request.Waitall(self._request)
+        else:
+            self._request.Wait()
         self._seconds += time.perf_counter() - start
         self.done = True
         self._finish()
@@ -205,6 +211,20 @@ class CountedComm:
         request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
         return PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
                          time.perf_counter() - start, (tensor,))
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]], label: str = "",
+                 tag: int = 0) -> PendingOp:
+        """Post non-blocking sends of (tensor, destination) and receives into (tensor, source);
+        `wait()` completes them all. Payload: the bytes this rank sends."""
+        if self.size == 1 or (not sends and not recvs):
+            return PendingOp(self, "exchange", None, 0, label, 0.0, ())
+        start = time.perf_counter()
+        requests = [self.mpi_comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
+        requests += [self.mpi_comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
+        nbytes = sum(_nbytes(buf) for buf, _ in sends)
+        return PendingOp(self, "exchange", requests, nbytes, label, time.perf_counter() - start,
+                         tuple(buf for buf, _ in sends + recvs))
 
     def bcast_(self, tensor: torch.Tensor, root: int = 0, label: str = "") -> torch.Tensor:
         if self.size == 1:

@@ -1,8 +1,9 @@
-"""Adjoint (dot-product) tests of every primitive, in one launch: `mpiexec -n 6 python THIS`.
+"""Adjoint (dot-product) tests of every primitive and the halo exchange, in one launch:
+`mpiexec -n 6 python THIS`.
 
 For each grid 1x1, 1x4, 4x1, 2x2, 2x3 (carved out of the 6-rank world; ranks outside a grid sit
 it out), for each of its groups (world, model, batch) and each primitive F:
-    <F x, y> == <x, F* y>
+    <F x, y> == <x, F* y>, relative to max(|<F x, y>|, |F x| |y|)
 where F* is both the hand-written adjoint and autograd's backward of F, inner products summed
 over the group's ranks, pieces uneven (and some empty), float32 to 1e-5 and float64 to 1e-12.
 Forward results are also checked against the definition (e.g. the gathered tensor is the
@@ -16,6 +17,7 @@ from harness import check, run_checks
 from mpi4py import MPI
 
 from runner.core import CountedComm, Partition, ProcessGrid
+from runner.core import halo as H
 from runner.core import primitives as P
 
 WORLD = MPI.COMM_WORLD
@@ -41,10 +43,14 @@ def dot_test(name: str, comm: CountedComm, forward, adjoint, x: torch.Tensor,
     fx = forward(xg)
     assert fx.shape == y.shape, (name, fx.shape, y.shape)
     lhs = group_sum(float((fx.detach() * y).sum()), comm)
+    # Relative to the Cauchy-Schwarz bound |<Fx,y>| <= |Fx||y|: a sum of many O(1) terms can
+    # land near zero, and relative to itself rounding would then look like a wrong adjoint.
+    bound = (group_sum(float((fx.detach() ** 2).sum()), comm)
+             * group_sum(float((y ** 2).sum()), comm)) ** 0.5
     (autograd_adjoint,) = torch.autograd.grad(fx, xg, grad_outputs=y)
     for label, fy in (("adjoint", adjoint(y)), ("autograd", autograd_adjoint)):
         rhs = group_sum(float((x * fy).sum()), comm)
-        gap = abs(lhs - rhs) / max(abs(lhs), abs(rhs), 1e-30)
+        gap = abs(lhs - rhs) / max(abs(lhs), abs(rhs), bound, 1e-30)
         assert gap <= tol, f"{name} ({label}, {x.dtype}): <Fx,y>={lhs} <x,F*y>={rhs} gap {gap}"
 
 
@@ -135,6 +141,78 @@ def repartition_and_its_reverse_uneven() -> None:
                          P.repartition(t, c, a, sa, b, sb),
                      lambda t, c=comm, a=a, b=b, sa=split_a, sb=split_b:
                          P.repartition_op(t, c, b, sb, a, sa), x, y)
+
+
+def halo_cases(group_size: int):
+    """(input length, window) pairs: uneven slabs, thin slabs (halo wider than a slab)."""
+    for n_in in (3 * group_size + 2, group_size + 1, 2 * group_size + 5):
+        for kernel, stride, padding in ((1, 1, 0), (3, 1, 1), (3, 2, 1), (5, 1, 2), (5, 2, 0),
+                                        (2, 2, 0), (3, 1, 0)):
+            window = H.Window(kernel, stride, padding)
+            if window.out_size(n_in) >= group_size:  # every rank keeps an output row
+                yield n_in, window
+
+
+@check
+def halo_exchange_adjoint_1d() -> None:
+    for where, comm, dtype in cases():
+        for n_in, window in halo_cases(comm.size):
+            plan = H.HaloPlan(n_in, window, comm.size, comm.rank)
+            whole = seeded((2, 3, n_in, 4), 110, dtype)
+            slab = whole.narrow(2, plan.own_rows[0], plan.own_rows[1] - plan.own_rows[0])
+            got = H.halo_exchange_op(slab.clone(), comm, 2, plan)
+            lo, hi = plan.window_rows
+            assert torch.equal(got, whole[:, :, lo:hi]), (where, n_in, window)
+            x = seeded(slab.shape, 120 + comm.rank, dtype)
+            y = seeded(got.shape, 130 + comm.rank, dtype)
+            dot_test(f"halo {where} n={n_in} {window}", comm,
+                     lambda t, c=comm, p=plan: H.halo_exchange(t, c, 2, p),
+                     lambda t, c=comm, p=plan: H.halo_accumulate_op(t, c, 2, p), x, y)
+
+
+@check
+def halo_exchange_adjoint_2d() -> None:
+    """Height split over the model group, width over the batch group: the composition of the two
+    exchanges (corners included) against the composition of the two adjoints."""
+    for grid, groups in grids():
+        rows, cols = groups["model"], groups["batch"]
+        for dtype in (torch.float32, torch.float64):
+            for (nh, wh), (nw, ww) in (((2 * rows.size + 3, H.Window(3, 1, 1)),
+                                        (3 * cols.size + 1, H.Window(5, 1, 2))),
+                                       ((rows.size + 2, H.Window(3, 2, 1)),
+                                        (2 * cols.size + 1, H.Window(3, 1, 0)))):
+                if wh.out_size(nh) < rows.size or ww.out_size(nw) < cols.size:
+                    continue
+                ph = H.HaloPlan(nh, wh, rows.size, rows.rank)
+                pw = H.HaloPlan(nw, ww, cols.size, cols.rank)
+                shape = (2, 2, ph.own_rows[1] - ph.own_rows[0], pw.own_rows[1] - pw.own_rows[0])
+                x = seeded(shape, 140 + grid.rank, dtype)
+
+                def forward(t, ph=ph, pw=pw, rows=rows, cols=cols):
+                    return H.halo_exchange(H.halo_exchange(t, rows, 2, ph), cols, 3, pw)
+
+                def adjoint(t, ph=ph, pw=pw, rows=rows, cols=cols):
+                    return H.halo_accumulate_op(H.halo_accumulate_op(t, cols, 3, pw), rows, 2, ph)
+
+                out_shape = forward(x).shape
+                y = seeded(out_shape, 150 + grid.rank, dtype)
+                dot_test(f"halo 2d {grid.pr}x{grid.pc} {nh}x{nw}", grid.world, forward, adjoint,
+                         x, y)
+
+
+@check
+def halo_plans_cover_every_needed_row_once() -> None:
+    for size in range(1, 7):
+        for n_in, window in halo_cases(size):
+            plans = [H.HaloPlan(n_in, window, size, r) for r in range(size)]
+            for r, plan in enumerate(plans):
+                covered = [i for _, (lo, hi) in plan.pieces for i in range(lo, hi)]
+                assert covered == list(range(*plan.window_rows)), (n_in, window, r)
+                # what r receives from q is exactly what q sends to r
+                for q, rows in plan.pieces:
+                    if q != r:
+                        assert (r, rows) in plans[q].sends, (n_in, window, r, q)
+            assert sum(p.send_rows for p in plans) == sum(p.recv_rows for p in plans)
 
 
 @check
