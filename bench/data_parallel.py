@@ -71,7 +71,7 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
     x, y = x_all[local], y_all[local]
 
     grid = ProcessGrid(1, size, comm)
-    ours = DataParallel().parallelize(build_model(), grid)
+    ours = DataParallel().parallelize(build_model(), (LAYERS[0],), grid)
     ours_opt = torch.optim.SGD(ours.parameters(), lr=0.01)
     ours_fns = {"zero": ours.zero_grad, "sync": ours.finish_gradient_sync}
 

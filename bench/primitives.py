@@ -127,7 +127,7 @@ def bench_fc_layer(repeats: int) -> list[dict]:
         torch.manual_seed(0)
         layer = nn.Sequential(nn.Linear(4096, 4096))
         grid = ProcessGrid(pr, pc, comm)
-        pmodel = STRATEGIES.get(strategy)().parallelize(layer, grid)
+        pmodel = STRATEGIES.get(strategy)().parallelize(layer, (4096,), grid)
         x = torch.randn(256, 4096)[pmodel.input_rows(256)]
         probe = torch.randn(256, 4096)[pmodel.output_rows(256)]
 

@@ -17,6 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from runner.core import GridShape
 from runner.core.registry import UnknownPluginError, accepted_options, unknown_options
 
+DTYPES = ("float32", "float64")  # float64: to check a strategy's mathematics beyond rounding
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; `problems` lists every reason."""
@@ -43,6 +45,7 @@ class TrainerConfig:
     checkpoint_every: int | None = None
     resume: str | None = None
     threads: int | None = None
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     eval_every = _int(cfg, "trainer.eval_every", problems, optional=True)
     checkpoint_every = _int(cfg, "trainer.checkpoint_every", problems, optional=True)
     threads = _int(cfg, "trainer.threads", problems, optional=True)
+    dtype = str(OmegaConf.select(cfg, "trainer.dtype", default="float32"))
+    if dtype not in DTYPES:
+        problems.append(f"trainer.dtype={dtype}: must be one of {', '.join(DTYPES)}")
     resume = OmegaConf.select(cfg, "trainer.resume")
     for key, value in (("trainer.checkpoint_every", checkpoint_every), ("trainer.resume", resume)):
         if value is not None:  # keys of the contract, not implemented yet: refuse, never ignore
@@ -206,8 +212,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                 instance = strategy_cls(**strategy.options)
                 if grid and batch:
                     problems += instance.check(grid, batch)
-                if meta_model is not None:
-                    problems += instance.check_model(meta_model)
+                if meta_model is not None and spec is not None and grid:
+                    problems += instance.check_model(meta_model, spec.input_shape, grid)
         except UnknownPluginError as exc:
             problems.append(f"strategy={strategy.name}: {exc}")
     if spec is not None and batch and batch > spec.train_size:
@@ -219,7 +225,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     return RunConfig(
         seed=seed, grid=grid,
         trainer=TrainerConfig(steps, batch, log_every, eval_every, checkpoint_every,
-                              None if resume is None else str(resume), threads),
+                              None if resume is None else str(resume), threads, dtype),
         model=model, dataset=dataset, strategy=strategy, optimizer=optimizer,
         launcher=launcher, debug=DebugConfig(raise_at, raise_on),
     )

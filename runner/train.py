@@ -66,7 +66,7 @@ def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluati
 
 
 def mean_loss(loss: torch.Tensor, comm: CountedComm) -> float:
-    """Mean over the global batch from the ranks' local means (equal shards)."""
+    """Mean over the global batch: the mean of the ranks' (P/B)-scaled sums."""
     buffer = loss.detach().reshape(1).clone()
     comm.allreduce_(buffer, label="loss")
     return buffer.item() / comm.size
@@ -87,13 +87,18 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     dataset = DATASETS.get(run.dataset.name)(**run.dataset.options)
     spec = dataset.spec()
     data: ClassificationData = dataset.load()
+    dtype = getattr(torch, run.trainer.dtype)
+    data.train_x, data.val_x = data.train_x.to(dtype), data.val_x.to(dtype)
+    # Built in float32 from the seed, then converted: the same initial values in either dtype.
     model = MODELS.get(run.model.name)(spec.input_shape, spec.num_classes, **run.model.options)
+    model = model.to(dtype)
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
     optimizer_cls = OPTIMIZERS.get(run.optimizer.name)
     predicted_bytes = (strategy.predicted_comm_bytes_per_step(
         model, spec.input_shape, grid.shape, run.trainer.batch_size)
-        + loss_bytes_per_step(grid.size))
-    pmodel = strategy.parallelize(model, grid, sync_replica_gradients=optimizer_cls.syncs_gradients)
+        + loss_bytes_per_step(grid.size, dtype))
+    pmodel = strategy.parallelize(model, spec.input_shape, grid,
+                                  sync_replica_gradients=optimizer_cls.syncs_gradients)
     optimizer = optimizer_cls(pmodel.parameters(), grid=grid, total_steps=run.trainer.steps,
                               **run.optimizer.options)
     log.info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)", grid,
@@ -110,6 +115,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     loss_value = float("nan")
     evaluation: Evaluation | None = None
     steps, title = run.trainer.steps, f"{run.strategy.name} {grid.pr}x{grid.pc}"
+    batch_size = run.trainer.batch_size
 
     with ProgressReporter(is_rank0, steps, title) as progress:
         for step in range(1, steps + 1):
@@ -118,7 +124,9 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             batch = sampler.next_batch()
             x, y = data.train_x[batch[input_rows]], data.train_y[batch[output_rows]]
             pmodel.zero_grad()
-            loss = F.cross_entropy(pmodel(x), y)
+            # (P/B) x this rank's sum: the mean over the P ranks is the global mean loss, for any
+            # split of the rows (see strategies/base.py)
+            loss = F.cross_entropy(pmodel(x), y, reduction="sum") * (grid.size / batch_size)
             loss.backward()
             pmodel.finish_gradient_sync()
             optimizer.step(step - 1)

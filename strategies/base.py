@@ -5,9 +5,9 @@ Rows of a global batch of B samples:
   the same rows on every rank of a model group;
 - output: each rank returns the logits of its own sub-shard of those rows
   (`Partition(rows of the batch group, pr)`, piece `model_index`).
-So every sample's loss is computed on exactly one rank, and with equal shards (B divisible by P)
-the global mean loss is the mean over all P ranks of their local means. Gradient exchanges scale
-by 1/P accordingly.
+So every sample's loss is computed on exactly one rank. Each rank's loss is (P/B) × the sum of its
+samples' losses, so the mean over all P ranks is the global mean loss, whatever the shard sizes
+(a rank may even have none); gradient exchanges scale by 1/P accordingly.
 """
 
 from __future__ import annotations
@@ -73,21 +73,24 @@ class Strategy:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""
         if self.bucket_cap_bytes <= 0 or self.first_bucket_bytes <= 0:
             return ["strategy.bucket_cap_mb and strategy.first_bucket_mb must be > 0"]
-        if global_batch < grid.size:
-            return [f"trainer.batch_size={global_batch} is smaller than the {grid.size} ranks "
-                    f"(grid.pr*grid.pc): every rank needs at least one sample"]
-        if global_batch % grid.size:
-            return [f"trainer.batch_size={global_batch} is not divisible by the {grid.size} ranks "
-                    f"(grid.pr*grid.pc): each rank's loss covers an equal share of the batch"]
+        if global_batch < grid.pc:
+            return [f"trainer.batch_size={global_batch} is smaller than the {grid.pc} ranks that "
+                    f"split the batch (grid.pc): each needs at least one sample"]
+        if global_batch % grid.pc:
+            return [f"trainer.batch_size={global_batch} is not divisible by the {grid.pc} ranks "
+                    f"that split the batch (grid.pc)"]
         return []
 
-    def check_model(self, model: nn.Module) -> list[str]:
-        """Every reason this strategy cannot transform `model` (built on the meta device)."""
+    def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape) -> list[str]:
+        """Every reason this strategy cannot transform `model` (built on the meta device) for
+        samples of `sample_shape` on `grid`."""
         return []
 
-    def parallelize(self, model: nn.Module, grid: ProcessGrid,
+    def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        """Turn the sequential `model` (same seed on every rank) into this rank's part.
+        """Turn the sequential `model` (same seed on every rank), fed samples of `sample_shape`,
+        into this rank's part.
 
         `sync_replica_gradients=False` leaves the batch replicas' gradients unsynchronised, for
         replica optimizers (the EASGD family) that let replicas agree by other means.

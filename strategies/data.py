@@ -29,9 +29,13 @@ class DataParallel(Strategy):
         if grid.pr != 1:
             return [f"strategy=data replicates the whole model and needs grid.pr=1, "
                     f"got grid.pr={grid.pr} (use strategy=grid to split the model)"]
+        if global_batch < grid.size:
+            return [f"trainer.batch_size={global_batch} is smaller than the {grid.size} ranks: "
+                    f"pure batch parallelism needs a sample per rank (strategy=domain also "
+                    f"splits each sample)"]
         return super().check(grid, global_batch)
 
-    def parallelize(self, model: nn.Module, grid: ProcessGrid,
+    def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
         pmodel = DataParallelModel(model, grid)
         if sync_replica_gradients:

@@ -22,6 +22,7 @@ from strategies.base import ParallelModel, Strategy, gradient_exchange, param_by
 from strategies.registry import register_strategy
 from strategies.sharded import (
     PlanStep,
+    activation_itemsize,
     build_sharded,
     feature_sizes,
     plan_layers,
@@ -92,26 +93,39 @@ def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
     return pmodel
 
 
+def sharded_body_bytes(layers: list[nn.Module], start: int, sample_shape: tuple[int, ...],
+                       grid: GridShape, rows: int) -> int:
+    """Rank 0's bytes for `layers[start:]` split over the model group: activations moved over
+    the model group, and the shards' gradients all-reduced over the batch group."""
+    steps: list[PlanStep] = plan_layers(layers, start, grid.pr)
+    total = predicted_bytes(layers, steps, sample_shape, rows, grid.pr)
+    if grid.pc > 1:
+        total += sum(shard_bytes(layers[s.layer], Partition(s.total, grid.pr).sizes[0])
+                     for s in steps if s.kind == "shard")
+    return total
+
+
+def replicated_bytes(layers: list[nn.Module], grid: GridShape) -> int:
+    """Gradients of replicated (batch- or domain-parallel) layers, all-reduced over all P."""
+    params = [p for layer in layers for p in layer.parameters()]
+    return param_bytes(params) if params and grid.size > 1 else 0
+
+
 def predict_grid_bytes(model: nn.Sequential, split: int, sample_shape: tuple[int, ...],
                        grid: GridShape, global_batch: int) -> int:
     """Rank 0's payload bytes per step: activations over the model group, gradients over the
     batch group (sharded weights) and the world (batch-parallel weights)."""
     layers = list(model)
-    steps: list[PlanStep] = plan_layers(layers, split, grid.pr)
     rows = Partition(global_batch, grid.pc).sizes[0]
-    total = predicted_bytes(layers, steps, sample_shape, rows, grid.pr)
-    prefix_params = [p for layer in layers[:split] for p in layer.parameters()]
-    if prefix_params and grid.pr > 1:  # the boundary gather and its reduce-scatter
-        total += 2 * rows * feature_sizes(layers[:split], sample_shape)[-1] * 4
-    if grid.pc > 1:
-        total += sum(_shard_bytes(layers[s.layer], Partition(s.total, grid.pr).sizes[0])
-                     for s in steps if s.kind == "shard")
-    if prefix_params and grid.size > 1:
-        total += param_bytes(prefix_params)
-    return total
+    total = sharded_body_bytes(layers, split, sample_shape, grid, rows)
+    if replicated_bytes(layers[:split], grid) and grid.pr > 1:
+        # the boundary gather and its reduce-scatter
+        total += (2 * rows * feature_sizes(layers[:split], sample_shape)[-1]
+                  * activation_itemsize(layers))
+    return total + replicated_bytes(layers[:split], grid)
 
 
-def _shard_bytes(layer: nn.Module, rows: int) -> int:
+def shard_bytes(layer: nn.Module, rows: int) -> int:
     """Bytes of model-group rank 0's shard (its first `rows` output features) of `layer`."""
     whole = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
     return sum(p.numel() // whole * rows * p.element_size() for p in layer.parameters())
@@ -119,10 +133,11 @@ def _shard_bytes(layer: nn.Module, rows: int) -> int:
 
 @register_strategy("grid")
 class GridParallel(Strategy):
-    def check_model(self, model: nn.Module) -> list[str]:
+    def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape) -> list[str]:
         return sequential_problems(model, self.name)
 
-    def parallelize(self, model: nn.Module, grid: ProcessGrid,
+    def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
         assert isinstance(model, nn.Sequential)
         return build_grid_model(model, grid, split_at_first_linear(model),

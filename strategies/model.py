@@ -23,10 +23,11 @@ class ModelParallel(Strategy):
                     f"grid.pc={grid.pc} (use strategy=grid to also split the batch)"]
         return super().check(grid, global_batch)
 
-    def check_model(self, model: nn.Module) -> list[str]:
+    def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape) -> list[str]:
         return sequential_problems(model, self.name)
 
-    def parallelize(self, model: nn.Module, grid: ProcessGrid,
+    def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
         assert isinstance(model, nn.Sequential)
         return build_grid_model(model, grid, 0, sync_replica_gradients, self.bucket_cap_bytes,

@@ -155,22 +155,35 @@ def build_sharded(layers: Sequence[nn.Module], steps: list[PlanStep], comm: Coun
     return nn.Sequential(*modules)
 
 
-def feature_sizes(layers: Sequence[nn.Module], sample_shape: Sequence[int]) -> list[int]:
-    """Elements per sample of each layer's output, from one sample pushed through on the layers'
+def output_shapes(layers: Sequence[nn.Module],
+                  sample_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Per-sample shape of each layer's output, from one sample pushed through on the layers'
     own device (no memory or compute on the meta device, one sample's worth on the CPU)."""
     params = [p for layer in layers for p in layer.parameters()]
     device = params[0].device if params else torch.device("cpu")
-    sizes = []
+    dtype = params[0].dtype if params else torch.float32
+    shapes = []
     with torch.no_grad():
-        h = torch.zeros(1, *sample_shape, device=device)
+        h = torch.zeros(1, *sample_shape, device=device, dtype=dtype)
         for layer in layers:
             h = layer(h)
-            sizes.append(math.prod(h.shape[1:]))
-    return sizes
+            shapes.append(tuple(h.shape[1:]))
+    return shapes
+
+
+def feature_sizes(layers: Sequence[nn.Module], sample_shape: Sequence[int]) -> list[int]:
+    """Elements per sample of each layer's output."""
+    return [math.prod(shape) for shape in output_shapes(layers, sample_shape)]
+
+
+def activation_itemsize(layers: Sequence[nn.Module]) -> int:
+    """Bytes per activation element: the parameters' dtype (float32 unless trainer.dtype says)."""
+    param = next((p for layer in layers for p in layer.parameters()), None)
+    return 4 if param is None else param.element_size()
 
 
 def predicted_bytes(layers: Sequence[nn.Module], steps: list[PlanStep], sample_shape: Sequence[int],
-                    rows: int, group_size: int, itemsize: int = 4) -> int:
+                    rows: int, group_size: int) -> int:
     """Payload bytes model-group rank 0 moves in one forward+backward of `rows` samples.
 
     A gather and its adjoint reduce-scatter each move the whole gathered activation; the final
@@ -178,6 +191,7 @@ def predicted_bytes(layers: Sequence[nn.Module], steps: list[PlanStep], sample_s
     """
     if group_size == 1:
         return 0
+    itemsize = activation_itemsize(layers)
     per_sample = feature_sizes(layers, sample_shape)
     total = 0
     for step in steps:

@@ -47,8 +47,8 @@ def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -
 
 def data_parallel_step(bucket_mb: float, steps: int = 2) -> tuple[nn.Module, CommCounter]:
     grid = ProcessGrid(1, SIZE, COMM, counter=CommCounter(keep_records=True))
-    pmodel = DataParallel(bucket_cap_mb=bucket_mb, first_bucket_mb=bucket_mb).parallelize(
-        make_model(), grid)
+    strategy = DataParallel(bucket_cap_mb=bucket_mb, first_bucket_mb=bucket_mb)
+    pmodel = strategy.parallelize(make_model(), (12,), grid)
     x, y = global_batch()
     rows = balanced_slice(len(x), SIZE, RANK)
     for step in range(steps):  # buckets must reset between steps
@@ -83,7 +83,8 @@ def one_bucket_per_parameter_still_launches_in_order() -> None:
 @check
 def all_reduces_start_while_backward_is_still_running() -> None:
     grid = ProcessGrid(1, SIZE, COMM)
-    pmodel = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6).parallelize(make_model(), grid)
+    strategy = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
+    pmodel = strategy.parallelize(make_model(), (12,), grid)
     (reducer,) = pmodel.reducers
     launched_when_first_layer_ready = []
     first_weight = pmodel.module[0].weight  # its gradient is the last one backward produces
@@ -121,7 +122,7 @@ def an_unused_parameter_does_not_hang_the_exchange() -> None:
 
     model = WithUnused()
     grid = ProcessGrid(1, SIZE, COMM)
-    pmodel = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6).parallelize(model, grid)
+    pmodel = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6).parallelize(model, (12,), grid)
     x, y = global_batch()
     rows = balanced_slice(len(x), SIZE, RANK)
     F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
@@ -132,7 +133,7 @@ def an_unused_parameter_does_not_hang_the_exchange() -> None:
 @check
 def a_replaced_grad_is_put_back_into_its_bucket() -> None:
     grid = ProcessGrid(1, SIZE, COMM)
-    pmodel = DataParallel().parallelize(make_model(), grid)
+    pmodel = DataParallel().parallelize(make_model(), (12,), grid)
     for p in pmodel.parameters():
         p.grad = None  # what optimizer.zero_grad(set_to_none=True) does
     x, y = global_batch()

@@ -1,0 +1,215 @@
+"""`strategy=domain`: each sample split in height over the model group, the batch over `Pc`.
+
+Convolutions and pooling run on height slabs (NCHW, contiguous rows): before each one, a halo
+exchange over the model group brings the rows the slab's outputs read from the neighbours
+(`runner.core.halo`). The exchange is posted non-blocking and the output rows that need only the
+rank's own rows are computed while the halos travel; the rows near the slab's edges follow.
+Activations act row by row, so they run on the slab as it is. Where the spatial part ends (the
+first other layer, typically Flatten), an all-gather of the height over the model group
+(adjoint: reduce-scatter) moves the activations into the grid strategy's fully-connected
+layout, and the fully-connected layers are split as in `strategy=grid`.
+
+Weights of the spatial layers are replicated and all-reduced over all P ranks; this is what lets
+training scale past the batch size, since one sample is worked on by `Pr` ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core.halo import HaloPlan, Window, halo_window, start_halo_exchange
+from runner.core.primitives import all_gather
+from strategies.base import ParallelModel, Strategy, gradient_exchange
+from strategies.grid import replicated_bytes, sequential_problems, sharded_body_bytes
+from strategies.registry import register_strategy
+from strategies.sharded import (
+    CHANNEL_LOCAL,
+    activation_itemsize,
+    build_sharded,
+    output_shapes,
+    plan_layers,
+)
+
+WINDOWED: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
+ROW_LOCAL = tuple(t for t in CHANNEL_LOCAL if t not in (nn.MaxPool2d, nn.AvgPool2d))
+
+
+def _pair(value: int | Sequence[int]) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def height_window(layer: nn.Module) -> Window:
+    kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
+    padding, dilation = _pair(layer.padding), _pair(getattr(layer, "dilation", 1))
+    return Window(kernel[0], stride[0], padding[0], dilation[0])
+
+
+def _without_height_padding(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's operation with the height padding left out (the window brings its own)."""
+    kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
+    pad_w = _pair(layer.padding)[1]
+    if isinstance(layer, nn.Conv2d):
+        return lambda x: F.conv2d(x, layer.weight, layer.bias, layer.stride, (0, pad_w),
+                                  layer.dilation)
+    if isinstance(layer, nn.MaxPool2d):
+        return lambda x: F.max_pool2d(x, kernel, stride, (0, pad_w), layer.dilation)
+    return lambda x: F.avg_pool2d(x, kernel, stride, (0, pad_w), count_include_pad=True)
+
+
+class SpatialWindowed(nn.Module):
+    """A convolution or pooling layer on this rank's height slab (halo exchange included)."""
+
+    def __init__(self, layer: nn.Module, comm: CountedComm, height: int, overlap: bool) -> None:
+        super().__init__()
+        self.layer, self.comm, self.overlap = layer, comm, overlap
+        self.window = height_window(layer)
+        self.plan = HaloPlan(height, self.window, comm.size, comm.rank)
+        self.apply_op = _without_height_padding(layer)
+        self.pad_value = float("-inf") if isinstance(layer, nn.MaxPool2d) else 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan, window = self.plan, self.window
+        pending = start_halo_exchange(x, self.comm, 2, plan)
+        out_start = plan.out_part.offsets[plan.rank]
+        out_stop = out_start + plan.out_part.sizes[plan.rank]
+        a, b = plan.interior() if self.overlap else (out_start, out_start)
+        interior = None
+        if b > a:  # needs only this rank's rows: computed while the halos travel
+            lo, hi = window.inputs(a, b)
+            interior = self.apply_op(x.narrow(2, lo - plan.own_rows[0], hi - lo))
+        padded = halo_window(x, pending, self.comm)
+        if plan.pad_before or plan.pad_after:
+            padded = F.pad(padded, (0, 0, plan.pad_before, plan.pad_after), value=self.pad_value)
+        base = plan.window_rows[0] - plan.pad_before  # global row of padded[:, :, 0]
+
+        def rows(start: int, stop: int) -> torch.Tensor:
+            lo, hi = window.inputs(start, stop)
+            return self.apply_op(padded.narrow(2, lo - base, hi - lo))
+
+        if interior is None:
+            return rows(out_start, out_stop)
+        parts = [rows(out_start, a)] if a > out_start else []
+        parts.append(interior)
+        if out_stop > b:
+            parts.append(rows(b, out_stop))
+        return torch.cat(parts, dim=2) if len(parts) > 1 else interior
+
+
+class DomainParallelModel(ParallelModel):
+    def __init__(self, grid: ProcessGrid, spatial: nn.Sequential, input_height: int,
+                 output_height: int, body: nn.Sequential, ends_on_own_rows: bool) -> None:
+        super().__init__(grid)
+        self.spatial, self.body = spatial, body
+        self.input_rows_part = Partition(input_height, grid.pr)
+        self.output_rows_part = Partition(output_height, grid.pr)
+        self.ends_on_own_rows = ends_on_own_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.grid.model
+        slab = x[:, :, self.input_rows_part.slice(model.rank)]
+        h = self.spatial(slab)
+        if model.size > 1:
+            h = all_gather(h, model, 2, self.output_rows_part, label="boundary")
+        y = self.body(h)
+        return y if self.ends_on_own_rows else y[Partition(x.shape[0], model.size).slice(
+            model.rank)]
+
+
+def spatial_end(layers: Sequence[nn.Module]) -> int:
+    """Index of the first layer that is neither windowed nor row-local."""
+    return next((i for i, layer in enumerate(layers)
+                 if not isinstance(layer, WINDOWED + ROW_LOCAL)), len(layers))
+
+
+@register_strategy("domain")
+class DomainParallel(Strategy):
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 overlap: bool = True) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb)
+        self.overlap = overlap
+
+    def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape) -> list[str]:
+        problems = sequential_problems(model, self.name)
+        if problems:
+            return problems
+        layers = list(model)
+        end = spatial_end(layers)
+        if end == 0 or len(sample_shape) != 3:
+            return [f"strategy=domain splits images in height: the model must start with "
+                    f"convolutions or pooling on (channels, height, width) inputs, got inputs "
+                    f"of shape {tuple(sample_shape)}"]
+        shapes = output_shapes(layers, sample_shape)
+        for i, layer in enumerate(layers[:end]):
+            if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)) and layer.ceil_mode:
+                problems.append(f"layer {i} ({layer}): ceil_mode is not supported")
+            if (isinstance(layer, nn.AvgPool2d) and not layer.count_include_pad
+                    and _pair(layer.padding)[0]):
+                problems.append(f"layer {i} ({layer}): padding needs count_include_pad=True")
+            height = shapes[i][1]
+            if height < grid.pr:
+                problems.append(f"strategy=domain splits each sample's height over grid.pr="
+                                f"{grid.pr} ranks, but layer {i} ({type(layer).__name__}) outputs "
+                                f"height {height}: every rank needs a row (use a smaller grid.pr "
+                                f"or taller inputs)")
+        if sample_shape[1] < grid.pr:
+            problems.append(f"input height {sample_shape[1]} is smaller than grid.pr={grid.pr}")
+        return problems
+
+    def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
+                    sync_replica_gradients: bool = True) -> ParallelModel:
+        assert isinstance(model, nn.Sequential)
+        layers = list(model)
+        end = spatial_end(layers)
+        shapes = output_shapes(layers, sample_shape)
+        heights = [sample_shape[1]] + [shape[1] for shape in shapes[:end]]
+        spatial = nn.Sequential(*[
+            SpatialWindowed(layer, grid.model, heights[i], self.overlap)
+            if isinstance(layer, WINDOWED) and grid.pr > 1 else layer
+            for i, layer in enumerate(layers[:end])])
+        steps = plan_layers(layers, end, grid.pr)
+        body = build_sharded(layers, steps, grid.model, grid.model_index)
+        ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
+        pmodel = DomainParallelModel(grid, spatial, heights[0], heights[end], body,
+                                     ends_on_own_rows)
+        spatial_params = [p for layer in layers[:end] for p in layer.parameters()]
+        if sync_replica_gradients:
+            sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
+        else:
+            sharded_comm = CountedComm(None, grid.counter, "self")
+            replicated_comm, scale = grid.model, 1.0 / grid.pr
+        caps = (self.bucket_cap_bytes, self.first_bucket_bytes)
+        pmodel.reducers = (gradient_exchange(list(body.parameters()), sharded_comm, scale, *caps)
+                           + gradient_exchange(spatial_params, replicated_comm, scale, *caps))
+        return pmodel
+
+    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                      grid: GridShape, global_batch: int) -> int:
+        assert isinstance(model, nn.Sequential)
+        layers = list(model)
+        end = spatial_end(layers)
+        shapes = output_shapes(layers, sample_shape)
+        rows = Partition(global_batch, grid.pc).sizes[0]
+        itemsize = activation_itemsize(layers)
+        total = 0
+        if grid.pr > 1:
+            inputs = [tuple(sample_shape), *shapes[:end]]
+            for i, layer in enumerate(layers[:end]):
+                if not isinstance(layer, WINDOWED):
+                    continue
+                channels, height, width = inputs[i]
+                plan = HaloPlan(height, height_window(layer), grid.pr, 0)
+                row_bytes = rows * channels * width * itemsize
+                total += plan.send_rows * row_bytes  # forward: rank 0's rows others need
+                if replicated_bytes(layers[:i], grid):
+                    # backward: the halos' gradients go back (not for the data itself)
+                    total += plan.recv_rows * row_bytes
+            # the boundary all-gather and its reduce-scatter
+            total += 2 * rows * torch.Size(shapes[end - 1]).numel() * itemsize
+        return (total + sharded_body_bytes(layers, end, sample_shape, grid, rows)
+                + replicated_bytes(layers[:end], grid))
