@@ -74,10 +74,11 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 class MetricsWriter:
-    """Appends one JSON line per record and flushes, so a crash loses at most the last line."""
+    """One JSON line per record, flushed, so a crash loses at most the last line. A new run
+    starts a new file: rerunning into the same directory must not mix two runs' lines."""
 
     def __init__(self, path: Path) -> None:
-        self._file: TextIO = path.open("a", buffering=1)
+        self._file: TextIO = path.open("w", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -19,6 +19,7 @@ from tests.conftest import assert_ok, read_metrics, read_summary, run_cli, train
 STEPS = 50
 COMMON = [f"trainer.steps={STEPS}", "trainer.eval_every=25", "seed=1"]
 DATA = ["strategy=data", "grid.pr=1"]
+BATCH2 = ["trainer.batch_size=2", "trainer.dtype=float64", "optimizer.lr=0.02"]
 RUNS: dict[str, tuple[list[str], int | None]] = {
     # name: (overrides, ranks of a user-started mpiexec, or None for the runner's own launch)
     "mlp_p1": ([*DATA, "grid.pc=1"], None),
@@ -32,6 +33,10 @@ RUNS: dict[str, tuple[list[str], int | None]] = {
     "mlp_p4_again": ([*DATA, "grid.pc=4"], None),
     "cnn_p1": ([*DATA, "model=cnn", "grid.pc=1"], None),
     "cnn_p2_user_mpiexec": ([*DATA, "model=cnn", "grid.pc=2"], 2),
+    # A global batch of 2 on 4 ranks: only domain parallelism can (float64: see check_domain.py)
+    "cnn_batch2_p1": (["model=cnn", "grid.pr=1", "grid.pc=1", *BATCH2], None),
+    "cnn_batch2_domain_2x2": (["model=cnn", "strategy=domain", "grid.pr=2", "grid.pc=2",
+                               *BATCH2], None),
 }
 
 
@@ -65,6 +70,15 @@ def test_parallel_runs_reproduce_single_process_losses(runs: Runs, name: str) ->
     losses = train_losses(runs(name))
     assert len(losses) == STEPS
     assert _relative_gap(train_losses(runs("mlp_p1")), losses) <= 1e-5
+
+
+def test_domain_trains_a_batch_smaller_than_the_ranks(runs: Runs) -> None:
+    run_dir = runs("cnn_batch2_domain_2x2")
+    summary = read_summary(run_dir)
+    assert summary["strategy"] == "domain" and summary["world_size"] == 4
+    assert _relative_gap(train_losses(runs("cnn_batch2_p1")), train_losses(run_dir)) <= 1e-9
+    predicted = summary["predicted_comm_bytes_per_step"]
+    assert all(m["comm_bytes"] == predicted for m in read_metrics(run_dir) if "split" not in m)
 
 
 def test_site_launcher_command_and_args_are_used(runs: Runs) -> None:

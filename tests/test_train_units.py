@@ -9,6 +9,7 @@ import torch
 
 from runner.app import one_line
 from runner.optim import SynchronousSGD, scheduled_lr
+from runner.rundir import MetricsWriter
 from runner.sweep import SweepJob, sweep_failures, sweep_rows
 from runner.train import EpochSampler
 from strategies.buckets import _group_by_size
@@ -23,6 +24,14 @@ def test_sampler_is_a_seeded_permutation_per_epoch() -> None:
     assert torch.equal(torch.cat([again.next_batch() for _ in range(3)]), epoch)
     other = EpochSampler(num_samples=10, batch_size=3, seed=8)
     assert not torch.equal(torch.cat([other.next_batch() for _ in range(3)]), epoch)
+
+
+def test_a_new_run_in_the_same_directory_starts_new_metrics(tmp_path) -> None:
+    for run in (1, 2):
+        writer = MetricsWriter(tmp_path / "metrics.jsonl")
+        writer.write({"run": run})
+        writer.close()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == ['{"run": 2}']
 
 
 def test_learning_rate_schedules() -> None:
