@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core.cost import CommOp, step_bytes
 from strategies.buckets import GradientBuckets
 
 MB = 1 << 20
@@ -97,10 +97,19 @@ class Strategy:
         """
         raise NotImplementedError
 
+    def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> list[CommOp]:
+        """The collectives rank 0 issues in one training step (the loss all-reduce excluded),
+        from shapes alone: `model` may live on the meta device."""
+        raise NotImplementedError
+
     def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
                                       grid: GridShape, global_batch: int) -> int:
-        """Payload bytes rank 0 hands to collectives in one training step (loss excluded)."""
-        raise NotImplementedError
+        return step_bytes(self.predict_ops(model, sample_shape, grid, global_batch))
+
+    @property
+    def bucket_caps(self) -> tuple[int, int]:
+        return self.bucket_cap_bytes, self.first_bucket_bytes
 
 
 def gradient_exchange(params: list[nn.Parameter], comm: CountedComm, scale: float,
@@ -110,6 +119,3 @@ def gradient_exchange(params: list[nn.Parameter], comm: CountedComm, scale: floa
         return []
     return [GradientBuckets(params, comm, scale, bucket_cap_bytes, first_bucket_bytes)]
 
-
-def param_bytes(params: list[torch.nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)

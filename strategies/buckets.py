@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, PendingOp
+from runner.core.cost import CommOp
 
 
 @dataclass
@@ -46,8 +47,10 @@ class GradientBuckets:
         self._next_launch = 0
         trainable = [p for p in params if p.requires_grad]
         caps = [first_bucket_cap_bytes or bucket_cap_bytes, bucket_cap_bytes]
-        for group in _group_by_size(list(reversed(trainable)), caps):
-            self._add_bucket(group)
+        ordered = list(reversed(trainable))
+        items = [(p.numel() * p.element_size(), p.dtype) for p in ordered]
+        for group in group_by_size(items, caps):
+            self._add_bucket([ordered[i] for i in group])
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -111,20 +114,37 @@ class GradientBuckets:
             bucket.buffer.zero_()
 
 
-def _group_by_size(params: list[nn.Parameter], caps: list[int]) -> list[list[nn.Parameter]]:
-    """Consecutive groups of same-dtype parameters; group k holds at most caps[min(k, -1)] bytes
-    (a single parameter larger than the cap gets a group of its own)."""
-    groups: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
+def group_by_size(items: list[tuple[int, torch.dtype]], caps: list[int]) -> list[list[int]]:
+    """Indices of consecutive same-dtype items (bytes, dtype) grouped into buckets; bucket k
+    holds at most caps[min(k, -1)] bytes (an item larger than the cap gets a bucket of its own)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
     current_bytes = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
+    for index, (nbytes, dtype) in enumerate(items):
         cap = caps[min(len(groups), len(caps) - 1)]
-        if current and (current_bytes + nbytes > cap or p.dtype != current[0].dtype):
+        if current and (current_bytes + nbytes > cap or dtype != items[current[0]][1]):
             groups.append(current)
             current, current_bytes = [], 0
-        current.append(p)
+        current.append(index)
         current_bytes += nbytes
     if current:
         groups.append(current)
     return groups
+
+
+def predict_gradient_ops(layers: list[tuple[str, list[tuple[int, torch.dtype]]]], group: str,
+                         group_size: int, bucket_cap_bytes: int,
+                         first_bucket_bytes: int) -> list[CommOp]:
+    """The bucket all-reduces `GradientBuckets` issues for parameters given as (layer label,
+    [(bytes, dtype) per parameter]) in registration order, on a group of `group_size`."""
+    if group_size == 1:
+        return []
+    flat = [(label, item) for label, items in layers for item in items]
+    ordered = list(reversed(flat))
+    ops = []
+    for bucket in group_by_size([item for _, item in ordered],
+                                [first_bucket_bytes or bucket_cap_bytes, bucket_cap_bytes]):
+        labels = sorted({ordered[i][0] for i in bucket})
+        ops.append(CommOp("iallreduce", group, group_size,
+                          sum(ordered[i][1][0] for i in bucket), "grad " + ",".join(labels)))
+    return ops

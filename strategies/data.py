@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, ProcessGrid
-from strategies.base import ParallelModel, Strategy, gradient_exchange, param_bytes
+from runner.core.cost import CommOp
+from strategies.base import ParallelModel, Strategy, gradient_exchange
+from strategies.buckets import predict_gradient_ops
 from strategies.registry import register_strategy
 
 
@@ -44,6 +46,8 @@ class DataParallel(Strategy):
                                                 self.first_bucket_bytes)
         return pmodel
 
-    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
-                                      grid: GridShape, global_batch: int) -> int:
-        return 0 if grid.size == 1 else param_bytes(list(model.parameters()))
+    def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> list[CommOp]:
+        params = [(name.split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
+                  for name, p in model.named_parameters() if p.requires_grad]
+        return predict_gradient_ops(params, "world", grid.size, *self.bucket_caps)

@@ -15,6 +15,7 @@ training scale past the batch size, since one sample is worked on by `Pr` ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,17 +23,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core.cost import CommOp
 from runner.core.halo import HaloPlan, Window, halo_window, start_halo_exchange
 from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, gradient_exchange
-from strategies.grid import replicated_bytes, sequential_problems, sharded_body_bytes
+from strategies.buckets import predict_gradient_ops
+from strategies.grid import sequential_problems
 from strategies.registry import register_strategy
 from strategies.sharded import (
     CHANNEL_LOCAL,
     activation_itemsize,
+    activation_ops,
     build_sharded,
+    layer_label,
     output_shapes,
     plan_layers,
+    rank0_param_items,
+    whole_param_items,
 )
 
 WINDOWED: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
@@ -192,15 +199,15 @@ class DomainParallel(Strategy):
                            + gradient_exchange(spatial_params, replicated_comm, scale, *caps))
         return pmodel
 
-    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
-                                      grid: GridShape, global_batch: int) -> int:
+    def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> list[CommOp]:
         assert isinstance(model, nn.Sequential)
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
         rows = Partition(global_batch, grid.pc).sizes[0]
         itemsize = activation_itemsize(layers)
-        total = 0
+        ops = []
         if grid.pr > 1:
             inputs = [tuple(sample_shape), *shapes[:end]]
             for i, layer in enumerate(layers[:end]):
@@ -209,11 +216,21 @@ class DomainParallel(Strategy):
                 channels, height, width = inputs[i]
                 plan = HaloPlan(height, height_window(layer), grid.pr, 0)
                 row_bytes = rows * channels * width * itemsize
-                total += plan.send_rows * row_bytes  # forward: rank 0's rows others need
-                if replicated_bytes(layers[:i], grid):
-                    # backward: the halos' gradients go back (not for the data itself)
-                    total += plan.recv_rows * row_bytes
-            # the boundary all-gather and its reduce-scatter
-            total += 2 * rows * torch.Size(shapes[end - 1]).numel() * itemsize
-        return (total + sharded_body_bytes(layers, end, sample_shape, grid, rows)
-                + replicated_bytes(layers[:end], grid))
+                received = [piece for piece in plan.pieces if piece[0] != 0]
+                label = layer_label(i, layer)
+                if plan.sends or received:  # forward: rank 0's rows that others read
+                    ops.append(CommOp("exchange", "model", grid.pr, plan.send_rows * row_bytes,
+                                      label, max(len(plan.sends), len(received))))
+                if (plan.sends or received) and whole_param_items(layers[:i]):
+                    # backward (not for the data itself): the halos' gradients go back
+                    ops.append(CommOp("exchange", "model", grid.pr, plan.recv_rows * row_bytes,
+                                      label, max(len(plan.sends), len(received))))
+            n = rows * math.prod(shapes[end - 1]) * itemsize
+            ops += [CommOp("allgather", "model", grid.pr, n, "boundary"),
+                    CommOp("reduce_scatter", "model", grid.pr, n, "boundary")]
+        steps = plan_layers(layers, end, grid.pr)
+        return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr)
+                + predict_gradient_ops(rank0_param_items(layers, steps, grid.pr), "batch",
+                                       grid.pc, *self.bucket_caps)
+                + predict_gradient_ops(whole_param_items(layers[:end]), "world", grid.size,
+                                       *self.bucket_caps))

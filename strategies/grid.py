@@ -17,17 +17,20 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core.cost import CommOp
 from runner.core.primitives import all_gather
-from strategies.base import ParallelModel, Strategy, gradient_exchange, param_bytes
+from strategies.base import ParallelModel, Strategy, gradient_exchange
+from strategies.buckets import predict_gradient_ops
 from strategies.registry import register_strategy
 from strategies.sharded import (
-    PlanStep,
     activation_itemsize,
+    activation_ops,
     build_sharded,
     feature_sizes,
     plan_layers,
-    predicted_bytes,
+    rank0_param_items,
     unsupported_layers,
+    whole_param_items,
 )
 
 
@@ -93,42 +96,23 @@ def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
     return pmodel
 
 
-def sharded_body_bytes(layers: list[nn.Module], start: int, sample_shape: tuple[int, ...],
-                       grid: GridShape, rows: int) -> int:
-    """Rank 0's bytes for `layers[start:]` split over the model group: activations moved over
-    the model group, and the shards' gradients all-reduced over the batch group."""
-    steps: list[PlanStep] = plan_layers(layers, start, grid.pr)
-    total = predicted_bytes(layers, steps, sample_shape, rows, grid.pr)
-    if grid.pc > 1:
-        total += sum(shard_bytes(layers[s.layer], Partition(s.total, grid.pr).sizes[0])
-                     for s in steps if s.kind == "shard")
-    return total
-
-
-def replicated_bytes(layers: list[nn.Module], grid: GridShape) -> int:
-    """Gradients of replicated (batch- or domain-parallel) layers, all-reduced over all P."""
-    params = [p for layer in layers for p in layer.parameters()]
-    return param_bytes(params) if params and grid.size > 1 else 0
-
-
-def predict_grid_bytes(model: nn.Sequential, split: int, sample_shape: tuple[int, ...],
-                       grid: GridShape, global_batch: int) -> int:
-    """Rank 0's payload bytes per step: activations over the model group, gradients over the
-    batch group (sharded weights) and the world (batch-parallel weights)."""
+def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, ...],
+                     grid: GridShape, global_batch: int, caps: tuple[int, int]) -> list[CommOp]:
+    """Rank 0's collectives per step: activations over the model group, the split layers'
+    gradients over the batch group, the batch-parallel layers' over the world."""
     layers = list(model)
     rows = Partition(global_batch, grid.pc).sizes[0]
-    total = sharded_body_bytes(layers, split, sample_shape, grid, rows)
-    if replicated_bytes(layers[:split], grid) and grid.pr > 1:
-        # the boundary gather and its reduce-scatter
-        total += (2 * rows * feature_sizes(layers[:split], sample_shape)[-1]
-                  * activation_itemsize(layers))
-    return total + replicated_bytes(layers[:split], grid)
-
-
-def shard_bytes(layer: nn.Module, rows: int) -> int:
-    """Bytes of model-group rank 0's shard (its first `rows` output features) of `layer`."""
-    whole = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
-    return sum(p.numel() // whole * rows * p.element_size() for p in layer.parameters())
+    steps = plan_layers(layers, split, grid.pr)
+    prefix = whole_param_items(layers[:split])
+    ops = []
+    if prefix and grid.pr > 1:  # the boundary gather and its reduce-scatter
+        n = rows * feature_sizes(layers[:split], sample_shape)[-1] * activation_itemsize(layers)
+        ops += [CommOp("allgather", "model", grid.pr, n, "boundary"),
+                CommOp("reduce_scatter", "model", grid.pr, n, "boundary")]
+    return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr)
+            + predict_gradient_ops(rank0_param_items(layers, steps, grid.pr), "batch", grid.pc,
+                                   *caps)
+            + predict_gradient_ops(prefix, "world", grid.size, *caps))
 
 
 @register_strategy("grid")
@@ -144,8 +128,8 @@ class GridParallel(Strategy):
                                 sync_replica_gradients, self.bucket_cap_bytes,
                                 self.first_bucket_bytes)
 
-    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
-                                      grid: GridShape, global_batch: int) -> int:
+    def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> list[CommOp]:
         assert isinstance(model, nn.Sequential)
-        return predict_grid_bytes(model, split_at_first_linear(model), sample_shape, grid,
-                                  global_batch)
+        return predict_grid_ops(model, split_at_first_linear(model), sample_shape, grid,
+                                global_batch, self.bucket_caps)

@@ -10,8 +10,9 @@ from __future__ import annotations
 from torch import nn
 
 from runner.core import GridShape, ProcessGrid
+from runner.core.cost import CommOp
 from strategies.base import ParallelModel, Strategy
-from strategies.grid import build_grid_model, predict_grid_bytes, sequential_problems
+from strategies.grid import build_grid_model, predict_grid_ops, sequential_problems
 from strategies.registry import register_strategy
 
 
@@ -33,7 +34,7 @@ class ModelParallel(Strategy):
         return build_grid_model(model, grid, 0, sync_replica_gradients, self.bucket_cap_bytes,
                                 self.first_bucket_bytes)
 
-    def predicted_comm_bytes_per_step(self, model: nn.Module, sample_shape: tuple[int, ...],
-                                      grid: GridShape, global_batch: int) -> int:
+    def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> list[CommOp]:
         assert isinstance(model, nn.Sequential)
-        return predict_grid_bytes(model, 0, sample_shape, grid, global_batch)
+        return predict_grid_ops(model, 0, sample_shape, grid, global_batch, self.bucket_caps)

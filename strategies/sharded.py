@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, Partition
+from runner.core.cost import CommOp
 from runner.core.primitives import all_gather, repartition
 
 # Layers that act on each feature or channel separately: they run on a shard unchanged.
@@ -182,24 +183,53 @@ def activation_itemsize(layers: Sequence[nn.Module]) -> int:
     return 4 if param is None else param.element_size()
 
 
-def predicted_bytes(layers: Sequence[nn.Module], steps: list[PlanStep], sample_shape: Sequence[int],
-                    rows: int, group_size: int) -> int:
-    """Payload bytes model-group rank 0 moves in one forward+backward of `rows` samples.
+def layer_label(index: int, layer: nn.Module) -> str:
+    return f"{index}:{type(layer).__name__}"
 
-    A gather and its adjoint reduce-scatter each move the whole gathered activation; the final
-    repartition moves rank 0's feature shard forward and its row shard of the gradient back.
-    """
+
+def activation_ops(layers: Sequence[nn.Module], steps: list[PlanStep],
+                   sample_shape: Sequence[int], rows: int, group_size: int) -> list[CommOp]:
+    """What model-group rank 0 moves for a forward+backward of `rows` samples: a gather and its
+    adjoint reduce-scatter each move the whole gathered activation; the final repartition moves
+    rank 0's feature shard forward and its row shard of the gradient back."""
     if group_size == 1:
-        return 0
+        return []
     itemsize = activation_itemsize(layers)
     per_sample = feature_sizes(layers, sample_shape)
-    total = 0
+    ops = []
     for step in steps:
+        label = layer_label(step.after, layers[step.after]) if step.after is not None else ""
         if step.kind == "gather":
-            total += 2 * rows * per_sample[step.after] * itemsize
+            n = rows * per_sample[step.after] * itemsize
+            ops += [CommOp("allgather", "model", group_size, n, label),
+                    CommOp("reduce_scatter", "model", group_size, n, label)]
         elif step.kind == "to_rows":
             whole = per_sample[step.after]
             shard = whole // step.total * Partition(step.total, group_size).sizes[0]
             own_rows = Partition(rows, group_size).sizes[0]
-            total += (rows * shard + own_rows * whole) * itemsize
-    return total
+            ops += [CommOp("alltoall", "model", group_size, rows * shard * itemsize, label),
+                    CommOp("alltoall", "model", group_size, own_rows * whole * itemsize, label)]
+    return ops
+
+
+def rank0_param_items(layers: Sequence[nn.Module], steps: list[PlanStep],
+                      group_size: int) -> list[tuple[str, list[tuple[int, torch.dtype]]]]:
+    """(layer label, [(bytes, dtype)]) of model-group rank 0's shard of each split layer."""
+    out = []
+    for step in steps:
+        if step.kind != "shard":
+            continue
+        layer = layers[step.layer]
+        rows = Partition(step.total, group_size).sizes[0]
+        out.append((layer_label(step.layer, layer),
+                    [(p.numel() // step.total * rows * p.element_size(), p.dtype)
+                     for p in layer.parameters()]))
+    return out
+
+
+def whole_param_items(layers: Sequence[nn.Module],
+                      start: int = 0) -> list[tuple[str, list[tuple[int, torch.dtype]]]]:
+    """(layer label, [(bytes, dtype)]) of layers held whole (replicated)."""
+    return [(layer_label(start + i, layer), [(p.numel() * p.element_size(), p.dtype)
+                                             for p in layer.parameters() if p.requires_grad])
+            for i, layer in enumerate(layers) if any(True for _ in layer.parameters())]

@@ -12,7 +12,7 @@ from runner.optim import SynchronousSGD, scheduled_lr
 from runner.rundir import MetricsWriter
 from runner.sweep import SweepJob, sweep_failures, sweep_rows
 from runner.train import EpochSampler
-from strategies.buckets import _group_by_size
+from strategies.buckets import group_by_size
 
 
 def test_sampler_is_a_seeded_permutation_per_epoch() -> None:
@@ -50,9 +50,11 @@ def test_sgd_names_every_bad_hyper_parameter() -> None:
 
 
 def test_buckets_group_consecutive_parameters_under_the_cap() -> None:
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 10, 10, 100, 5)]
-    groups = _group_by_size(params, caps=[40, 80])  # bytes: first bucket 40, then 80
-    assert [[p.numel() for p in g] for g in groups] == [[10], [10, 10], [100], [5]]
+    items = [(4 * n, torch.float32) for n in (10, 10, 10, 100, 5)]
+    groups = group_by_size(items, caps=[40, 80])  # bytes: first bucket 40, then 80
+    assert groups == [[0], [1, 2], [3], [4]]
+    mixed = [(4, torch.float32), (8, torch.float64), (4, torch.float32)]
+    assert group_by_size(mixed, caps=[100]) == [[0], [1], [2]]  # one dtype per bucket
 
 
 def test_sweep_rows_mark_failed_jobs() -> None:

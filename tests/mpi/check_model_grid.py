@@ -142,6 +142,48 @@ def each_rank_holds_its_share_of_every_weight() -> None:
     assert mine <= full / 4 + (64 + 30 + 21 + 3), (mine, full)
 
 
+@check
+def every_measured_collective_is_predicted() -> None:
+    """One step: the multiset of (operation, group, group size, bytes) rank 0 issues equals the
+    strategy's prediction, for every strategy and grid, MLP and CNN with uneven widths."""
+    from collections import Counter
+
+    from runner.models import cnn, mlp
+    from strategies import STRATEGIES
+
+    for pr, pc in [*GRIDS, (1, 2)]:
+        grid = sub_grid(pr, pc)
+        if grid is None:
+            continue
+        grid.counter.keep_records = True
+        for model_name, build, sample in (
+                ("mlp", lambda: mlp((1, 8, 8), 10, hidden=(30, 21)), (1, 8, 8)),
+                ("cnn", lambda: cnn((1, 8, 8), 10, channels=(6, 10), hidden=(30, 21)),
+                 (1, 8, 8))):
+            for name in ("data", "model", "grid", "domain"):
+                strategy = STRATEGIES.get(name)(bucket_cap_mb=0.004, first_bucket_mb=0.001)
+                if (strategy.check(grid.shape, 32)
+                        or strategy.check_model(build(), sample, grid.shape)):
+                    continue  # refused before anything starts, as validation would
+                torch.manual_seed(0)
+                model = build()
+                pmodel = strategy.parallelize(model, sample, grid)
+                x = torch.randn(32, *sample)
+                y = torch.randint(0, 10, (32,))
+                grid.counter.records.clear()
+                out = pmodel(x[pmodel.input_rows(32)])
+                torch.nn.functional.cross_entropy(out, y[pmodel.output_rows(32)]).backward()
+                pmodel.finish_gradient_sync()
+                measured = Counter((r.op, r.group, r.group_size, r.nbytes)
+                                   for r in grid.counter.records)
+                predicted = Counter(op.key for op in strategy.predict_ops(
+                    build(), sample, grid.shape, 32))
+                if grid.rank == 0:
+                    assert measured == predicted, (
+                        f"{name} {model_name} {pr}x{pc}: measured-only {measured - predicted}, "
+                        f"predicted-only {predicted - measured}")
+
+
 def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
     model_cfg = ({"name": "mlp", "hidden": [30, 21], "activation": "relu"} if model == "mlp" else
                  {"name": "cnn", "channels": [6, 10], "kernel_size": 3, "hidden": [30, 21],

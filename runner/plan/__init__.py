@@ -1,0 +1,1 @@
+"""The planner: what a configuration moves per step and what that costs (α–β model)."""
