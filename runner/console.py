@@ -81,6 +81,10 @@ def _fmt_bytes(n: float | None) -> str:
     return str(n)
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.3f} ms"
+
+
 def _fmt(value: Any, spec: str = "") -> str:
     if value is None:
         return "-"
@@ -105,6 +109,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("step time (median)", f"{_fmt(summary.get('median_step_time_s', 0) * 1e3, '.2f')} ms"),
         ("samples / s", _fmt(summary.get("samples_per_s"), ",.0f")),
         ("comm bytes / step", f"{measured} measured, {predicted} predicted"),
+        ("comm time / step", f"{_ms(summary.get('comm_time_s_per_step'))} measured, "
+                             f"{_ms(summary.get('predicted_comm_time_s_per_step'))} predicted"),
         ("comm share of step", _fmt(summary.get("comm_time_share"), ".1%")),
         ("params / rank", _fmt_bytes(summary.get("param_bytes_per_rank"))),
         ("run dir", str(summary.get("run_dir"))),

@@ -60,3 +60,33 @@ def cnn(input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = 
         features = int(h)
     layers.append(nn.Linear(features, num_classes))
     return nn.Sequential(*layers)
+
+
+@register_model("alexnet")
+def alexnet(input_shape: Sequence[int], num_classes: int,
+            sample_shape: Sequence[int] = (3, 227, 227), classes: int = 1000) -> nn.Sequential:
+    """The 8-layer ImageNet network (Krizhevsky et al., 2012): five convolutions, three
+    fully-connected layers, about 61M weights for 227x227x3 inputs and 1000 classes.
+
+    `sample_shape` and `classes` say what it was designed for, so the planner can plan it from
+    shapes alone (`python -m runner.plan model=alexnet`); training uses the dataset's."""
+    del sample_shape, classes
+    channels = int(input_shape[0])
+    features = [
+        nn.Conv2d(channels, 96, 11, stride=4), nn.ReLU(), nn.MaxPool2d(3, 2),
+        nn.Conv2d(96, 256, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
+        nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(384, 384, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2),
+    ]
+    height, width = int(input_shape[1]), int(input_shape[2])
+    for layer in features:
+        if isinstance(layer, (nn.Conv2d, nn.MaxPool2d)):
+            k, st, pd = (layer.kernel_size, layer.stride, layer.padding)
+            k, st, pd = (k if isinstance(k, int) else k[0], st if isinstance(st, int) else st[0],
+                         pd if isinstance(pd, int) else pd[0])
+            height, width = (height + 2 * pd - k) // st + 1, (width + 2 * pd - k) // st + 1
+    flat = 256 * height * width
+    return nn.Sequential(*features, nn.Flatten(),
+                         nn.Linear(flat, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, num_classes))

@@ -13,8 +13,11 @@ import torch.nn.functional as F
 from runner.config import RunConfig
 from runner.console import ProgressReporter, make_console, summary_table
 from runner.core import CountedComm, ProcessGrid
+from runner.core.cost import step_bytes, step_time
 from runner.datasets import ClassificationData
 from runner.logs import get_logger
+from runner.plan.calibration import load_alpha_beta
+from runner.plan.planner import loss_op
 from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
 from runner.rundir import MetricsWriter, RunDir, git_commit, versions, write_json
 from strategies import STRATEGIES, ParallelModel
@@ -72,11 +75,6 @@ def mean_loss(loss: torch.Tensor, comm: CountedComm) -> float:
     return buffer.item() / comm.size
 
 
-def loss_bytes_per_step(comm_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """The loss all-reduce the loop issues every step (0 on one rank)."""
-    return 0 if comm_size == 1 else torch.empty((), dtype=dtype).element_size()
-
-
 def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     load_plugins()
     log = get_logger()
@@ -94,9 +92,9 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     model = model.to(dtype)
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
     optimizer_cls = OPTIMIZERS.get(run.optimizer.name)
-    predicted_bytes = (strategy.predicted_comm_bytes_per_step(
-        model, spec.input_shape, grid.shape, run.trainer.batch_size)
-        + loss_bytes_per_step(grid.size, dtype))
+    predicted_ops = (strategy.predict_ops(model, spec.input_shape, grid.shape,
+                                          run.trainer.batch_size) + loss_op(grid.shape, dtype))
+    alpha_beta = load_alpha_beta()
     pmodel = strategy.parallelize(model, spec.input_shape, grid,
                                   sync_replica_gradients=optimizer_cls.syncs_gradients)
     optimizer = optimizer_cls(pmodel.parameters(), grid=grid, total_steps=run.trainer.steps,
@@ -177,8 +175,12 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
         "median_step_time_s": statistics.median(step_times),
         "samples_per_s": run.trainer.batch_size / statistics.median(step_times),
         "comm_bytes_per_step": statistics.fmean(comm_bytes),
-        "predicted_comm_bytes_per_step": predicted_bytes,
+        "predicted_comm_bytes_per_step": step_bytes(predicted_ops),
         "comm_time_s_per_step": statistics.fmean(comm_seconds),
+        "predicted_comm_time_s_per_step": step_time(predicted_ops, alpha_beta.alpha,
+                                                    alpha_beta.beta),
+        "alpha_beta": {"alpha": alpha_beta.alpha, "beta": alpha_beta.beta,
+                       "source": alpha_beta.source},
         "comm_time_share": sum(comm_seconds) / sum(step_times),
         "param_bytes_per_rank": param_bytes,
         "seed": run.seed,

@@ -107,6 +107,11 @@ class Strategy:
                                       grid: GridShape, global_batch: int) -> int:
         return step_bytes(self.predict_ops(model, sample_shape, grid, global_batch))
 
+    def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                            grid: GridShape) -> int:
+        """Parameter bytes rank 0 holds (every rank holds at most one row more per split layer)."""
+        raise NotImplementedError
+
     @property
     def bucket_caps(self) -> tuple[int, int]:
         return self.bucket_cap_bytes, self.first_bucket_bytes

@@ -51,3 +51,7 @@ class DataParallel(Strategy):
         params = [(name.split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
                   for name, p in model.named_parameters() if p.requires_grad]
         return predict_gradient_ops(params, "world", grid.size, *self.bucket_caps)
+
+    def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                            grid: GridShape) -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -39,6 +39,7 @@ from strategies.sharded import (
     output_shapes,
     plan_layers,
     rank0_param_items,
+    split_param_bytes,
     whole_param_items,
 )
 
@@ -234,3 +235,8 @@ class DomainParallel(Strategy):
                                        grid.pc, *self.bucket_caps)
                 + predict_gradient_ops(whole_param_items(layers[:end]), "world", grid.size,
                                        *self.bucket_caps))
+
+    def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                            grid: GridShape) -> int:
+        assert isinstance(model, nn.Sequential)
+        return split_param_bytes(list(model), spatial_end(list(model)), grid.pr)

@@ -29,6 +29,7 @@ from strategies.sharded import (
     feature_sizes,
     plan_layers,
     rank0_param_items,
+    split_param_bytes,
     unsupported_layers,
     whole_param_items,
 )
@@ -133,3 +134,8 @@ class GridParallel(Strategy):
         assert isinstance(model, nn.Sequential)
         return predict_grid_ops(model, split_at_first_linear(model), sample_shape, grid,
                                 global_batch, self.bucket_caps)
+
+    def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                            grid: GridShape) -> int:
+        assert isinstance(model, nn.Sequential)
+        return split_param_bytes(list(model), split_at_first_linear(model), grid.pr)

@@ -14,6 +14,7 @@ from runner.core.cost import CommOp
 from strategies.base import ParallelModel, Strategy
 from strategies.grid import build_grid_model, predict_grid_ops, sequential_problems
 from strategies.registry import register_strategy
+from strategies.sharded import split_param_bytes
 
 
 @register_strategy("model")
@@ -38,3 +39,8 @@ class ModelParallel(Strategy):
                     global_batch: int) -> list[CommOp]:
         assert isinstance(model, nn.Sequential)
         return predict_grid_ops(model, 0, sample_shape, grid, global_batch, self.bucket_caps)
+
+    def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                            grid: GridShape) -> int:
+        assert isinstance(model, nn.Sequential)
+        return split_param_bytes(list(model), 0, grid.pr)

@@ -233,3 +233,10 @@ def whole_param_items(layers: Sequence[nn.Module],
     return [(layer_label(start + i, layer), [(p.numel() * p.element_size(), p.dtype)
                                              for p in layer.parameters() if p.requires_grad])
             for i, layer in enumerate(layers) if any(True for _ in layer.parameters())]
+
+
+def split_param_bytes(layers: Sequence[nn.Module], start: int, group_size: int) -> int:
+    """Rank 0's parameter bytes: layers before `start` whole, the rest split over the group."""
+    steps = plan_layers(layers, start, group_size)
+    items = whole_param_items(layers[:start]) + rank0_param_items(layers, steps, group_size)
+    return sum(nbytes for _, params in items for nbytes, _ in params)

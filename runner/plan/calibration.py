@@ -1,0 +1,129 @@
+"""α and β of this machine's MPI: measured, stored, and found again by plans and runs.
+
+`measure()` starts a small MPI job: a ping-pong between 2 ranks and an all-reduce sweep on 4,
+over message sizes from 8 B to 4 MiB. A least-squares fit of t = α + β·n to the ping-pong gives
+the point-to-point values; a fit of the all-reduce times to 2(α⌈log₂ p⌉ + β(p−1)/p·n) gives the
+values the planner uses (training steps are collectives). Both are stored as JSON at
+`calibration_path()` (GRIDRUN_CALIBRATION, or `.calibration/alpha_beta.json` in the project).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.rundir import PROJECT_ROOT, write_json
+
+# Used until `python -m runner.plan plan.calibrate=true` has run: a typical shared-memory MPI.
+DEFAULT_ALPHA, DEFAULT_BETA = 5e-6, 2.5e-10
+SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    alpha: float
+    beta: float
+    source: str
+
+
+def calibration_path() -> Path:
+    return Path(os.environ.get("GRIDRUN_CALIBRATION",
+                               PROJECT_ROOT / ".calibration" / "alpha_beta.json"))
+
+
+def load_alpha_beta(alpha: float | None = None, beta: float | None = None) -> AlphaBeta:
+    """Explicit values first, then the stored calibration, then the defaults."""
+    path = calibration_path()
+    stored = None
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())["collective"]
+        except (json.JSONDecodeError, KeyError):
+            stored = None
+    if alpha is not None and beta is not None:
+        return AlphaBeta(alpha, beta, "given")
+    if stored is not None:
+        return AlphaBeta(alpha if alpha is not None else stored["alpha"],
+                         beta if beta is not None else stored["beta"], f"calibrated ({path})")
+    return AlphaBeta(alpha if alpha is not None else DEFAULT_ALPHA,
+                     beta if beta is not None else DEFAULT_BETA,
+                     "default (not calibrated: python -m runner.plan plan.calibrate=true)")
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope of y = a + b x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - b * mx, b
+
+
+def _worker(kind: str, repeats: int) -> None:
+    import torch
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    times = []
+    for nbytes in SIZES:
+        buf = torch.zeros(nbytes // 4)
+        samples = []
+        for i in range(repeats + 2):
+            comm.Barrier()
+            start = time.perf_counter()
+            if kind == "pingpong":
+                if rank == 0:
+                    comm.Send(buf, dest=1)
+                    comm.Recv(buf, source=1)
+                elif rank == 1:
+                    comm.Recv(buf, source=0)
+                    comm.Send(buf, dest=0)
+            else:
+                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            elapsed = time.perf_counter() - start
+            if i >= 2:
+                samples.append(elapsed / 2 if kind == "pingpong" else elapsed)
+        times.append(statistics.median(samples))
+    if rank == 0:
+        print(json.dumps({"kind": kind, "ranks": size, "sizes": SIZES, "seconds": times}))
+
+
+def _run(kind: str, ranks: int, repeats: int) -> dict:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    out = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, "-m",
+                          "runner.plan.calibration", kind, str(repeats)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(repeats: int = 20, collective_ranks: int = 4) -> dict:
+    """Measure, fit, store; returns what was stored."""
+    from runner.core.cost import log2_ceil
+
+    ping = _run("pingpong", 2, repeats)
+    alpha_p2p, beta_p2p = fit([float(n) for n in ping["sizes"]], ping["seconds"])
+    sweep = _run("allreduce", collective_ranks, repeats)
+    p = collective_ranks
+    # t = 2α⌈log p⌉ + 2β(p−1)/p n: fit intercept and slope, then undo the factors
+    a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
+    result = {
+        "point_to_point": {"alpha": max(alpha_p2p, 0.0), "beta": beta_p2p,
+                           "ranks": 2, "sizes": ping["sizes"], "seconds": ping["seconds"]},
+        "collective": {"alpha": max(a / (2 * log2_ceil(p)), 0.0), "beta": b / (2 * (p - 1) / p),
+                       "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"]},
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, result)
+    return result
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]))

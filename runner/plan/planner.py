@@ -1,0 +1,139 @@
+"""Which grid to use: every factorisation `Pr × Pc` of a world size, for every strategy that can
+run it, with the bytes and α–β time each step would communicate. No Hydra, no MPI."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+
+from runner.core import GridShape
+from runner.core.cost import CommOp, op_time, step_bytes, step_time
+from strategies.base import Strategy
+
+
+@dataclass
+class PlanRow:
+    strategy: str
+    pr: int
+    pc: int
+    ops: list[CommOp] = field(default_factory=list)
+    comm_bytes: int = 0
+    comm_time: float = 0.0
+    param_bytes: int = 0
+    refused: str | None = None
+
+
+@dataclass
+class Plan:
+    world: int
+    batch: int
+    alpha: float
+    beta: float
+    alpha_beta_source: str
+    rows: list[PlanRow]
+    steps_per_epoch: int | None = None
+
+    @property
+    def feasible(self) -> list[PlanRow]:
+        return [row for row in self.rows if row.refused is None]
+
+    @property
+    def best(self) -> PlanRow | None:
+        rows = self.feasible
+        return min(rows, key=lambda r: (r.comm_time, r.comm_bytes)) if rows else None
+
+
+def factorisations(world: int) -> list[tuple[int, int]]:
+    return [(pr, world // pr) for pr in range(1, world + 1) if world % pr == 0]
+
+
+def loss_op(grid: GridShape, dtype: torch.dtype) -> list[CommOp]:
+    """The loss all-reduce the training loop adds to every step."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return [CommOp("allreduce", "world", grid.size, size, "loss")] if grid.size > 1 else []
+
+
+def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world: int,
+              strategies: dict[str, Strategy], alpha: float, beta: float, source: str,
+              steps_per_epoch: int | None = None) -> Plan:
+    dtype = next(model.parameters()).dtype
+    rows = []
+    for name, strategy in strategies.items():
+        for pr, pc in factorisations(world):
+            grid = GridShape(pr, pc)
+            problems = (strategy.check(grid, batch)
+                        or strategy.check_model(model, sample_shape, grid))
+            if problems:
+                rows.append(PlanRow(name, pr, pc, refused=problems[0]))
+                continue
+            ops = strategy.predict_ops(model, sample_shape, grid, batch) + loss_op(grid, dtype)
+            rows.append(PlanRow(name, pr, pc, ops, step_bytes(ops), step_time(ops, alpha, beta),
+                                strategy.predict_param_bytes(model, sample_shape, grid)))
+    return Plan(world, batch, alpha, beta, source, rows, steps_per_epoch)
+
+
+def by_layer(row: PlanRow, alpha: float, beta: float) -> list[dict[str, Any]]:
+    """Bytes and time per layer (or per gradient bucket, boundary, loss)."""
+    groups: dict[str, list[CommOp]] = defaultdict(list)
+    for op in row.ops:
+        groups[op.layer].append(op)
+    return [{"layer": layer, "ops": [o.op for o in ops], "comm_bytes": step_bytes(ops),
+             "comm_time_s": sum(op_time(o, alpha, beta) for o in ops)}
+            for layer, ops in groups.items()]
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    best = plan.best
+    return {
+        "world": plan.world, "batch": plan.batch, "alpha": plan.alpha, "beta": plan.beta,
+        "alpha_beta_source": plan.alpha_beta_source, "steps_per_epoch": plan.steps_per_epoch,
+        "rows": [{"strategy": r.strategy, "pr": r.pr, "pc": r.pc,
+                  "comm_bytes_per_step": r.comm_bytes, "comm_time_s_per_step": r.comm_time,
+                  "layers": by_layer(r, plan.alpha, plan.beta),
+                  "param_bytes_per_rank": r.param_bytes}
+                 for r in plan.feasible],
+        "refused": [{"strategy": r.strategy, "pr": r.pr, "pc": r.pc, "reason": r.refused}
+                    for r in plan.rows if r.refused],
+        "best": None if best is None else {"strategy": best.strategy, "pr": best.pr,
+                                           "pc": best.pc},
+    }
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f}"
+
+
+def plan_table(plan: Plan) -> Table:
+    best = plan.best
+    title = (f"plan: {plan.world} ranks, global batch {plan.batch}, α={plan.alpha:.2e} s, "
+             f"β={plan.beta:.2e} s/B ({plan.alpha_beta_source})")
+    table = Table(title=title, title_justify="left")
+    headers = ["strategy", "pr x pc", "MB / step", "comm ms / step", "params MB / rank"]
+    if plan.steps_per_epoch:
+        headers += ["MB / epoch", "comm s / epoch"]
+    for header in headers:
+        table.add_column(header, justify="left" if header == "strategy" else "right")
+    for row in sorted(plan.feasible, key=lambda r: (r.comm_time, r.comm_bytes)):
+        mark = " ← best" if row is best else ""
+        cells = [row.strategy + mark, f"{row.pr} x {row.pc}", _mb(row.comm_bytes),
+                 f"{row.comm_time * 1e3:,.3f}", _mb(row.param_bytes)]
+        if plan.steps_per_epoch:
+            cells += [_mb(row.comm_bytes * plan.steps_per_epoch),
+                      f"{row.comm_time * plan.steps_per_epoch:,.2f}"]
+        table.add_row(*cells, style="bold green" if row is best else None)
+    return table
+
+
+def layer_table(plan: Plan, row: PlanRow) -> Table:
+    table = Table(title=f"{row.strategy} {row.pr} x {row.pc}: per layer", title_justify="left")
+    for header in ("layer", "operations", "MB / step", "comm ms / step"):
+        table.add_column(header, justify="left" if header in ("layer", "operations") else "right")
+    for item in by_layer(row, plan.alpha, plan.beta):
+        table.add_row(item["layer"], ", ".join(item["ops"]), _mb(item["comm_bytes"]),
+                      f"{item['comm_time_s'] * 1e3:,.3f}")
+    return table

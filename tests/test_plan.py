@@ -1,0 +1,101 @@
+"""The α–β formulas against hand-worked values, and the planner's command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.core.cost import CommOp, log2_ceil, op_time, step_bytes, step_time
+from runner.plan.calibration import fit
+from tests.conftest import ROOT
+
+A, B = 1e-5, 1e-9
+
+
+@pytest.mark.parametrize("op,p,n,expected", [
+    # all-gather on 4 ranks, 1000 B: α⌈log₂4⌉ + β·3/4·1000 = 2α + 750β
+    ("allgather", 4, 1000, 2 * A + 750 * B),
+    ("reduce_scatter", 4, 1000, 2 * A + 750 * B),
+    # all-reduce on 4 ranks, 1000 B: 2(2α + 750β)
+    ("allreduce", 4, 1000, 4 * A + 1500 * B),
+    ("iallreduce", 3, 900, 2 * (2 * A + 600 * B)),  # ⌈log₂3⌉ = 2, (3−1)/3·900 = 600
+    ("bcast", 8, 100, 3 * (A + 100 * B)),
+    ("alltoall", 4, 400, 3 * (A + 100 * B)),  # 3 messages of 400/4 bytes
+    ("allreduce", 1, 10**6, 0.0),  # a group of one moves nothing
+])
+def test_collective_costs_by_hand(op: str, p: int, n: int, expected: float) -> None:
+    assert op_time(CommOp(op, "world", p, n), A, B) == pytest.approx(expected, rel=1e-12)
+
+
+def test_exchange_costs_its_messages_and_bytes() -> None:
+    assert op_time(CommOp("exchange", "model", 4, 512, messages=2), A, B) == pytest.approx(
+        2 * A + 512 * B)
+
+
+def test_step_sums_and_log() -> None:
+    ops = [CommOp("allgather", "model", 2, 100), CommOp("allreduce", "batch", 2, 50)]
+    assert step_bytes(ops) == 150
+    assert step_time(ops, A, B) == pytest.approx((A + 50 * B) + 2 * (A + 25 * B))
+    assert [log2_ceil(p) for p in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+
+
+def test_fit_recovers_a_line() -> None:
+    xs = [8.0, 64.0, 512.0, 4096.0]
+    alpha, beta = fit(xs, [3e-6 + 2e-10 * x for x in xs])
+    assert alpha == pytest.approx(3e-6) and beta == pytest.approx(2e-10)
+
+
+def plan_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "runner.plan", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **(env or {})})
+
+
+def test_alexnet_plan_from_shapes_alone(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = plan_cli("model=alexnet", "trainer.batch_size=256", "plan.world=16",
+                      "plan.alpha=1e-5", "plan.beta=1e-9", "plan.layers=true", f"plan.out={out}")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())
+    assert (plan["world"], plan["batch"], plan["alpha"], plan["beta"]) == (16, 256, 1e-5, 1e-9)
+    rows = {(r["strategy"], r["pr"], r["pc"]): r for r in plan["rows"]}
+    # every factorisation of 16 for grid; data only at pr=1; model only at pc=1
+    assert {(pr, pc) for s, pr, pc in rows if s == "grid"} == {(1, 16), (2, 8), (4, 4), (8, 2),
+                                                                (16, 1)}
+    assert {(pr, pc) for s, pr, pc in rows if s == "data"} == {(1, 16)}
+    data = rows[("data", 1, 16)]
+    weights = 62_378_344  # AlexNet without the 2-GPU grouping of the paper's convolutions
+    assert data["param_bytes_per_rank"] == 4 * weights
+    # pure batch: the whole model's gradient is all-reduced (plus the 4-byte loss)
+    assert data["comm_bytes_per_step"] == 4 * weights + 4
+    for row in plan["rows"]:
+        assert row["comm_bytes_per_step"] == sum(layer["comm_bytes"] for layer in row["layers"])
+        assert row["comm_time_s_per_step"] == pytest.approx(
+            sum(layer["comm_time_s"] for layer in row["layers"]))
+    best = min(plan["rows"], key=lambda r: r["comm_time_s_per_step"])
+    assert plan["best"] == {"strategy": best["strategy"], "pr": best["pr"], "pc": best["pc"]}
+    assert "← best" in result.stdout and "per layer" in result.stdout
+
+
+def test_plan_refuses_bad_input_in_one_line() -> None:
+    result = plan_cli("model=nope")
+    assert result.returncode == 2 and result.stderr.strip().startswith("error: unknown model")
+
+
+def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
+    env = {"GRIDRUN_CALIBRATION": str(tmp_path / "ab.json")}
+    result = plan_cli("plan.calibrate=true", env=env)
+    assert result.returncode == 0, result.stderr
+    stored = json.loads((tmp_path / "ab.json").read_text())
+    for kind in ("point_to_point", "collective"):
+        assert stored[kind]["alpha"] >= 0 and stored[kind]["beta"] > 0
+        assert len(stored[kind]["sizes"]) == len(stored[kind]["seconds"])
+    assert str(tmp_path / "ab.json") in result.stdout
+    planned = plan_cli("plan.world=4", env=env)
+    assert planned.returncode == 0 and "calibrated" in planned.stdout
