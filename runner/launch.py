@@ -136,6 +136,7 @@ def execute(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             summary = {"status": "failed", "exit_code": code, "run_dir": str(directory.path)}
             write_json(directory.summary, summary)
         where = f" on rank {summary['failed_rank']}" if "failed_rank" in summary else ""
-        raise RunFailed(f"the {run.grid.size}-rank job failed{where} (exit code {code}); "
+        error = f": {summary['error']}" if summary.get("error") else ""
+        raise RunFailed(f"the {run.grid.size}-rank job failed{where} (exit code {code}){error}; "
                         f"logs: {directory.logs}")
     return summary

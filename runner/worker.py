@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from runner.logs import setup_rank_logging
 from runner.rundir import RunDir, write_json
 
 _announced = False
+ABORT_GRACE_S = 1.0
 
 
 def _set_threads(configured: int | None, mpi_comm: Any) -> None:
@@ -70,6 +72,9 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
         _record_failure(directory, rank, exc)
         if mpi_comm is None or mpi_comm.Get_size() == 1:
             raise
+        # MPI_Abort tears down the launcher's output forwarding at once: give the traceback
+        # just written a moment to get through the pipes first.
+        time.sleep(ABORT_GRACE_S)
         mpi_comm.Abort(1)
         return 1  # not reached: Abort ends the process
 

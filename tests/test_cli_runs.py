@@ -169,7 +169,8 @@ def test_a_failing_rank_ends_the_job_with_its_traceback(session_tmp: Path) -> No
     assert result.returncode not in (0, 2), result.returncode
     assert "[rank 2] failed" in result.stderr and "InjectedFailure" in result.stderr
     assert "Traceback" in result.stderr
-    assert "failed on rank 2" in result.stderr.strip().splitlines()[-1]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "failed on rank 2" in last and "InjectedFailure" in last
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and summary["failed_rank"] == 2
     assert "rank 2 failed" in (run_dir / "logs" / "rank2.log").read_text()
