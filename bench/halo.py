@@ -19,8 +19,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from timing import barrier_timed
 
 BATCH, CHANNELS, HEIGHT, WIDTH = 8, 64, 128, 128
 
@@ -45,18 +46,9 @@ def worker(repeats: int) -> None:
     plan = layers[True].plan
     slab = torch.randn(BATCH, CHANNELS, plan.own_rows[1] - plan.own_rows[0], WIDTH)
 
-    def timed(fn) -> list[float]:
-        times = []
-        for i in range(repeats + 3):
-            comm.Barrier()
-            start = time.perf_counter()
-            fn()
-            if i >= 3:
-                times.append(time.perf_counter() - start)
-        return times
-
-    halo = timed(lambda: halo_exchange_op(slab, grid.model, 2, plan))
-    local_conv = timed(lambda: F.conv2d(slab, conv.weight, conv.bias, padding=1))
+    halo = barrier_timed(comm, lambda: halo_exchange_op(slab, grid.model, 2, plan), repeats)
+    local_conv = barrier_timed(comm, lambda: F.conv2d(slab, conv.weight, conv.bias, padding=1),
+                               repeats)
 
     x = slab.clone().requires_grad_(True)
     probe = torch.randn_like(layers[True](x))
@@ -69,7 +61,7 @@ def worker(repeats: int) -> None:
     modes: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(repeats):  # alternate so drifts on a shared machine hit both alike
         for overlap in (True, False):
-            modes[overlap] += timed_once(comm, lambda o=overlap: step(o))
+            modes[overlap] += barrier_timed(comm, lambda o=overlap: step(o), 1, warmup=0)
     medians = {k: statistics.median(v) for k, v in modes.items()}
     if comm.Get_rank() == 0:
         print(json.dumps({
@@ -80,13 +72,6 @@ def worker(repeats: int) -> None:
             "fwd_bwd_overlapped_s": medians[True], "fwd_bwd_not_overlapped_s": medians[False],
             "overlapped_over_not": medians[True] / medians[False],
         }))
-
-
-def timed_once(comm, fn) -> list[float]:
-    comm.Barrier()
-    start = time.perf_counter()
-    fn()
-    return [time.perf_counter() - start]
 
 
 def main() -> None:

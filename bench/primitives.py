@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from timing import barrier_timed
+
 SIZES_BYTES = (4 << 10, 256 << 10, 4 << 20)
 
 
@@ -136,13 +138,7 @@ def bench_fc_layer(repeats: int) -> list[dict]:
             (pmodel(x) * probe).sum().backward()
             pmodel.finish_gradient_sync()
 
-        times = []
-        for i in range(repeats + 3):
-            comm.Barrier()
-            start = time.perf_counter()
-            step()
-            if i >= 3:
-                times.append(time.perf_counter() - start)
+        times = barrier_timed(comm, step, repeats)
         before = grid.counter.snapshot()
         step()
         moved = grid.counter.since(before).nbytes

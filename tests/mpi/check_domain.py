@@ -18,15 +18,11 @@ import sys
 from pathlib import Path
 
 import torch
-from harness import check, run_checks
+from harness import check, run_checks, train_losses, train_run
 from mpi4py import MPI
-from omegaconf import OmegaConf
 from torch import nn
 
-from runner.config import validate
 from runner.core import CountedComm, ProcessGrid
-from runner.rundir import RunDir
-from runner.train import train
 from strategies.domain import SpatialWindowed
 
 WORLD = MPI.COMM_WORLD
@@ -116,24 +112,12 @@ def run_config(pr: int, pc: int) -> dict:
 
 
 def run(pr: int, pc: int, grid: ProcessGrid) -> Path:
-    cfg = OmegaConf.create(run_config(pr, pc))
-    directory = RunDir(OUT / f"domain_{pr}x{pc}")
-    if grid.rank == 0:
-        directory.create(cfg)
-    grid.world.barrier()
-    train(validate(cfg, world_size=grid.size), directory, grid)
-    return directory.path
-
-
-def losses(path: Path) -> tuple[list[float], list[dict]]:
-    lines = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [m for m in lines if "split" not in m]
-    return [m["loss"] for m in train_lines], train_lines
+    return train_run(run_config(pr, pc), OUT / f"domain_{pr}x{pc}", grid)
 
 
 @check
 def domain_training_reproduces_the_single_process_losses() -> None:
-    reference = losses(run(1, 1, ProcessGrid(1, 1)))[0] if RANK == 0 else None
+    reference = train_losses(run(1, 1, ProcessGrid(1, 1)))[0] if RANK == 0 else None
     reference = WORLD.bcast(reference, root=0)
     for pr, pc in ((2, 1), (4, 1), (2, 2)):
         sub = WORLD.Split(0 if RANK < pr * pc else MPI.UNDEFINED, RANK)
@@ -143,7 +127,7 @@ def domain_training_reproduces_the_single_process_losses() -> None:
         path = run(pr, pc, grid)
         if grid.rank != 0:
             continue
-        got, lines = losses(path)
+        got, lines = train_losses(path)
         gap = max(abs(a - b) / abs(a) for a, b in zip(reference, got, strict=True))
         assert len(got) == 50 and gap <= 1e-5, f"domain {pr}x{pc}: relative gap {gap}"
         predicted = json.loads((path / "summary.json").read_text())[

@@ -16,16 +16,12 @@ import sys
 from pathlib import Path
 
 import torch
-from harness import check, run_checks
+from harness import check, run_checks, train_losses, train_run
 from mpi4py import MPI
-from omegaconf import OmegaConf
 from torch import nn
 
-from runner.config import validate
 from runner.core import Partition, ProcessGrid
 from runner.core.primitives import all_gather_op
-from runner.rundir import RunDir
-from runner.train import train
 from strategies.grid import build_grid_model, split_at_first_linear
 from strategies.sharded import ShardedConv2d, ShardedLinear
 
@@ -200,19 +196,8 @@ def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
 
 
 def run(strategy: str, model: str, pr: int, pc: int, grid: ProcessGrid) -> Path:
-    cfg = OmegaConf.create(run_config(strategy, model, pr, pc))
-    directory = RunDir(OUT / f"{strategy}_{model}_{pr}x{pc}")
-    if grid.rank == 0:
-        directory.create(cfg)
-    grid.world.barrier()
-    train(validate(cfg, world_size=grid.size), directory, grid)
-    return directory.path
-
-
-def losses(path: Path) -> tuple[list[float], list[dict]]:
-    lines = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [m for m in lines if "split" not in m]
-    return [m["loss"] for m in train_lines], train_lines
+    return train_run(run_config(strategy, model, pr, pc), OUT / f"{strategy}_{model}_{pr}x{pc}",
+                     grid)
 
 
 @check
@@ -220,7 +205,7 @@ def training_reproduces_the_single_process_losses() -> None:
     for model in ("mlp", "cnn"):
         reference = None
         if RANK == 0:
-            reference = losses(run("grid", model, 1, 1, ProcessGrid(1, 1)))[0]
+            reference = train_losses(run("grid", model, 1, 1, ProcessGrid(1, 1)))[0]
         reference = WORLD.bcast(reference, root=0)
         for strategy in ("model", "grid"):
             for pr, pc in GRIDS:
@@ -232,7 +217,7 @@ def training_reproduces_the_single_process_losses() -> None:
                 path = run(strategy, model, pr, pc, grid)
                 if grid.rank != 0:
                     continue
-                got, lines = losses(path)
+                got, lines = train_losses(path)
                 assert len(got) == 50
                 gap = max(abs(a - b) / abs(a) for a, b in zip(reference, got, strict=True))
                 assert gap <= 1e-5, f"{strategy} {model} {pr}x{pc}: relative gap {gap}"

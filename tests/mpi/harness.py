@@ -4,9 +4,12 @@ traceback and aborts the job (tests/test_mpi_checks.py reads the `ok` lines)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from mpi4py import MPI
 
@@ -31,3 +34,27 @@ def run_checks() -> None:
                              f"{traceback.format_exc()}")
             sys.stderr.flush()
             world.Abort(1)
+
+
+def train_run(config: dict[str, Any], run_dir: Path, grid: Any) -> Path:
+    """train() on `grid` with a plain config dict, the directory made by the grid's rank 0."""
+    from omegaconf import OmegaConf
+
+    from runner.config import validate
+    from runner.rundir import RunDir
+    from runner.train import train
+
+    cfg = OmegaConf.create(config)
+    directory = RunDir(run_dir)
+    if grid.rank == 0:
+        directory.create(cfg)
+    grid.world.barrier()
+    train(validate(cfg, world_size=grid.size), directory, grid)
+    return directory.path
+
+
+def train_losses(path: Path) -> tuple[list[float], list[dict]]:
+    """The training losses of a run directory, and its training lines."""
+    lines = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [m for m in lines if "split" not in m]
+    return [m["loss"] for m in train_lines], train_lines
