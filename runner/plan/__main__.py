@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from runner.console import make_console, print_error
-from runner.core.registry import UnknownPluginError
+from runner.core.registry import UnknownPluginError, accepted_options
+from runner.plan.planner import Plan
 
 EXIT_BAD_INPUT = 2
 
@@ -69,7 +70,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def build_plan(cfg):
+def build_plan(cfg: DictConfig) -> Plan:
+    """The plan for a composed config (no MPI: the model is built on the meta device)."""
     from runner.plan.calibration import load_alpha_beta
     from runner.plan.planner import make_plan
     from runner.registry import DATASETS, MODELS, load_plugins
@@ -102,8 +104,8 @@ def build_plan(cfg):
     for name in plan_cfg.strategies:
         cls = STRATEGIES.get(name)
         options = strategy_options if name == cfg.strategy.name else {}
-        strategies[name] = cls(**{k: v for k, v in options.items()
-                                  if k in cls.__init__.__code__.co_varnames})
+        accepted = accepted_options(cls)
+        strategies[name] = cls(**{k: v for k, v in options.items() if k in accepted})
     ab = load_alpha_beta(plan_cfg.alpha, plan_cfg.beta)
     return make_plan(model, sample_shape, batch, world, strategies, ab.alpha, ab.beta,
                      ab.source, steps_per_epoch)
