@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+from timing import run_worker
 
 LAYERS = (512, 2048, 2048, 10)
 GLOBAL_BATCH = 256
@@ -121,15 +119,8 @@ def main() -> None:
     if args.worker:
         worker(args.steps, args.rounds, args.warmup)
         return
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    runs = []
-    for ranks in args.ranks:
-        out = subprocess.run(
-            [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker",
-             "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup",
-             str(args.warmup)],
-            capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = [run_worker(__file__, ranks, "--steps", str(args.steps), "--rounds", str(args.rounds),
+                       "--warmup", str(args.warmup)) for ranks in args.ranks]
     print(json.dumps({"benchmark": "data_parallel", "model": list(LAYERS),
                       "global_batch": GLOBAL_BATCH, "threads_per_rank": 1, "runs": runs},
                      indent=2))

@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-from timing import barrier_timed
+from timing import barrier_timed, run_worker
 
 BATCH, CHANNELS, HEIGHT, WIDTH = 8, 64, 128, 128
 
@@ -83,14 +79,9 @@ def main() -> None:
     if args.worker:
         worker(args.repeats)
         return
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     runs = []
     for ranks in args.ranks:
-        out = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, __file__,
-                              "--worker", "--repeats", str(args.repeats)],
-                             capture_output=True, text=True, check=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        runs.append(run_worker(__file__, ranks, "--repeats", str(args.repeats)))
     print(json.dumps({"benchmark": "halo", "conv": f"3x3 {CHANNELS}->{CHANNELS}",
                       "input": [BATCH, CHANNELS, HEIGHT, WIDTH], "runs": runs}, indent=2))
 

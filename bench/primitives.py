@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-from timing import barrier_timed
+from timing import barrier_timed, run_worker
 
 SIZES_BYTES = (4 << 10, 256 << 10, 4 << 20)
 
@@ -170,12 +166,7 @@ def main() -> None:
     if args.worker:
         worker(args.repeats)
         return
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    out = subprocess.run([str(mpiexec), "-n", str(args.ranks), sys.executable, __file__,
-                          "--worker", "--repeats", str(args.repeats)],
-                         capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_worker(__file__, args.ranks, "--repeats", str(args.repeats))
     result["benchmark"] = "primitives"
     print(json.dumps(result, indent=2))
 

@@ -1,10 +1,26 @@
-"""Timing shared by the benchmarks: every rank starts each repetition together."""
+"""What the benchmarks share: starting their MPI worker, and timing with every rank starting each
+repetition together."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+
+def run_worker(script: str, ranks: int, *args: str) -> dict[str, Any]:
+    """`mpiexec -n ranks python script --worker args` with one thread per rank; rank 0's last
+    stdout line, parsed as JSON."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    out = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, script, "--worker",
+                          *args], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def barrier_timed(comm: Any, fn: Callable[[], object], repeats: int,

@@ -118,6 +118,10 @@ def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, 
 
 @register_strategy("grid")
 class GridParallel(Strategy):
+    def split(self, model: nn.Sequential) -> int:
+        """Layers before this index run batch-parallel; the rest are split over the model group."""
+        return split_at_first_linear(model)
+
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
         return sequential_problems(model, self.name)
@@ -125,17 +129,16 @@ class GridParallel(Strategy):
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
         assert isinstance(model, nn.Sequential)
-        return build_grid_model(model, grid, split_at_first_linear(model),
-                                sync_replica_gradients, self.bucket_cap_bytes,
-                                self.first_bucket_bytes)
+        return build_grid_model(model, grid, self.split(model), sync_replica_gradients,
+                                self.bucket_cap_bytes, self.first_bucket_bytes)
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
         assert isinstance(model, nn.Sequential)
-        return predict_grid_ops(model, split_at_first_linear(model), sample_shape, grid,
-                                global_batch, self.bucket_caps)
+        return predict_grid_ops(model, self.split(model), sample_shape, grid, global_batch,
+                                self.bucket_caps)
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
         assert isinstance(model, nn.Sequential)
-        return split_param_bytes(list(model), split_at_first_linear(model), grid.pr)
+        return split_param_bytes(list(model), self.split(model), grid.pr)
