@@ -18,7 +18,7 @@ from rich.table import Table
 FORCE_TERMINAL_ENV = "GRIDRUN_FORCE_TERMINAL"
 
 
-_PLAIN_WIDTH = 140  # for logs and pipes, where rich would otherwise assume 80 columns
+_PLAIN_WIDTH = 160  # for logs and pipes, where rich would otherwise assume 80 columns
 
 
 def make_console(stderr: bool = False) -> Console:

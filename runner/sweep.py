@@ -54,21 +54,21 @@ def _cell(value: Any, spec: str) -> str:
 def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for header in ("job", "overrides", "final loss", "val acc", "time (s)", "step (ms)",
-                   "comm share", "comm B/step", "predicted B/step", "comm ms/step",
-                   "predicted ms/step"):
+                   "comm share", "comm bytes/step (predicted)", "comm ms/step (predicted)"):
         table.add_column(header, justify="left" if header == "overrides" else "right")
     for row in rows:
         if row["status"] != "completed":
-            table.add_row(str(row["job"]), row["overrides"], "[red]failed[/red]", *[""] * 8)
+            table.add_row(str(row["job"]), row["overrides"], "[red]failed[/red]", *[""] * 6)
             continue
         step_ms = None if row["median_step_time_s"] is None else row["median_step_time_s"] * 1e3
-        table.add_row(str(row["job"]), row["overrides"], _cell(row["final_loss"], ".4f"),
-                      _cell(row["val_accuracy"], ".4f"), _cell(row["wall_time_s"], ".2f"),
-                      _cell(step_ms, ".2f"), _cell(row["comm_time_share"], ".1%"),
-                      _cell(row["comm_bytes_per_step"], ",.0f"),
-                      _cell(row["predicted_comm_bytes_per_step"], ",.0f"),
-                      _cell(_scaled(row["comm_time_s_per_step"]), ".3f"),
-                      _cell(_scaled(row["predicted_comm_time_s_per_step"]), ".3f"))
+        table.add_row(
+            str(row["job"]), row["overrides"], _cell(row["final_loss"], ".4f"),
+            _cell(row["val_accuracy"], ".4f"), _cell(row["wall_time_s"], ".2f"),
+            _cell(step_ms, ".2f"), _cell(row["comm_time_share"], ".1%"),
+            f"{_cell(row['comm_bytes_per_step'], ',.0f')} "
+            f"({_cell(row['predicted_comm_bytes_per_step'], ',.0f')})",
+            f"{_cell(_scaled(row['comm_time_s_per_step']), '.3f')} "
+            f"({_cell(_scaled(row['predicted_comm_time_s_per_step']), '.3f')})")
     return table
 
 

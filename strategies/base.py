@@ -112,6 +112,12 @@ class Strategy:
         """Parameter bytes rank 0 holds (every rank holds at most one row more per split layer)."""
         raise NotImplementedError
 
+    def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                 grid: GridShape, global_batch: int) -> int:
+        """Bytes of layer outputs rank 0 keeps for backward in one step (an estimate: autograd's
+        own saved tensors are not counted separately)."""
+        raise NotImplementedError
+
     @property
     def bucket_caps(self) -> tuple[int, int]:
         return self.bucket_cap_bytes, self.first_bucket_bytes

@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runner.core import GridShape, ProcessGrid
+from runner.core import GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
 from strategies.registry import register_strategy
+from strategies.sharded import activation_itemsize, feature_sizes
 
 
 class DataParallelModel(ParallelModel):
@@ -55,3 +56,9 @@ class DataParallel(Strategy):
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
         return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                 grid: GridShape, global_batch: int) -> int:
+        layers = list(model.children()) or [model]
+        rows = Partition(global_batch, grid.size).sizes[0]
+        return rows * sum(feature_sizes(layers, sample_shape)) * activation_itemsize(layers)

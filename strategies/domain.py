@@ -34,6 +34,7 @@ from strategies.sharded import (
     CHANNEL_LOCAL,
     activation_itemsize,
     activation_ops,
+    body_activation_elements,
     build_sharded,
     layer_label,
     output_shapes,
@@ -240,3 +241,20 @@ class DomainParallel(Strategy):
                             grid: GridShape) -> int:
         assert isinstance(model, nn.Sequential)
         return split_param_bytes(list(model), spatial_end(list(model)), grid.pr)
+
+    def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                 grid: GridShape, global_batch: int) -> int:
+        assert isinstance(model, nn.Sequential)
+        layers = list(model)
+        end = spatial_end(layers)
+        shapes = output_shapes(layers, sample_shape)
+        rows = Partition(global_batch, grid.pc).sizes[0]
+        elements = 0
+        for shape in shapes[:end]:  # rank 0's slab of each spatial output
+            channels, height, width = shape
+            elements += rows * channels * Partition(height, grid.pr).sizes[0] * width
+        if grid.pr > 1:  # the boundary gather holds whole images
+            elements += rows * math.prod(shapes[end - 1])
+        elements += body_activation_elements(layers, plan_layers(layers, end, grid.pr),
+                                             sample_shape, rows, grid.pr)
+        return elements * activation_itemsize(layers)

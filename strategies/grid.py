@@ -25,6 +25,7 @@ from strategies.registry import register_strategy
 from strategies.sharded import (
     activation_itemsize,
     activation_ops,
+    body_activation_elements,
     build_sharded,
     feature_sizes,
     plan_layers,
@@ -142,3 +143,19 @@ class GridParallel(Strategy):
                             grid: GridShape) -> int:
         assert isinstance(model, nn.Sequential)
         return split_param_bytes(list(model), self.split(model), grid.pr)
+
+    def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                 grid: GridShape, global_batch: int) -> int:
+        assert isinstance(model, nn.Sequential)
+        layers, split = list(model), self.split(model)
+        rows = Partition(global_batch, grid.pc).sizes[0]
+        prefix_sizes = feature_sizes(layers[:split], sample_shape) if split else []
+        elements = 0
+        if whole_param_items(layers[:split]) and grid.pr > 1:  # batch-parallel, then gathered
+            elements += Partition(rows, grid.pr).sizes[0] * sum(prefix_sizes)
+            elements += rows * prefix_sizes[-1]
+        else:
+            elements += rows * sum(prefix_sizes)
+        elements += body_activation_elements(layers, plan_layers(layers, split, grid.pr),
+                                             sample_shape, rows, grid.pr)
+        return elements * activation_itemsize(layers)

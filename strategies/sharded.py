@@ -240,3 +240,24 @@ def split_param_bytes(layers: Sequence[nn.Module], start: int, group_size: int) 
     steps = plan_layers(layers, start, group_size)
     items = whole_param_items(layers[:start]) + rank0_param_items(layers, steps, group_size)
     return sum(nbytes for _, params in items for nbytes, _ in params)
+
+
+def body_activation_elements(layers: Sequence[nn.Module], steps: list[PlanStep],
+                             sample_shape: Sequence[int], rows: int, group_size: int) -> int:
+    """Elements of the layer outputs model-group rank 0 keeps for backward in the split part:
+    shards of `rows` rows while dim 1 is split, whole rows after a gather, its own rows after
+    the final repartition."""
+    per_sample = feature_sizes(layers, sample_shape)
+    total, fraction = 0, 1.0
+    for step in steps:
+        if step.kind == "shard":
+            fraction = Partition(step.total, group_size).sizes[0] / step.total
+            total += round(rows * per_sample[step.layer] * fraction)
+        elif step.kind == "local":
+            total += round(rows * per_sample[step.layer] * fraction)
+        elif step.kind == "gather":
+            fraction = 1.0
+            total += rows * per_sample[step.after]
+        else:  # to_rows
+            total += Partition(rows, group_size).sizes[0] * per_sample[step.after]
+    return total

@@ -203,6 +203,12 @@ def test_multirun_gives_each_job_its_own_mpi_job_and_a_sweep_table(session_tmp: 
     losses = [train_losses(sweep / str(job)) for job in (0, 1)]
     assert len(losses[0]) == 10 and _relative_gap(*losses) <= 1e-5
     assert "sweep" in result.stdout and "final loss" in result.stdout
+    # predicted next to measured, bytes and time, for every job (zero on one rank)
+    assert "comm ms/step (predicted)" in result.stdout
+    for row in rows:
+        assert float(row["comm_bytes_per_step"]) == float(row["predicted_comm_bytes_per_step"])
+        assert row["comm_time_s_per_step"] != "" and row["predicted_comm_time_s_per_step"] != ""
+    assert float(rows[1]["predicted_comm_time_s_per_step"]) > 0.0
 
 
 def test_experiment_configs_compose_and_validate() -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runner.core.cost import CommOp, log2_ceil, op_time, step_bytes, step_time
 from runner.plan.calibration import fit
@@ -49,6 +50,24 @@ def test_fit_recovers_a_line() -> None:
     assert alpha == pytest.approx(3e-6) and beta == pytest.approx(2e-10)
 
 
+def test_activation_memory_by_hand() -> None:
+    """Default MLP (Flatten, 64->128, ReLU, 128->128, ReLU, 128->10) on 8x8 digits, B = 64."""
+    from runner.core import GridShape
+    from runner.models import mlp
+    from strategies import STRATEGIES
+
+    with torch.device("meta"):
+        model = mlp((1, 8, 8), 10, hidden=(128, 128))
+    # data 1x4: 16 rows x (64 + 128 + 128 + 128 + 128 + 10) elements
+    data = STRATEGIES.get("data")().predict_activation_bytes(model, (1, 8, 8), GridShape(1, 4), 64)
+    assert data == 16 * 586 * 4
+    # grid 2x2: 32 rows; Flatten whole (32x64); each Linear and its ReLU on half the features
+    # (2 x 2 x 32x64), both gathers whole (2 x 32x128), the logits' shard (32x5) and, after the
+    # repartition, this rank's 16 rows of all 10
+    grid = STRATEGIES.get("grid")().predict_activation_bytes(model, (1, 8, 8), GridShape(2, 2), 64)
+    assert grid == (32 * 64 + 4 * 32 * 64 + 2 * 32 * 128 + 32 * 5 + 16 * 10) * 4
+
+
 def plan_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
     import os
 
@@ -70,6 +89,7 @@ def test_alexnet_plan_from_shapes_alone(tmp_path: Path) -> None:
                                                                 (16, 1)}
     assert {(pr, pc) for s, pr, pc in rows if s == "data"} == {(1, 16)}
     data = rows[("data", 1, 16)]
+    assert all(r["activation_bytes_per_rank"] > 0 for r in plan["rows"])
     weights = 62_378_344  # AlexNet without the 2-GPU grouping of the paper's convolutions
     assert data["param_bytes_per_rank"] == 4 * weights
     # pure batch: the whole model's gradient is all-reduced (plus the 4-byte loss)

@@ -25,6 +25,7 @@ class PlanRow:
     comm_bytes: int = 0
     comm_time: float = 0.0
     param_bytes: int = 0
+    activation_bytes: int = 0
     refused: str | None = None
 
 
@@ -72,8 +73,10 @@ def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world
                 rows.append(PlanRow(name, pr, pc, refused=problems[0]))
                 continue
             ops = strategy.predict_ops(model, sample_shape, grid, batch) + loss_op(grid, dtype)
-            rows.append(PlanRow(name, pr, pc, ops, step_bytes(ops), step_time(ops, alpha, beta),
-                                strategy.predict_param_bytes(model, sample_shape, grid)))
+            rows.append(PlanRow(
+                name, pr, pc, ops, step_bytes(ops), step_time(ops, alpha, beta),
+                strategy.predict_param_bytes(model, sample_shape, grid),
+                strategy.predict_activation_bytes(model, sample_shape, grid, batch)))
     return Plan(world, batch, alpha, beta, source, rows, steps_per_epoch)
 
 
@@ -95,7 +98,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "rows": [{"strategy": r.strategy, "pr": r.pr, "pc": r.pc,
                   "comm_bytes_per_step": r.comm_bytes, "comm_time_s_per_step": r.comm_time,
                   "layers": by_layer(r, plan.alpha, plan.beta),
-                  "param_bytes_per_rank": r.param_bytes}
+                  "param_bytes_per_rank": r.param_bytes,
+                  "activation_bytes_per_rank": r.activation_bytes}
                  for r in plan.feasible],
         "refused": [{"strategy": r.strategy, "pr": r.pr, "pc": r.pc, "reason": r.refused}
                     for r in plan.rows if r.refused],
@@ -113,7 +117,8 @@ def plan_table(plan: Plan) -> Table:
     title = (f"plan: {plan.world} ranks, global batch {plan.batch}, α={plan.alpha:.2e} s, "
              f"β={plan.beta:.2e} s/B ({plan.alpha_beta_source})")
     table = Table(title=title, title_justify="left")
-    headers = ["strategy", "pr x pc", "MB / step", "comm ms / step", "params MB / rank"]
+    headers = ["strategy", "pr x pc", "MB / step", "comm ms / step", "params MB / rank",
+               "activations MB / rank"]
     if plan.steps_per_epoch:
         headers += ["MB / epoch", "comm s / epoch"]
     for header in headers:
@@ -121,7 +126,7 @@ def plan_table(plan: Plan) -> Table:
     for row in sorted(plan.feasible, key=lambda r: (r.comm_time, r.comm_bytes)):
         mark = " ← best" if row is best else ""
         cells = [row.strategy + mark, f"{row.pr} x {row.pc}", _mb(row.comm_bytes),
-                 f"{row.comm_time * 1e3:,.3f}", _mb(row.param_bytes)]
+                 f"{row.comm_time * 1e3:,.3f}", _mb(row.param_bytes), _mb(row.activation_bytes)]
         if plan.steps_per_epoch:
             cells += [_mb(row.comm_bytes * plan.steps_per_epoch),
                       f"{row.comm_time * plan.steps_per_epoch:,.2f}"]
