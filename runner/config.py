@@ -59,10 +59,11 @@ class LauncherConfig:
 
 @dataclass(frozen=True)
 class DebugConfig:
-    """Fault injection for tests: make one rank raise at one step."""
+    """For tests and measurements: make one rank raise at one step; time collectives alone."""
 
     raise_at_step: int | None = None
     raise_on_rank: int = 0
+    isolate_comm: bool = False  # time each collective alone (barrier first, no overlap)
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         trainer=TrainerConfig(steps, batch, log_every, eval_every, checkpoint_every,
                               None if resume is None else str(resume), threads, dtype),
         model=model, dataset=dataset, strategy=strategy, optimizer=optimizer,
-        launcher=launcher, debug=DebugConfig(raise_at, raise_on),
+        launcher=launcher,
+        debug=DebugConfig(raise_at, raise_on,
+                          bool(OmegaConf.select(cfg, "debug.isolate_comm", default=False))),
     )
 
 

@@ -79,6 +79,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     load_plugins()
     log = get_logger()
     is_rank0 = grid.rank == 0
+    grid.counter.isolate = run.debug.isolate_comm
     started = time.perf_counter()
     torch.manual_seed(run.seed)
 

@@ -31,6 +31,7 @@ RUNS: dict[str, tuple[list[str], int | None]] = {
                 "launcher.args=[-genv,GRIDRUN_TEST_MARK,1]"], None),
     "mlp_p4": ([*DATA, "grid.pc=4"], None),
     "mlp_p4_again": ([*DATA, "grid.pc=4"], None),
+    "mlp_p4_isolated": ([*DATA, "grid.pc=4", "debug.isolate_comm=true"], None),
     "cnn_p1": ([*DATA, "model=cnn", "grid.pc=1"], None),
     "cnn_p2_user_mpiexec": ([*DATA, "model=cnn", "grid.pc=2"], 2),
     # A global batch of 2 on 4 ranks: only domain parallelism can (float64: see check_domain.py)
@@ -156,6 +157,15 @@ def test_default_grid_run_splits_the_weights(runs: Runs) -> None:
     predicted = summary["predicted_comm_bytes_per_step"]
     assert all(m["comm_bytes"] == predicted for m in read_metrics(runs("grid_default_2x2"))
                if "split" not in m)
+
+
+def test_isolating_collectives_changes_timing_only(runs: Runs) -> None:
+    """debug.isolate_comm (a barrier before each collective, no overlap) is for measuring the
+    cost model: same losses, same operations and bytes."""
+    isolated = runs("mlp_p4_isolated")
+    assert train_losses(isolated) == train_losses(runs("mlp_p4"))
+    predicted = read_summary(isolated)["predicted_comm_bytes_per_step"]
+    assert all(m["comm_bytes"] == predicted for m in read_metrics(isolated) if "split" not in m)
 
 
 def test_training_learns_digits(runs: Runs) -> None:

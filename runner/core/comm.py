@@ -43,6 +43,7 @@ class CommCounter:
 
     records: list[CommRecord] = field(default_factory=list)
     keep_records: bool = False
+    isolate: bool = False  # measure each operation alone (see CountedComm._start)
     totals: CommTotals = field(default_factory=CommTotals)
 
     def add(self, op: str, group: str, group_size: int, nbytes: int, seconds: float,
@@ -161,6 +162,14 @@ class CountedComm:
     def __repr__(self) -> str:
         return f"CountedComm({self.name}, rank={self.rank}, size={self.size})"
 
+    def _start(self) -> float:
+        """The start time of an operation. When the counter isolates operations, every rank
+        first waits at an (uncounted) barrier, so the time is the operation's own and not the
+        wait for a late peer: what the α–β model describes."""
+        if self.counter.isolate and self.size > 1:
+            self.mpi_comm.Barrier()
+        return time.perf_counter()
+
     def _record(self, op: str, nbytes: int, seconds: float, label: str) -> None:
         self.counter.add(op, self.name, self.size, nbytes, seconds, label)
 
@@ -172,7 +181,7 @@ class CountedComm:
             return tensor
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = time.perf_counter()
+        start = self._start()
         self.mpi_comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
@@ -183,7 +192,7 @@ class CountedComm:
             return out.copy_(tensor)
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = time.perf_counter()
+        start = self._start()
         self.mpi_comm.Allreduce(tensor, out, op=MPI.SUM)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
@@ -196,7 +205,7 @@ class CountedComm:
             return None if out is None else out.copy_(tensor)
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = time.perf_counter()
+        start = self._start()
         self.mpi_comm.Reduce(tensor, out if self.rank == root else None, op=MPI.SUM, root=root)
         self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
@@ -207,10 +216,13 @@ class CountedComm:
             return PendingOp(self, "iallreduce", None, 0, label, 0.0, ())
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = time.perf_counter()
+        start = self._start()
         request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
-        return PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
-                         time.perf_counter() - start, (tensor,))
+        pending = PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
+                            time.perf_counter() - start, (tensor,))
+        if self.counter.isolate:  # no overlap: the operation's own time
+            pending.wait()
+        return pending
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
                  recvs: list[tuple[torch.Tensor, int]], label: str = "",
@@ -219,18 +231,21 @@ class CountedComm:
         `wait()` completes them all. Payload: the bytes this rank sends."""
         if self.size == 1 or (not sends and not recvs):
             return PendingOp(self, "exchange", None, 0, label, 0.0, ())
-        start = time.perf_counter()
+        start = self._start()
         requests = [self.mpi_comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
         requests += [self.mpi_comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
         nbytes = sum(_nbytes(buf) for buf, _ in sends)
-        return PendingOp(self, "exchange", requests, nbytes, label, time.perf_counter() - start,
-                         tuple(buf for buf, _ in sends + recvs))
+        pending = PendingOp(self, "exchange", requests, nbytes, label,
+                            time.perf_counter() - start, tuple(buf for buf, _ in sends + recvs))
+        if self.counter.isolate:
+            pending.wait()
+        return pending
 
     def bcast_(self, tensor: torch.Tensor, root: int = 0, label: str = "") -> torch.Tensor:
         if self.size == 1:
             return tensor
         _require_contiguous(tensor)
-        start = time.perf_counter()
+        start = self._start()
         self.mpi_comm.Bcast(tensor, root=root)
         self._record("bcast", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
@@ -241,7 +256,7 @@ class CountedComm:
             return tensor
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = time.perf_counter()
+        start = self._start()
         if self.rank == root:
             self.mpi_comm.Reduce(MPI.IN_PLACE, tensor, op=MPI.SUM, root=root)
         else:
@@ -254,7 +269,7 @@ class CountedComm:
         """Concatenate every rank's `piece` (of `counts[rank]` elements) into `out`, by rank."""
         _require_contiguous(piece)
         _require_contiguous(out)
-        start = time.perf_counter()
+        start = self._start()
         self.mpi_comm.Allgatherv(piece, [out, (counts, _displacements(counts))])
         self._record("allgather", _nbytes(out), time.perf_counter() - start, label)
         return out
@@ -265,7 +280,7 @@ class CountedComm:
         _require_contiguous(full)
         _require_contiguous(out)
         MPI = _mpi()
-        start = time.perf_counter()
+        start = self._start()
         self.mpi_comm.Reduce_scatter(full, out, counts, op=MPI.SUM)
         self._record("reduce_scatter", _nbytes(full), time.perf_counter() - start, label)
         return out
@@ -275,7 +290,7 @@ class CountedComm:
         """Block k of `send` goes to rank k; block k of `recv` comes from rank k."""
         _require_contiguous(send)
         _require_contiguous(recv)
-        start = time.perf_counter()
+        start = self._start()
         self.mpi_comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
                                 [recv, (recv_counts, _displacements(recv_counts))])
         self._record("alltoall", _nbytes(send), time.perf_counter() - start, label)
