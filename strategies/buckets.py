@@ -66,10 +66,6 @@ class GradientBuckets:
             offset += p.numel()
         self.buckets.append(_Bucket(buffer, params, views))
 
-    @property
-    def bucket_bytes(self) -> list[int]:
-        return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]
-
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, index = self._slot_of[id(param)]
         bucket = self.buckets[bucket_index]

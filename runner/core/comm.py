@@ -250,20 +250,6 @@ class CountedComm:
         self._record("bcast", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
 
-    def reduce_(self, tensor: torch.Tensor, root: int = 0, label: str = "") -> torch.Tensor:
-        """Sum `tensor` onto `root`, in place there (other ranks' tensors are left as they were)."""
-        if self.size == 1:
-            return tensor
-        _require_contiguous(tensor)
-        MPI = _mpi()
-        start = self._start()
-        if self.rank == root:
-            self.mpi_comm.Reduce(MPI.IN_PLACE, tensor, op=MPI.SUM, root=root)
-        else:
-            self.mpi_comm.Reduce(tensor, None, op=MPI.SUM, root=root)
-        self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
-        return tensor
-
     def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int],
                     label: str = "") -> torch.Tensor:
         """Concatenate every rank's `piece` (of `counts[rank]` elements) into `out`, by rank."""
@@ -306,12 +292,6 @@ class CountedComm:
         return buffer
 
     # -- small control messages (pickled Python objects) --------------------------------------
-
-    def bcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a small Python object (control data, not tensors; not counted as payload)."""
-        if self.size == 1:
-            return obj
-        return self.mpi_comm.bcast(obj, root=root)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         if self.size == 1:
