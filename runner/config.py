@@ -64,6 +64,8 @@ class DebugConfig:
     raise_at_step: int | None = None
     raise_on_rank: int = 0
     isolate_comm: bool = False  # time each collective alone (barrier first, no overlap)
+    slow_rank: int | None = None  # this rank sleeps slow_seconds in every step (a straggler)
+    slow_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,12 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                         f"(set grid.pr and grid.pc so that their product is {world_size})")
     if grid and raise_at is not None and raise_on >= grid.size:
         problems.append(f"debug.raise_on_rank={raise_on} is not a rank of a {grid.size}-rank job")
+    slow_rank = _int(cfg, "debug.slow_rank", problems, minimum=0, optional=True)
+    slow_seconds = OmegaConf.select(cfg, "debug.slow_seconds", default=0.0) or 0.0
+    if not isinstance(slow_seconds, (int, float)) or slow_seconds < 0:
+        problems.append(f"debug.slow_seconds must be a number >= 0, got {slow_seconds}")
+    if grid and slow_rank is not None and slow_rank >= grid.size:
+        problems.append(f"debug.slow_rank={slow_rank} is not a rank of a {grid.size}-rank job")
 
     # Plugins: known names, known options, and what each can say about the others.
     spec = meta_model = None
@@ -197,7 +205,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if optimizer.name:
         try:
             opt_cls = OPTIMIZERS.get(optimizer.name)
-            reserved = ("params", "grid", "total_steps")
+            reserved = ("model", "grid", "total_steps")
             before = len(problems)
             _check_options("optimizer", opt_cls, optimizer.options, reserved, problems)
             if len(problems) == before:
@@ -230,7 +238,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         model=model, dataset=dataset, strategy=strategy, optimizer=optimizer,
         launcher=launcher,
         debug=DebugConfig(raise_at, raise_on,
-                          bool(OmegaConf.select(cfg, "debug.isolate_comm", default=False))),
+                          bool(OmegaConf.select(cfg, "debug.isolate_comm", default=False)),
+                          slow_rank, float(slow_seconds)),
     )
 
 

@@ -105,6 +105,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("steps", _fmt(summary.get("steps"))),
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
         ("val accuracy", _fmt(summary.get("val_accuracy"), ".4f")),
+        *([("workers' mean val accuracy", _fmt(summary["workers_val_accuracy"], ".4f"))]
+          if summary.get("workers_val_accuracy") is not None else []),
         ("wall time", f"{_fmt(summary.get('wall_time_s'), '.2f')} s"),
         ("step time (median)", f"{_fmt(summary.get('median_step_time_s', 0) * 1e3, '.2f')} ms"),
         ("samples / s", _fmt(summary.get("samples_per_s"), ",.0f")),

@@ -1,19 +1,22 @@
 """Replica optimizers: how the batch replicas (the `Pc` dimension) agree.
 
 `sgd` is the synchronous baseline: the strategy averages gradients over the replicas every step,
-then every rank applies the same SGD update to its shard, so replicas stay identical.
+then every rank applies the same SGD update to its shard, so replicas stay identical. The elastic
+averaging family lives in `easgd.py`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
 
 from runner.core import ProcessGrid
 from runner.registry import register_optimizer
+from strategies import ParallelModel
 
 
 def scheduled_lr(base_lr: float, step: int, total_steps: int, schedule: str,
@@ -28,9 +31,14 @@ def scheduled_lr(base_lr: float, step: int, total_steps: int, schedule: str,
 
 
 class ReplicaOptimizer:
-    """Base of the `optimizer` config group."""
+    """Base of the `optimizer` config group. Built with the parallel model, the grid and the
+    number of steps; `step(i)` runs after the backward of 0-based step i."""
 
     syncs_gradients: ClassVar[bool] = True  # the strategy all-reduces replica gradients
+    # Replicas never wait for each other: the training loop must not add a collective over
+    # replicas to a step (the logged loss is then replica 0's).
+    asynchronous: ClassVar[bool] = False
+    has_centre: ClassVar[bool] = False  # evaluation also scores a centre variable
 
     @staticmethod
     def check(**options: object) -> list[str]:
@@ -43,6 +51,15 @@ class ReplicaOptimizer:
     def lr(self) -> float:
         raise NotImplementedError
 
+    @contextmanager
+    def centre_weights(self) -> Iterator[None]:
+        """Inside the block the model holds the centre variable (when `has_centre`)."""
+        raise NotImplementedError
+        yield
+
+    def close(self) -> None:
+        """Collective over all ranks: release what the optimizer holds (MPI windows)."""
+
 
 @register_optimizer("sgd")
 class SynchronousSGD(ReplicaOptimizer):
@@ -50,13 +67,13 @@ class SynchronousSGD(ReplicaOptimizer):
 
     SCHEDULES = ("constant", "cosine")
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], grid: ProcessGrid, total_steps: int,
+    def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
                  lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, schedule: str = "constant",
                  warmup_steps: int = 0) -> None:
         self.base_lr, self.total_steps = lr, total_steps
         self.schedule, self.warmup_steps = schedule, warmup_steps
-        self.torch_optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum,
+        self.torch_optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
                                                weight_decay=weight_decay, nesterov=nesterov)
 
     @staticmethod

@@ -10,8 +10,8 @@ from typing import Any
 
 from rich.table import Table
 
-COLUMNS = ("job", "overrides", "status", "final_loss", "val_accuracy", "wall_time_s",
-           "median_step_time_s", "comm_time_share", "comm_bytes_per_step",
+COLUMNS = ("job", "overrides", "status", "final_loss", "val_accuracy", "workers_val_accuracy",
+           "wall_time_s", "median_step_time_s", "comm_time_share", "comm_bytes_per_step",
            "predicted_comm_bytes_per_step", "comm_time_s_per_step",
            "predicted_comm_time_s_per_step", "run_dir", "error")
 

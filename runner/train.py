@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ import torch.nn.functional as F
 
 from runner.config import RunConfig
 from runner.console import ProgressReporter, make_console, summary_table
-from runner.core import CountedComm, ProcessGrid
+from runner.core import CountedComm, Partition, ProcessGrid
 from runner.core.cost import step_bytes, step_time
 from runner.datasets import ClassificationData
 from runner.logs import get_logger
+from runner.optim import ReplicaOptimizer
 from runner.plan.calibration import load_alpha_beta
 from runner.plan.planner import loss_op
 from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
@@ -68,8 +70,54 @@ def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluati
     return Evaluation(loss_sum / count, correct / count)
 
 
+def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
+    """This replica's (model group's) own weights on the whole set, with no other replica
+    taking part: the group is fed every row and each rank scores its sub-shard."""
+    grid = model.grid
+    targets = y[Partition(len(x), grid.pr).slice(grid.model_index)]
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+        stats = torch.tensor([F.cross_entropy(out, targets, reduction="sum").item(),
+                              (out.argmax(dim=1) == targets).sum().item(), float(len(targets))],
+                             dtype=torch.float64)
+    model.train()
+    grid.model.allreduce_(stats, label="eval")
+    loss_sum, correct, count = stats.tolist()
+    return Evaluation(loss_sum / count, correct / count)
+
+
+def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
+               y: torch.Tensor, everyone: bool) -> dict[str, float] | None:
+    """The validation line: the model's loss and accuracy, or for an optimizer with a centre
+    variable the centre's, next to the workers' mean (`everyone`: every replica takes part) or
+    replica 0's own (asynchronous runs mid-way: replica 0 alone, so nobody waits; other
+    replicas return None)."""
+    if not optimizer.has_centre:
+        result = evaluate(model, x, y)
+        return {"loss": result.loss, "accuracy": result.accuracy}
+    grid = model.grid
+    if everyone:
+        with optimizer.centre_weights():
+            centre = evaluate(model, x, y)
+        own = evaluate_replica(model, x, y)
+        workers = torch.tensor([own.loss, own.accuracy], dtype=torch.float64)
+        grid.batch.allreduce_(workers, label="eval")
+        workers_loss, workers_accuracy = (workers / grid.pc).tolist()
+        return {"loss": centre.loss, "accuracy": centre.accuracy, "workers_loss": workers_loss,
+                "workers_accuracy": workers_accuracy}
+    if grid.batch_index != 0:
+        return None
+    with optimizer.centre_weights():
+        centre = evaluate_replica(model, x, y)
+    own = evaluate_replica(model, x, y)
+    return {"loss": centre.loss, "accuracy": centre.accuracy, "worker0_loss": own.loss,
+            "worker0_accuracy": own.accuracy}
+
+
 def mean_loss(loss: torch.Tensor, comm: CountedComm) -> float:
-    """Mean over the global batch: the mean of the ranks' (P/B)-scaled sums."""
+    """Mean over the rows of the ranks of `comm`: the mean of their (P/B)-scaled sums (over the
+    world: the global batch; over a model group: that replica's rows)."""
     buffer = loss.detach().reshape(1).clone()
     comm.allreduce_(buffer, label="loss")
     return buffer.item() / comm.size
@@ -93,13 +141,19 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     model = model.to(dtype)
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
     optimizer_cls = OPTIMIZERS.get(run.optimizer.name)
+    # The planner models synchronous gradient exchange only: no prediction for other optimizers.
     predicted_ops = (strategy.predict_ops(model, spec.input_shape, grid.shape,
-                                          run.trainer.batch_size) + loss_op(grid.shape, dtype))
+                                          run.trainer.batch_size) + loss_op(grid.shape, dtype)
+                     if optimizer_cls.syncs_gradients else None)
     alpha_beta = load_alpha_beta()
     pmodel = strategy.parallelize(model, spec.input_shape, grid,
                                   sync_replica_gradients=optimizer_cls.syncs_gradients)
-    optimizer = optimizer_cls(pmodel.parameters(), grid=grid, total_steps=run.trainer.steps,
-                              **run.optimizer.options)
+    optimizer: ReplicaOptimizer = optimizer_cls(pmodel, grid=grid,
+                                                total_steps=run.trainer.steps,
+                                                **run.optimizer.options)
+    # An asynchronous optimizer's replicas never meet during a step: the loss shown is then
+    # replica 0's (the mean over its rows), reduced over its model group only.
+    loss_comm = grid.model if optimizer.asynchronous else pmodel.loss_comm
     log.info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)", grid,
              sum(p.numel() for p in pmodel.parameters()), run.dataset.name, spec.train_size,
              spec.val_size)
@@ -112,7 +166,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     comm_bytes: list[int] = []
     comm_seconds: list[float] = []
     loss_value = float("nan")
-    evaluation: Evaluation | None = None
+    evaluation: dict[str, float] | None = None
+    slow = run.debug.slow_seconds if grid.rank == run.debug.slow_rank else 0.0
     steps, title = run.trainer.steps, f"{run.strategy.name} {grid.pr}x{grid.pc}"
     batch_size = run.trainer.batch_size
 
@@ -120,6 +175,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
         for step in range(1, steps + 1):
             start = time.perf_counter()
             before = grid.counter.snapshot()
+            if slow:  # debug.slow_rank: a straggler on purpose
+                time.sleep(slow)
             batch = sampler.next_batch()
             x, y = data.train_x[batch[input_rows]], data.train_y[batch[output_rows]]
             pmodel.zero_grad()
@@ -129,7 +186,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             loss.backward()
             pmodel.finish_gradient_sync()
             optimizer.step(step - 1)
-            loss_value = mean_loss(loss, pmodel.loss_comm)
+            loss_value = mean_loss(loss, loss_comm)
             if run.debug.raise_at_step == step and grid.rank == run.debug.raise_on_rank:
                 raise InjectedFailure(f"injected failure on rank {grid.rank} at step {step} "
                                       f"(debug.raise_at_step)")
@@ -142,22 +199,28 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             if metrics and (step % run.trainer.log_every == 0 or step == steps):
                 metrics.write({"step": step, "loss": loss_value, "lr": optimizer.lr,
                                "step_time_s": elapsed, "comm_time_s": comm.seconds,
-                               "comm_bytes": comm.nbytes, "samples_per_s": rate})
+                               "comm_bytes": comm.nbytes, "comm_share": comm.seconds / elapsed,
+                               "samples_per_s": rate})
             progress.step(step, loss_value, rate)
             if step % run.trainer.log_every == 0:
                 log.info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss_value,
                          elapsed, comm.seconds, comm.nbytes)
             eval_every = run.trainer.eval_every
             if step == steps or (eval_every and step % eval_every == 0):
-                evaluation = evaluate(pmodel, data.val_x, data.val_y)
-                log.info("step %d val loss %.6f accuracy %.4f", step, evaluation.loss,
-                         evaluation.accuracy)
-                progress.evaluation(step, evaluation.loss, evaluation.accuracy)
-                if metrics:
-                    metrics.write({"step": step, "split": "val", "loss": evaluation.loss,
-                                   "accuracy": evaluation.accuracy})
+                if step == steps and optimizer.asynchronous:
+                    grid.world.barrier()  # every worker's last exchange is in the centre
+                result = validation(pmodel, optimizer, data.val_x, data.val_y,
+                                    everyone=step == steps or not optimizer.asynchronous)
+                if result is not None:
+                    evaluation = result
+                    log.info("step %d val %s", step, json.dumps(result))
+                    progress.evaluation(step, result["loss"], result["accuracy"])
+                    if metrics:
+                        metrics.write({"step": step, "split": "val", **result})
     if metrics:
         metrics.close()
+    rates = grid.world.allgather_object(len(step_times) / sum(step_times))
+    optimizer.close()
 
     wall = time.perf_counter() - started
     param_bytes = pmodel.param_bytes()
@@ -169,20 +232,26 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
         "world_size": grid.size,
         "steps": steps,
         "final_loss": loss_value,
-        "val_loss": evaluation.loss if evaluation else None,
-        "val_accuracy": evaluation.accuracy if evaluation else None,
+        "val_loss": evaluation["loss"] if evaluation else None,
+        "val_accuracy": evaluation["accuracy"] if evaluation else None,
+        # with a centre variable: val_* are the centre's, workers_val_* the replicas' mean
+        "workers_val_loss": evaluation.get("workers_loss") if evaluation else None,
+        "workers_val_accuracy": evaluation.get("workers_accuracy") if evaluation else None,
         "wall_time_s": wall,
         "mean_step_time_s": statistics.fmean(step_times),
         "median_step_time_s": statistics.median(step_times),
         "samples_per_s": run.trainer.batch_size / statistics.median(step_times),
         "comm_bytes_per_step": statistics.fmean(comm_bytes),
-        "predicted_comm_bytes_per_step": step_bytes(predicted_ops),
+        "predicted_comm_bytes_per_step": (step_bytes(predicted_ops)
+                                          if predicted_ops is not None else None),
         "comm_time_s_per_step": statistics.fmean(comm_seconds),
-        "predicted_comm_time_s_per_step": step_time(predicted_ops, alpha_beta.alpha,
-                                                    alpha_beta.beta),
+        "predicted_comm_time_s_per_step": (
+            step_time(predicted_ops, alpha_beta.alpha, alpha_beta.beta)
+            if predicted_ops is not None else None),
         "alpha_beta": {"alpha": alpha_beta.alpha, "beta": alpha_beta.beta,
                        "source": alpha_beta.source},
         "comm_time_share": sum(comm_seconds) / sum(step_times),
+        "steps_per_s_by_rank": rates,
         "param_bytes_per_rank": param_bytes,
         "seed": run.seed,
         "versions": versions(),

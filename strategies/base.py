@@ -30,6 +30,9 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.grid = grid
         self.reducers: list[GradientBuckets] = []
+        # Parameters every rank of a model group holds whole (batch-parallel layers): a replica
+        # optimizer must keep these copies equal.
+        self.replicated_in_model_group: list[nn.Parameter] = []
 
     @property
     def loss_comm(self) -> CountedComm:

@@ -191,6 +191,7 @@ class DomainParallel(Strategy):
         pmodel = DomainParallelModel(grid, spatial, heights[0], heights[end], body,
                                      ends_on_own_rows)
         spatial_params = [p for layer in layers[:end] for p in layer.parameters()]
+        pmodel.replicated_in_model_group = spatial_params
         if sync_replica_gradients:
             sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
         else:

@@ -84,6 +84,7 @@ def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
     body = build_sharded(layers, steps, grid.model, grid.model_index)
     ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
     pmodel = GridParallelModel(grid, prefix, bool(prefix_params), body, ends_on_own_rows)
+    pmodel.replicated_in_model_group = prefix_params
     if sync_replica_gradients:
         # Losses of all P ranks make the global mean: scale by 1/P.
         sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size

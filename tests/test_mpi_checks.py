@@ -15,6 +15,7 @@ SCRIPTS = {
     "tests/mpi/check_core.py": (6,),
     "tests/mpi/check_model_grid.py": (4,),
     "tests/mpi/check_domain.py": (4,),
+    "tests/mpi/check_easgd.py": (4,),
 }
 
 

@@ -1,0 +1,274 @@
+"""The elastic averaging SGD family (EASGD; Zhang, Choromanska, LeCun 2015; redesigned for HPC
+by You, Buluç, Demmel, SC17).
+
+Each batch replica (a model group of `Pr` ranks) trains its own weights Wᵢ; an elastic force of
+strength ρ pulls them towards a centre variable W̄, which moves towards them in turn. With
+learning rate η and moving rate α = ηρ, every τ-th step of a worker is
+
+    d  = α (Wᵢ − W̄)                    (W̄ as this worker reads it)
+    W̄ ← W̄ + d                          (centre update)
+    Wᵢ ← Wᵢ − η∇ᵢ − d                   (MEASGD: Vᵢ ← μVᵢ − η∇ᵢ;  Wᵢ ← Wᵢ + Vᵢ − d)
+
+and the other steps are plain local SGD steps. The methods differ in how the centre is shared:
+
+| optimizer       | centre                   | how workers meet it                           |
+| `sync_easgd`    | a copy on every worker   | all at once: one all-reduce of the Wᵢ         |
+| `easgd`         | one-sided windows        | one at a time, in fixed rank order            |
+| `async_easgd`   | one-sided windows        | when ready; each piece first come first served |
+| `async_measgd`  | one-sided windows        | as `async_easgd`, momentum on the workers     |
+| `hogwild_easgd` | one-sided windows        | when ready, concurrently, no lock             |
+
+The centre is sharded like the parameters: the ranks holding the same parameter shard (a batch
+group) share that shard's centre, each owning a 1/Pc piece of it in its window. Parameters that
+every rank of a model group holds (batch-parallel convolutions under `grid`/`domain`) have their
+centre in the batch group of model rank 0 and are broadcast to the rest of the group after each
+exchange, so a replica's copies never drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from runner.core import ProcessGrid
+from runner.core.rma import OneSidedVector
+from runner.optim import ReplicaOptimizer
+from runner.registry import register_optimizer
+from strategies import ParallelModel
+
+DEFAULT_BETA = 0.9  # the EASGD paper's choice of Pc·α for the synchronous method
+
+
+def resolve_moving_rate(lr: float, rho: float | None, moving_rate: float | None,
+                        replicas: int) -> float:
+    """α: given directly, or ηρ, or by default 0.9/Pc (so that Pc·α = 0.9)."""
+    if moving_rate is not None:
+        return moving_rate
+    if rho is not None:
+        return lr * rho
+    return DEFAULT_BETA / replicas
+
+
+def _flatten_into(params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor:
+    offset = 0
+    for p in params:
+        out[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        offset += p.numel()
+    return out
+
+
+class ElasticAveraging(ReplicaOptimizer):
+    """The shared update rule; subclasses choose how workers meet the centre (`_differences`)."""
+
+    syncs_gradients = False
+    has_centre = True
+
+    def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
+                 lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
+                 period: int = 1, momentum: float = 0.0) -> None:
+        self.grid, self.base_lr, self.period = grid, lr, period
+        self.alpha = resolve_moving_rate(lr, rho, moving_rate, grid.pc)
+        self.momentum = momentum
+        in_group = {id(p) for p in model.replicated_in_model_group}
+        params = list(model.parameters())
+        # This rank's share of the centre: its shard, plus the group-replicated parameters on
+        # model rank 0 only (the others receive them by broadcast).
+        self.owned = [p for p in params if id(p) not in in_group or grid.model_index == 0]
+        self.group_replicated = [p for p in params if id(p) in in_group] if grid.pr > 1 else []
+        self.params = params
+        self.velocity = [torch.zeros_like(p) for p in params] if momentum else []
+        numel = sum(p.numel() for p in self.owned)
+        dtype = params[0].dtype if params else torch.float32
+        self.flat = torch.empty(numel, dtype=dtype)
+        self.differences = torch.empty(numel, dtype=dtype)
+        self.exchanges = 0
+        self._init_centre(_flatten_into(self.owned, self.flat))
+
+    @staticmethod
+    def check(lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
+              period: int = 1, momentum: float = 0.0) -> list[str]:
+        errors = []
+        if not lr > 0:
+            errors.append(f"optimizer.lr must be > 0, got {lr}")
+        if rho is not None and rho < 0:
+            errors.append(f"optimizer.rho (the elastic coefficient) must be >= 0, got {rho}")
+        if moving_rate is not None and not 0 <= moving_rate < 1:
+            errors.append(f"optimizer.moving_rate (alpha = lr * rho) must be in [0, 1), "
+                          f"got {moving_rate}")
+        if rho is not None and moving_rate is not None:
+            errors.append("set optimizer.rho or optimizer.moving_rate, not both "
+                          "(moving_rate = lr * rho)")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            errors.append(f"optimizer.period (tau, steps between exchanges) must be an integer "
+                          f">= 1, got {period}")
+        if not 0 <= momentum < 1:
+            errors.append(f"optimizer.momentum must be in [0, 1), got {momentum}")
+        return errors
+
+    # -- the update -----------------------------------------------------------------------------
+
+    def _init_centre(self, initial: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _differences(self, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` ← α(Wᵢ − W̄) for this rank's share, having moved the centre by it."""
+        raise NotImplementedError
+
+    def centre(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the centre variable, as it is now."""
+        raise NotImplementedError
+
+    def step(self, step: int) -> None:
+        exchange = (step + 1) % self.period == 0
+        if exchange:  # with the weights the gradient was taken at
+            self._differences(_flatten_into(self.owned, self.flat), self.differences)
+            self.exchanges += 1
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                if self.velocity:
+                    self.velocity[i].mul_(self.momentum).add_(p.grad, alpha=-self.base_lr)
+                    p.add_(self.velocity[i])
+                else:
+                    p.add_(p.grad, alpha=-self.base_lr)
+            if exchange:
+                offset = 0
+                for p in self.owned:
+                    p.sub_(self.differences[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        if exchange:
+            self._broadcast_group_replicated()
+
+    def _broadcast_group_replicated(self) -> None:
+        for p in self.group_replicated:
+            self.grid.model.bcast_(p.data, root=0, label="elastic")
+
+    @contextmanager
+    def centre_weights(self) -> Iterator[None]:
+        """The model holds the centre variable inside the block, its own weights after."""
+        saved = [p.detach().clone() for p in self.params]
+        centre = self.centre(torch.empty_like(self.flat))
+        with torch.no_grad():
+            offset = 0
+            for p in self.owned:
+                p.copy_(centre[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self._broadcast_group_replicated()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in zip(self.params, saved, strict=True):
+                    p.copy_(value)
+
+    @property
+    def lr(self) -> float:
+        return self.base_lr
+
+
+@register_optimizer("sync_easgd")
+class SyncEASGD(ElasticAveraging):
+    """Every worker every τ steps; the centre, replicated on each worker, moves by the sum of
+    the workers' differences, computed by one all-reduce over the batch group (a tree/ring
+    reduction, not rank by rank). Deterministic."""
+
+    asynchronous = False
+
+    def _init_centre(self, initial: torch.Tensor) -> None:
+        self._centre = initial.clone()
+        self._sum = torch.empty_like(initial)
+
+    def _differences(self, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        total = self.grid.batch.allreduce(weights, self._sum, label="elastic")
+        torch.sub(weights, self._centre, out=out).mul_(self.alpha)
+        # W̄ ← W̄ + α Σᵢ (Wᵢ − W̄) = W̄ + α (Σᵢ Wᵢ − Pc W̄)
+        self._centre.add_(total.sub_(self._centre, alpha=self.grid.pc), alpha=self.alpha)
+        return out
+
+    def centre(self, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self._centre)
+
+
+class SharedCentre(ElasticAveraging):
+    """The centre in one-sided windows, each worker exchanging with it piece by piece."""
+
+    asynchronous = True
+    locks_pieces: ClassVar[bool] = True
+
+    def _init_centre(self, initial: torch.Tensor) -> None:
+        self.shared = OneSidedVector(self.grid.batch, initial, label="centre")
+        self._read = torch.empty_like(initial)
+
+    def _exchange_piece(self, owner: int, weights: torch.Tensor, out: torch.Tensor) -> None:
+        piece = self.shared.piece(owner)
+        if self.locks_pieces:
+            self.shared.acquire(owner)
+        centre = self.shared.read(owner, self._read[piece])
+        torch.sub(weights[piece], centre, out=out[piece]).mul_(self.alpha)
+        self.shared.add(owner, out[piece])
+        if self.locks_pieces:
+            self.shared.release(owner)
+
+    def _differences(self, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # Start at our own piece so that workers spread over the owners instead of queueing
+        # at the same one.
+        size = self.grid.pc
+        for k in range(size):
+            self._exchange_piece((self.grid.batch_index + k) % size, weights, out)
+        return out
+
+    def centre(self, out: torch.Tensor) -> torch.Tensor:
+        return self.shared.read_all(out)
+
+    def close(self) -> None:
+        self.shared.close()
+
+
+@register_optimizer("async_easgd")
+class AsyncEASGD(SharedCentre):
+    """Workers meet the centre whenever they are ready; each piece serves them first come,
+    first served (a ticket lock). No worker waits for another worker's step."""
+
+
+@register_optimizer("async_measgd")
+class AsyncMEASGD(SharedCentre):
+    """`async_easgd` with momentum on the workers (the centre has none)."""
+
+    def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
+                 lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
+                 period: int = 1, momentum: float = 0.9) -> None:
+        super().__init__(model, grid, total_steps, lr, rho, moving_rate, period, momentum)
+
+    @staticmethod
+    def check(lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
+              period: int = 1, momentum: float = 0.9) -> list[str]:
+        return ElasticAveraging.check(lr, rho, moving_rate, period, momentum)
+
+
+@register_optimizer("hogwild_easgd")
+class HogwildEASGD(SharedCentre):
+    """Workers update the centre concurrently without any lock (Hogwild!): each element's read
+    and addition are atomic, a worker's read of the whole piece is not."""
+
+    locks_pieces = False
+
+
+@register_optimizer("easgd")
+class RoundRobinEASGD(SharedCentre):
+    """The original EASGD: the centre serves one worker at a time in fixed rank order, so every
+    worker waits for all the ones before it (the baseline the SC17 redesign improves on)."""
+
+    asynchronous = False
+    locks_pieces = False  # the turn already excludes everyone else
+
+    def _differences(self, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        self.shared.wait_turn(self.exchanges * self.grid.pc + self.grid.batch_index)
+        for owner in range(self.grid.pc):
+            self._exchange_piece(owner, weights, out)
+        self.shared.next_turn()
+        return out
