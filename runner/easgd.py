@@ -68,7 +68,7 @@ class ElasticAveraging(ReplicaOptimizer):
     has_centre = True
 
     def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
-                 lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
+                 lr: float = 0.2, rho: float | None = None, moving_rate: float | None = None,
                  period: int = 1, momentum: float = 0.0) -> None:
         self.grid, self.base_lr, self.period = grid, lr, period
         self.alpha = resolve_moving_rate(lr, rho, moving_rate, grid.pc)
@@ -89,7 +89,7 @@ class ElasticAveraging(ReplicaOptimizer):
         self._init_centre(_flatten_into(self.owned, self.flat))
 
     @staticmethod
-    def check(lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
+    def check(lr: float = 0.2, rho: float | None = None, moving_rate: float | None = None,
               period: int = 1, momentum: float = 0.0) -> list[str]:
         errors = []
         if not lr > 0:

@@ -197,7 +197,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             comm_seconds.append(comm.seconds)
             rate = run.trainer.batch_size / elapsed
             if metrics and (step % run.trainer.log_every == 0 or step == steps):
-                metrics.write({"step": step, "loss": loss_value, "lr": optimizer.lr,
+                metrics.write({"step": step, "time_s": sum(step_times),
+                               "loss": loss_value, "lr": optimizer.lr,
                                "step_time_s": elapsed, "comm_time_s": comm.seconds,
                                "comm_bytes": comm.nbytes, "comm_share": comm.seconds / elapsed,
                                "samples_per_s": rate})
@@ -216,7 +217,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
                     log.info("step %d val %s", step, json.dumps(result))
                     progress.evaluation(step, result["loss"], result["accuracy"])
                     if metrics:
-                        metrics.write({"step": step, "split": "val", **result})
+                        metrics.write({"step": step, "split": "val",
+                                       "time_s": sum(step_times), **result})
     if metrics:
         metrics.close()
     rates = grid.world.allgather_object(len(step_times) / sum(step_times))
