@@ -7,6 +7,7 @@ per session) and several tests read the same run directory.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import subprocess
 from pathlib import Path
@@ -118,10 +119,12 @@ def test_run_directory_contract(runs: Runs) -> None:
     val = [m for m in metrics if m.get("split") == "val"]
     assert [m["step"] for m in train] == list(range(1, STEPS + 1))
     for m in train:
-        assert set(m) == {"step", "loss", "lr", "step_time_s", "comm_time_s", "comm_bytes",
-                          "samples_per_s"}
+        assert set(m) == {"step", "time_s", "loss", "lr", "step_time_s", "comm_time_s",
+                          "comm_bytes", "comm_share", "samples_per_s"}
+        assert m["comm_share"] == m["comm_time_s"] / m["step_time_s"]
+    assert all(a["time_s"] < b["time_s"] for a, b in itertools.pairwise(train))
     assert [m["step"] for m in val] == [25, 50]
-    assert all(set(m) == {"step", "split", "loss", "accuracy"} for m in val)
+    assert all(set(m) == {"step", "split", "time_s", "loss", "accuracy"} for m in val)
 
     summary = read_summary(run_dir)
     for key in ("strategy", "optimizer", "grid", "world_size", "steps", "final_loss",
@@ -226,7 +229,7 @@ def test_replica_optimizers_run_from_a_multirun(session_tmp: Path) -> None:
     and asynchronous, each job its own MPI job."""
     sweep = session_tmp / "easgd_sweep"
     result = run_cli("-m", "optimizer=sync_easgd,hogwild_easgd", "grid.pc=1,2", *DATA,
-                     "trainer.steps=30", "trainer.eval_every=10", f"hydra.sweep.dir={sweep}")
+                     "trainer.steps=60", "trainer.eval_every=20", f"hydra.sweep.dir={sweep}")
     assert_ok(result)
     rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
     assert len(rows) == 4 and all(r["status"] == "completed" for r in rows)
@@ -238,7 +241,7 @@ def test_replica_optimizers_run_from_a_multirun(session_tmp: Path) -> None:
         assert summary["predicted_comm_bytes_per_step"] is None  # not modelled: not claimed
         lines = read_metrics(sweep / str(job))
         assert all(0 <= m["comm_share"] <= 1 for m in lines if "split" not in m)
-        assert [m["step"] for m in lines if m.get("split") == "val"] == [10, 20, 30]
+        assert [m["step"] for m in lines if m.get("split") == "val"] == [20, 40, 60]
     assert "workers' mean val accuracy" in result.stdout
 
 
