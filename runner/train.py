@@ -55,26 +55,10 @@ class Evaluation:
     accuracy: float
 
 
-def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
-    """Validation loss and accuracy over the whole set; each rank scores its output rows."""
-    targets = y[model.output_rows(len(x))]
-    model.eval()
-    with torch.no_grad():
-        out = model(x[model.input_rows(len(x))])
-        stats = torch.tensor([F.cross_entropy(out, targets, reduction="sum").item(),
-                              (out.argmax(dim=1) == targets).sum().item(), float(len(targets))],
-                             dtype=torch.float64)
-    model.train()
-    model.loss_comm.allreduce_(stats, label="eval")
-    loss_sum, correct, count = stats.tolist()
-    return Evaluation(loss_sum / count, correct / count)
-
-
-def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
-    """This replica's (model group's) own weights on the whole set, with no other replica
-    taking part: the group is fed every row and each rank scores its sub-shard."""
-    grid = model.grid
-    targets = y[Partition(len(x), grid.pr).slice(grid.model_index)]
+def _score(model: ParallelModel, x: torch.Tensor, targets: torch.Tensor,
+           comm: CountedComm) -> Evaluation:
+    """Loss and accuracy of `model` fed `x`, each rank scoring its output rows, summed over
+    `comm`."""
     model.eval()
     with torch.no_grad():
         out = model(x)
@@ -82,9 +66,22 @@ def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> 
                               (out.argmax(dim=1) == targets).sum().item(), float(len(targets))],
                              dtype=torch.float64)
     model.train()
-    grid.model.allreduce_(stats, label="eval")
+    comm.allreduce_(stats, label="eval")
     loss_sum, correct, count = stats.tolist()
     return Evaluation(loss_sum / count, correct / count)
+
+
+def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
+    """Validation loss and accuracy over the whole set, its rows split over all ranks."""
+    return _score(model, x[model.input_rows(len(x))], y[model.output_rows(len(x))],
+                  model.loss_comm)
+
+
+def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
+    """This replica's (model group's) own weights on the whole set, with no other replica
+    taking part: the group is fed every row and each rank scores its sub-shard."""
+    grid = model.grid
+    return _score(model, x, y[Partition(len(x), grid.pr).slice(grid.model_index)], grid.model)
 
 
 def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
