@@ -224,19 +224,23 @@ def every_method_reaches_90_percent_on_digits() -> None:
 
 @check
 def asynchronous_methods_do_not_wait_for_a_straggler() -> None:
+    # Four ranks share two cores, so one worker's rate swings with the scheduler (a worker may
+    # run at a third of another's in the same job); the others' rates are summed, and the
+    # asynchronous runs are long enough (~0.3 s) that a time slice or two does not decide.
     grid = ProcessGrid(1, SIZE, WORLD)
     straggler = {"slow_rank": SIZE - 1, "slow_seconds": 0.03}
     ratios = {}
-    for name in ("async_easgd", "hogwild_easgd", "sync_easgd"):
+    for name, steps in (("async_easgd", 200), ("hogwild_easgd", 400), ("sync_easgd", 60)):
         rates = {}
         for slowed in (False, True):
-            path = train_run(config({"name": name, "lr": 0.2}, steps=80,
+            path = train_run(config({"name": name, "lr": 0.2}, steps=steps,
                                     debug=straggler if slowed else None),
                              OUT / f"straggler_{name}_{slowed}", grid)
             rates[slowed] = summary(path)["steps_per_s_by_rank"] if RANK == 0 else None
         if RANK == 0:
             others = range(SIZE - 1)
-            ratios[name] = min(rates[True][r] / rates[False][r] for r in others)
+            ratios[name] = (sum(rates[True][r] for r in others)
+                            / sum(rates[False][r] for r in others))
     if RANK == 0:
         print(f"straggler: others' slowed/unslowed step rate {json.dumps(ratios)}", flush=True)
         for name in ("async_easgd", "hogwild_easgd"):
