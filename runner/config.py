@@ -196,8 +196,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if model.name:
         try:
             factory = MODELS.get(model.name)
-            _check_options("model", factory, model.options, ("input_shape", "num_classes"),
-                           problems)
+            _check_options("model", factory, model.options,
+                           ("input_shape", "num_classes", "vocab_size"), problems)
             if spec is not None:
                 meta_model = _check_model_shapes(model, factory, spec, problems)
         except UnknownPluginError as exc:
@@ -223,6 +223,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                     problems += instance.check(grid, batch)
                 if meta_model is not None and spec is not None and grid:
                     problems += instance.check_model(meta_model, spec.input_shape, grid)
+                if meta_model is not None:
+                    problems += _sparse_update_problems(meta_model, strategy, optimizer)
         except UnknownPluginError as exc:
             problems.append(f"strategy={strategy.name}: {exc}")
     if spec is not None and batch and batch > spec.train_size:
@@ -248,10 +250,18 @@ def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[s
     Returns the meta model (for the strategy's own checks), or None when it does not fit."""
     import torch
 
+    from runner.models import dataset_arguments
+
+    try:
+        extra = dataset_arguments(factory, spec.vocab_size)
+    except ValueError as exc:
+        problems.append(f"model={model.name}: {exc}")
+        return None
+    dtype = torch.long if spec.vocab_size is not None else torch.float32
     try:
         with torch.device("meta"):
-            net = factory(spec.input_shape, spec.num_classes, **model.options)
-            out = net(torch.empty(2, *spec.input_shape))
+            net = factory(spec.input_shape, spec.num_classes, **extra, **model.options)
+            out = net(torch.zeros(2, *spec.input_shape, dtype=dtype))
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         problems.append(f"model={model.name} does not fit the dataset's inputs of shape "
@@ -262,3 +272,17 @@ def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[s
                         f"the dataset has {spec.num_classes} classes")
         return None
     return net
+
+
+def _sparse_update_problems(model: Any, strategy: Plugin, optimizer: Plugin) -> list[str]:
+    """A sparse exchange hands the optimizer a row-sparse gradient; PyTorch's SGD cannot add
+    weight decay (a dense term on every row) to one."""
+    from strategies.sparse_exchange import sparse_tables
+
+    mode = strategy.options.get("sparse", "dense")
+    decay = optimizer.options.get("weight_decay", 0) if optimizer.name == "sgd" else 0
+    if mode == "dense" or not decay or not sparse_tables(model):
+        return []
+    return [f"optimizer.weight_decay={decay}: strategy.sparse={mode} gives the embedding table a "
+            f"row-sparse gradient, to which weight decay (a term on every row) cannot be added; "
+            f"set optimizer.weight_decay=0 or strategy.sparse=dense"]

@@ -1,4 +1,5 @@
-"""Datasets: real (scikit-learn's bundled 8×8 digits) and synthetic (seeded, sized by config).
+"""Datasets: real (scikit-learn's bundled 8×8 digits) and synthetic (seeded, sized by config):
+images or feature vectors, and token documents with Zipf–Mandelbrot word frequencies.
 
 Every rank loads the same tensors; a strategy picks its samples of each global batch. Nothing is
 downloaded: digits ships inside scikit-learn.
@@ -23,6 +24,7 @@ class DatasetSpec:
     num_classes: int
     train_size: int
     val_size: int
+    vocab_size: int | None = None  # token datasets: samples are int64 token ids below this
 
 
 @dataclass
@@ -106,3 +108,79 @@ class Synthetic:
         y = torch.randint(0, self.classes, (self.samples,), generator=gen)
         x = prototypes[y] + self.noise * torch.randn(self.samples, *self.shape, generator=gen)
         return _split(x, y, self.spec().val_size)
+
+
+def zipf_mandelbrot(size: int, exponent: float, shift: float) -> torch.Tensor:
+    """p(k) ∝ 1 / (k + shift)^exponent for ranks k = 1..size (float64, sums to 1): word
+    frequencies in natural text (Mandelbrot's refinement of Zipf's law)."""
+    ranks = torch.arange(1, size + 1, dtype=torch.float64)
+    weights = (ranks + shift).pow(-exponent)
+    return weights / weights.sum()
+
+
+@register_dataset("tokens")
+class ZipfTokens:
+    """Documents of `seq_len` token ids from a vocabulary of `vocab_size`, id = frequency rank.
+
+    A document of class c draws each token from a shared background with probability
+    1 − `topic_share`, else from its class's topic. Both follow the Zipf–Mandelbrot law; the
+    background ranks the ids in order (id 0 the most frequent), each topic ranks them in its own
+    seeded shuffle. So a batch touches a few hot rows of the embedding table often and a long
+    tail rarely, as text does, and the topic words make the class learnable.
+    """
+
+    def __init__(self, vocab_size: int = 10000, seq_len: int = 32, classes: int = 4,
+                 samples: int = 8192, exponent: float = 1.1, shift: float = 2.7,
+                 topic_share: float = 0.3, val_fraction: float = 0.2, seed: int = 0) -> None:
+        problems = []
+        if vocab_size < 2:
+            problems.append(f"dataset.vocab_size must be >= 2, got {vocab_size}")
+        if seq_len < 1:
+            problems.append(f"dataset.seq_len must be >= 1, got {seq_len}")
+        if classes < 2 or samples < classes:
+            problems.append("dataset.classes must be >= 2 and dataset.samples >= classes")
+        if exponent <= 0 or shift < 0:
+            problems.append(f"dataset.exponent must be > 0 and dataset.shift >= 0, got "
+                            f"{exponent} and {shift}")
+        if not 0.0 <= topic_share <= 1.0:
+            problems.append(f"dataset.topic_share must be in [0, 1], got {topic_share}")
+        if not 0.0 < val_fraction < 1.0:
+            problems.append(f"dataset.val_fraction must be in (0, 1), got {val_fraction}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.vocab_size, self.seq_len, self.classes, self.samples = (vocab_size, seq_len,
+                                                                     classes, samples)
+        self.exponent, self.shift, self.topic_share = exponent, shift, topic_share
+        self.val_fraction, self.seed = val_fraction, seed
+
+    def spec(self) -> DatasetSpec:
+        val = _val_size(self.samples, self.val_fraction)
+        return DatasetSpec((self.seq_len,), self.classes, self.samples - val, val,
+                           vocab_size=self.vocab_size)
+
+    def token_probabilities(self) -> torch.Tensor:
+        """(classes, vocab_size): the probability of each token id in a document of each class."""
+        law = zipf_mandelbrot(self.vocab_size, self.exponent, self.shift)
+        gen = torch.Generator().manual_seed(self.seed)
+        topics = torch.stack([law[torch.argsort(torch.randperm(self.vocab_size, generator=gen))]
+                              for _ in range(self.classes)])
+        return (1 - self.topic_share) * law + self.topic_share * topics
+
+    def load(self) -> ClassificationData:
+        probabilities = self.token_probabilities()
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        y = torch.randint(0, self.classes, (self.samples,), generator=gen)
+        x = torch.empty(self.samples, self.seq_len, dtype=torch.long)
+        for c in range(self.classes):
+            members = torch.nonzero(y == c).flatten()
+            draws = torch.multinomial(probabilities[c].float(), len(members) * self.seq_len,
+                                      replacement=True, generator=gen)
+            x[members] = draws.view(len(members), self.seq_len)
+        return _split(x, y, self.spec().val_size)
+
+    def expected_unique_tokens(self, samples: int) -> float:
+        """The expected number of distinct token ids in `samples` documents of random classes:
+        Σ_v 1 − (mean_c (1 − p_cv)^seq_len)^samples. What one rank's batch touches of the
+        embedding table, for the planner."""
+        absent_from_one = (1 - self.token_probabilities()).pow(self.seq_len).mean(dim=0)
+        return float((1 - absent_from_one.pow(samples)).sum())

@@ -1,13 +1,33 @@
-"""The model zoo: plain sequential PyTorch models (strategies transform them)."""
+"""The model zoo: plain sequential PyTorch models (strategies transform them).
+
+A factory takes the dataset's sample shape and number of classes, and, for token datasets, the
+vocabulary size (`vocab_size`), then its own options from the `model` config group.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
 from runner.registry import register_model
+
+TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
+
+
+def dataset_arguments(factory: Callable[..., nn.Module], vocab_size: int | None) -> dict[str, Any]:
+    """What the dataset tells `factory` besides shapes: the vocabulary of a token dataset.
+    Raises ValueError when the model cannot take the dataset's inputs at all."""
+    embeds = TOKEN_INPUTS in inspect.signature(factory).parameters
+    if vocab_size is not None and not embeds:
+        raise ValueError("the dataset gives token ids, which this model cannot read; choose a "
+                         "model that embeds them (model=bag_classifier)")
+    if vocab_size is None and embeds:
+        raise ValueError("the model embeds token ids; choose a token dataset (dataset=tokens)")
+    return {TOKEN_INPUTS: vocab_size} if embeds else {}
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
@@ -90,3 +110,28 @@ def alexnet(input_shape: Sequence[int], num_classes: int,
     return nn.Sequential(*features, nn.Flatten(),
                          nn.Linear(flat, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                          nn.Linear(4096, num_classes))
+
+
+@register_model("bag_classifier")
+def bag_classifier(input_shape: Sequence[int], num_classes: int, vocab_size: int | None = None,
+                   embedding_dim: int = 64, hidden: Sequence[int] = (64,), mode: str = "mean",
+                   sparse: bool = True, activation: str = "relu") -> nn.Sequential:
+    """A bag of tokens: EmbeddingBag (the mean of a document's token vectors) → MLP → classes.
+
+    Nearly all weights are the (vocab_size × embedding_dim) table, and a batch touches only the
+    rows of its tokens: with `sparse=True` its gradient holds just those rows, which is what the
+    sparse exchanges of `strategy.sparse` move."""
+    if vocab_size is None or vocab_size < 1:
+        raise ValueError("bag_classifier embeds token ids: it needs a token dataset "
+                         "(dataset=tokens)")
+    if len(input_shape) != 1:
+        raise ValueError(f"bag_classifier reads documents of token ids, shape (length,), got "
+                         f"{tuple(input_shape)}")
+    layers: list[nn.Module] = [nn.EmbeddingBag(int(vocab_size), int(embedding_dim), mode=mode,
+                                               sparse=bool(sparse))]
+    width = int(embedding_dim)
+    for h in hidden:
+        layers += [nn.Linear(width, int(h)), _activation(activation)]
+        width = int(h)
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)

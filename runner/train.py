@@ -17,6 +17,7 @@ from runner.core import CountedComm, Partition, ProcessGrid
 from runner.core.cost import step_bytes, step_time
 from runner.datasets import ClassificationData
 from runner.logs import get_logger
+from runner.models import dataset_arguments
 from runner.optim import ReplicaOptimizer
 from runner.plan.calibration import load_alpha_beta
 from runner.plan.planner import loss_op
@@ -112,6 +113,15 @@ def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tenso
             "worker0_accuracy": own.accuracy}
 
 
+def sparse_line(model: ParallelModel) -> dict[str, Any]:
+    """The metrics line's record of the sparse tables' exchange this step (nothing without)."""
+    report = model.exchange_report()
+    if not report:
+        return {}
+    return {"sparse": {name: {k: v for k, v in table.items() if k != "steps_by_mode"}
+                       for name, table in report.items()}}
+
+
 def mean_loss(loss: torch.Tensor, comm: CountedComm) -> float:
     """Mean over the rows of the ranks of `comm`: the mean of their (P/B)-scaled sums (over the
     world: the global batch; over a model group: that replica's rows)."""
@@ -132,17 +142,22 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     spec = dataset.spec()
     data: ClassificationData = dataset.load()
     dtype = getattr(torch, run.trainer.dtype)
-    data.train_x, data.val_x = data.train_x.to(dtype), data.val_x.to(dtype)
+    if data.train_x.is_floating_point():  # token ids stay integers
+        data.train_x, data.val_x = data.train_x.to(dtype), data.val_x.to(dtype)
     # Built in float32 from the seed, then converted: the same initial values in either dtype.
-    model = MODELS.get(run.model.name)(spec.input_shape, spec.num_classes, **run.model.options)
+    factory = MODELS.get(run.model.name)
+    model = factory(spec.input_shape, spec.num_classes,
+                    **dataset_arguments(factory, spec.vocab_size), **run.model.options)
     model = model.to(dtype)
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
+    alpha_beta = load_alpha_beta()
+    strategy.alpha_beta = (alpha_beta.alpha, alpha_beta.beta)
+    strategy.rows_touched = getattr(dataset, "expected_unique_tokens", None)
     optimizer_cls = OPTIMIZERS.get(run.optimizer.name)
     # The planner models synchronous gradient exchange only: no prediction for other optimizers.
     predicted_ops = (strategy.predict_ops(model, spec.input_shape, grid.shape,
                                           run.trainer.batch_size) + loss_op(grid.shape, dtype)
                      if optimizer_cls.syncs_gradients else None)
-    alpha_beta = load_alpha_beta()
     pmodel = strategy.parallelize(model, spec.input_shape, grid,
                                   sync_replica_gradients=optimizer_cls.syncs_gradients)
     optimizer: ReplicaOptimizer = optimizer_cls(pmodel, grid=grid,
@@ -198,7 +213,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
                                "loss": loss_value, "lr": optimizer.lr,
                                "step_time_s": elapsed, "comm_time_s": comm.seconds,
                                "comm_bytes": comm.nbytes, "comm_share": comm.seconds / elapsed,
-                               "samples_per_s": rate})
+                               "samples_per_s": rate, **sparse_line(pmodel)})
             progress.step(step, loss_value, rate)
             if step % run.trainer.log_every == 0:
                 log.info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss_value,
@@ -218,6 +233,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
                                        "time_s": sum(step_times), **result})
     if metrics:
         metrics.close()
+    pmodel.refresh_copies()
     rates = grid.world.allgather_object(len(step_times) / sum(step_times))
     optimizer.close()
 
@@ -251,6 +267,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
                        "source": alpha_beta.source},
         "comm_time_share": sum(comm_seconds) / sum(step_times),
         "steps_per_s_by_rank": rates,
+        "sparse_exchange": pmodel.exchange_report() or None,
         "param_bytes_per_rank": param_bytes,
         "seed": run.seed,
         "versions": versions(),

@@ -12,15 +12,24 @@ samples' losses, so the mean over all P ranks is the global mean loss, whatever 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp, step_bytes
+from runner.core.cost import DEFAULT_ALPHA, DEFAULT_BETA, CommOp, step_bytes
 from strategies.buckets import GradientBuckets
 
 MB = 1 << 20
+
+
+class GradientExchange(Protocol):
+    """What a parallel model runs after backward (dense buckets, sparse tables)."""
+
+    def finish(self) -> None: ...
+
+    def zero_(self) -> None: ...
 
 
 class ParallelModel(nn.Module):
@@ -29,7 +38,7 @@ class ParallelModel(nn.Module):
     def __init__(self, grid: ProcessGrid) -> None:
         super().__init__()
         self.grid = grid
-        self.reducers: list[GradientBuckets] = []
+        self.reducers: list[GradientExchange] = []
         # Parameters every rank of a model group holds whole (batch-parallel layers): a replica
         # optimizer must keep these copies equal.
         self.replicated_in_model_group: list[nn.Parameter] = []
@@ -48,15 +57,35 @@ class ParallelModel(nn.Module):
         return slice(group.start + own.start, group.start + own.stop)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        # Gradients may be views into communication buckets: zero them, never drop them.
+        # Gradients may be views into communication buckets: zero them, never drop them. A
+        # sparse gradient is dropped: autograd would append the next one to it.
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.zero_()
+                if p.grad.is_sparse:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     def finish_gradient_sync(self) -> None:
         """Complete every gradient exchange started during backward."""
         for reducer in self.reducers:
             reducer.finish()
+
+    def refresh_copies(self) -> None:
+        """Collective: bring every rank's copy of every parameter up to date (after training;
+        a parameter-server exchange leaves rows a rank does not own stale until it reads them)."""
+        for reducer in self.reducers:
+            refresh = getattr(reducer, "refresh", None)
+            if refresh is not None:
+                refresh()
+
+    def exchange_report(self) -> dict[str, Any]:
+        """Per sparse table: the mode and density of the last exchange (empty: none)."""
+        report: dict[str, Any] = {}
+        for reducer in self.reducers:
+            if hasattr(reducer, "report"):
+                report.update(reducer.report())
+        return report
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -71,6 +100,11 @@ class Strategy:
         # Gradient buckets: the first one small so the first all-reduce starts early.
         self.bucket_cap_bytes = int(bucket_cap_mb * MB)
         self.first_bucket_bytes = int(first_bucket_mb * MB)
+        # What the runner knows of the machine and the data, for choices made from the cost
+        # model: α, β (seconds, seconds per byte), and the expected number of distinct rows of
+        # an embedding table a given number of samples touches (None: no token data).
+        self.alpha_beta: tuple[float, float] = (DEFAULT_ALPHA, DEFAULT_BETA)
+        self.rows_touched: Callable[[int], float] | None = None
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""

@@ -1,7 +1,9 @@
 """`strategy=data`: the model replicated on every rank, the global batch split over all P.
 
 Gradients are averaged by bucketed all-reduces started from gradient hooks while backward still
-runs (see `buckets.py`). Needs `Pr = 1`: every rank is a batch replica.
+runs (see `buckets.py`). Needs `Pr = 1`: every rank is a batch replica. Embedding tables with
+sparse gradients are exchanged as `strategy.sparse` says (`sparse_exchange.py`); with
+`sparse=dense` they join the buckets like any other parameter.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp
+from runner.core.cost import CommOp, choose_sparse_mode, sparse_exchange_ops
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
 from strategies.registry import register_strategy
 from strategies.sharded import activation_itemsize, feature_sizes
+from strategies.sparse_exchange import SPARSE_CHOICES, SparseGradientExchange, sparse_tables
 
 
 class DataParallelModel(ParallelModel):
@@ -28,7 +31,14 @@ class DataParallelModel(ParallelModel):
 
 @register_strategy("data")
 class DataParallel(Strategy):
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 sparse: str = "auto") -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb)
+        self.sparse = sparse
+
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
+        if self.sparse not in SPARSE_CHOICES:
+            return [f"strategy.sparse={self.sparse}: must be one of {', '.join(SPARSE_CHOICES)}"]
         if grid.pr != 1:
             return [f"strategy=data replicates the whole model and needs grid.pr=1, "
                     f"got grid.pr={grid.pr} (use strategy=grid to split the model)"]
@@ -42,16 +52,42 @@ class DataParallel(Strategy):
                     sync_replica_gradients: bool = True) -> ParallelModel:
         pmodel = DataParallelModel(model, grid)
         if sync_replica_gradients:
-            pmodel.reducers = gradient_exchange(list(model.parameters()), grid.world,
-                                                1.0 / grid.size, self.bucket_cap_bytes,
-                                                self.first_bucket_bytes)
+            tables = sparse_tables(model) if self.sparse != "dense" else []
+            in_tables = {id(module.weight) for _, module in tables}
+            dense = [p for p in model.parameters() if id(p) not in in_tables]
+            pmodel.reducers = gradient_exchange(dense, grid.world, 1.0 / grid.size,
+                                                self.bucket_cap_bytes, self.first_bucket_bytes)
+            if tables and grid.size > 1:
+                pmodel.reducers.append(SparseGradientExchange(
+                    tables, grid.world, 1.0 / grid.size, self.sparse, *self.alpha_beta))
         return pmodel
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
+        tables = sparse_tables(model) if self.sparse != "dense" else []
+        in_tables = {id(module.weight) for _, module in tables}
         params = [(name.split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
-                  for name, p in model.named_parameters() if p.requires_grad]
-        return predict_gradient_ops(params, "world", grid.size, *self.bucket_caps)
+                  for name, p in model.named_parameters()
+                  if p.requires_grad and id(p) not in in_tables]
+        ops = predict_gradient_ops(params, "world", grid.size, *self.bucket_caps)
+        for name, module in tables:
+            ops += self.predict_sparse_ops(name, module.weight, grid.size,
+                                           global_batch // grid.size)
+        return ops
+
+    def predict_sparse_ops(self, name: str, weight: nn.Parameter, p: int,
+                           samples_per_rank: int) -> list[CommOp]:
+        """The exchange of one table, its rows per rank expected from the data (`rows_touched`;
+        without it every row is assumed touched). `auto` predicts the mode the cost model
+        would choose for that many rows."""
+        num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
+        rows = (num_rows if self.rows_touched is None
+                else min(num_rows, self.rows_touched(samples_per_rank)))
+        mode = self.sparse
+        if mode == "auto":
+            mode = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, *self.alpha_beta)
+        return sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, rows, rows * p,
+                                   label=name, counts_first=self.sparse == "auto")
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:

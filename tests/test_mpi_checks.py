@@ -16,6 +16,7 @@ SCRIPTS = {
     "tests/mpi/check_model_grid.py": (4,),
     "tests/mpi/check_domain.py": (4,),
     "tests/mpi/check_easgd.py": (4,),
+    "tests/mpi/check_sparse.py": (2, 4),
 }
 
 

@@ -272,14 +272,16 @@ class CountedComm:
         return out
 
     def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
-                   recv_counts: list[int], label: str = "") -> torch.Tensor:
-        """Block k of `send` goes to rank k; block k of `recv` comes from rank k."""
+                   recv_counts: list[int], label: str = "", op: str = "alltoall") -> torch.Tensor:
+        """Block k of `send` goes to rank k; block k of `recv` comes from rank k. Recorded as
+        `op` with this rank's whole input as payload ("alltoall": equal blocks, self included;
+        "alltoallv": irregular blocks whose input holds nothing for this rank itself)."""
         _require_contiguous(send)
         _require_contiguous(recv)
         start = self._start()
         self.mpi_comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
                                 [recv, (recv_counts, _displacements(recv_counts))])
-        self._record("alltoall", _nbytes(send), time.perf_counter() - start, label)
+        self._record(op, _nbytes(send), time.perf_counter() - start, label)
         return recv
 
     def staging(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,7 @@ collective on p ranks with payload n (the `n` the counted communicator records):
     all-reduce (reduce-scatter + all-gather)                2 (α⌈log₂ p⌉ + β (p−1)/p · n)
     broadcast, reduce (binomial tree)                        ⌈log₂ p⌉ (α + β n)
     all-to-all (pairwise), n = this rank's input             (p−1) (α + β n/p)
+    all-to-all-v (sparse), n = the bytes this rank sends     (p−1) α + β n
     point-to-point exchange of m messages, n bytes in all    m α + β n
 
 A group of one costs nothing. These are the formulas of DESIGN.md's "Planner"; the strategies
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+# Used until `python -m runner.plan plan.calibrate=true` has run: a typical shared-memory MPI.
+DEFAULT_ALPHA, DEFAULT_BETA = 5e-6, 2.5e-10
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ def op_time(op: CommOp, alpha: float, beta: float) -> float:
         return log2_ceil(p) * (alpha + beta * n)
     if op.op == "alltoall":
         return (p - 1) * (alpha + beta * n / p)
+    if op.op == "alltoallv":
+        return (p - 1) * alpha + beta * n
     if op.op == "exchange":
         return op.messages * alpha + beta * n
     raise ValueError(f"no cost model for operation '{op.op}'")
@@ -64,3 +70,63 @@ def step_time(ops: list[CommOp], alpha: float, beta: float) -> float:
 
 def step_bytes(ops: list[CommOp]) -> int:
     return sum(op.nbytes for op in ops)
+
+
+# -- the sparse exchange of an embedding table's gradient (DESIGN.md, "Sparse exchange") ----------
+
+SPARSE_MODES = ("dense", "allgather", "sharded")
+INDEX_BYTES = 8  # int64 row ids
+
+
+def sparse_exchange_ops(mode: str, group: str, p: int, num_rows: int, row_bytes: int,
+                        own_rows: float, all_rows: float, label: str = "",
+                        counts_first: bool = False) -> list[CommOp]:
+    """The operations one rank issues to exchange the gradient of a (num_rows × row) table of
+    which it touched `own_rows` rows and all ranks together `all_rows` (counted per rank, so
+    rows touched by two ranks count twice), in `mode`:
+
+    - dense: one all-reduce of the whole table;
+    - allgather: all-gather of the indices and of the rows (every rank gets everyone's rows);
+    - sharded: push to the row owners (counts, indices, rows: three all-to-all-v) and the pull
+      of the rows the next batch needs (the same three), each rank sending the fraction
+      (p−1)/p of its rows that others own.
+
+    `counts_first`: the all-gather of every rank's row count that precedes an `auto` choice
+    (and that `allgather` needs anyway). Row counts may be expectations (floats): bytes are
+    rounded.
+    """
+    if p <= 1:
+        return []
+    ops = []
+    if counts_first or mode == "allgather":
+        ops.append(CommOp("allgather", group, p, INDEX_BYTES * p, label + " counts"))
+    if mode == "dense":
+        ops.append(CommOp("allreduce", group, p, num_rows * row_bytes, label))
+    elif mode == "allgather":
+        ops += [CommOp("allgather", group, p, round(all_rows * INDEX_BYTES), label + " indices"),
+                CommOp("allgather", group, p, round(all_rows * row_bytes), label + " rows")]
+    elif mode == "sharded":
+        sent = own_rows * (p - 1) / p
+        for phase in ("push", "pull"):
+            ops += [CommOp("alltoallv", group, p, INDEX_BYTES * p, f"{label} {phase} counts"),
+                    CommOp("alltoallv", group, p, round(sent * INDEX_BYTES),
+                           f"{label} {phase} indices"),
+                    CommOp("alltoallv", group, p, round(sent * row_bytes),
+                           f"{label} {phase} rows")]
+    else:
+        raise ValueError(f"unknown sparse exchange mode '{mode}'; known: {', '.join(SPARSE_MODES)}")
+    return ops
+
+
+def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: list[float],
+                       alpha: float, beta: float) -> str:
+    """The mode with the least α–β time for the busiest rank, given every rank's row count.
+    A pure function of values every rank holds alike, so every rank chooses the same mode (ties
+    go to the earlier mode in SPARSE_MODES: dense first)."""
+    own, total = max(counts), sum(counts)
+
+    def cost(mode: str) -> float:
+        return step_time(sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, own, total),
+                         alpha, beta)
+
+    return min(SPARSE_MODES, key=cost)

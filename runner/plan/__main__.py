@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
 
 def build_plan(cfg: DictConfig) -> Plan:
     """The plan for a composed config (no MPI: the model is built on the meta device)."""
+    from runner.models import dataset_arguments
     from runner.plan.calibration import load_alpha_beta
     from runner.plan.planner import make_plan
     from runner.registry import DATASETS, MODELS, load_plugins
@@ -85,6 +86,8 @@ def build_plan(cfg: DictConfig) -> Plan:
     model_options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()
                      if k != "name"}
     steps_per_epoch = None
+    extra: dict = {}
+    rows_touched = None
     if "sample_shape" in model_options:  # a model described by its own shapes (alexnet)
         sample_shape = tuple(int(d) for d in model_options["sample_shape"])
         classes = int(model_options["classes"])
@@ -92,11 +95,14 @@ def build_plan(cfg: DictConfig) -> Plan:
         dataset_options = {k: v for k, v in
                            OmegaConf.to_container(cfg.dataset, resolve=True).items()
                            if k != "name"}
-        spec = DATASETS.get(cfg.dataset.name)(**dataset_options).spec()
+        dataset = DATASETS.get(cfg.dataset.name)(**dataset_options)
+        spec = dataset.spec()
         sample_shape, classes = tuple(spec.input_shape), spec.num_classes
         steps_per_epoch = spec.train_size // batch
+        extra = dataset_arguments(MODELS.get(cfg.model.name), spec.vocab_size)
+        rows_touched = getattr(dataset, "expected_unique_tokens", None)
     with torch.device("meta"):
-        model = MODELS.get(cfg.model.name)(sample_shape, classes, **model_options)
+        model = MODELS.get(cfg.model.name)(sample_shape, classes, **extra, **model_options)
         model = model.to(getattr(torch, cfg.trainer.dtype))
     strategy_options = {k: v for k, v in OmegaConf.to_container(cfg.strategy).items()
                         if k != "name"}
@@ -107,6 +113,8 @@ def build_plan(cfg: DictConfig) -> Plan:
         accepted = accepted_options(cls)
         strategies[name] = cls(**{k: v for k, v in options.items() if k in accepted})
     ab = load_alpha_beta(plan_cfg.alpha, plan_cfg.beta)
+    for strategy in strategies.values():
+        strategy.alpha_beta, strategy.rows_touched = (ab.alpha, ab.beta), rows_touched
     return make_plan(model, sample_shape, batch, world, strategies, ab.alpha, ab.beta,
                      ab.source, steps_per_epoch)
 

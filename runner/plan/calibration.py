@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.core.cost import DEFAULT_ALPHA, DEFAULT_BETA
 from runner.rundir import PROJECT_ROOT, write_json
 
-# Used until `python -m runner.plan plan.calibrate=true` has run: a typical shared-memory MPI.
-DEFAULT_ALPHA, DEFAULT_BETA = 5e-6, 2.5e-10
 SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
 
 

@@ -1,0 +1,153 @@
+"""Row-sparse data movement: the exchanges of embedding gradients that touch few rows.
+
+A row-sparse tensor is a pair (indices, values): `values[i]` is row `indices[i]` of a
+(num_rows, width) matrix that is zero elsewhere. Nothing here ever builds the dense matrix.
+
+Three linear operators, each written with its adjoint (DistDL's discipline):
+
+- `allgather_sum_rows`: every rank's rows, summed, on every rank. As a map from P row-sparse
+  inputs to P identical outputs it is 1·1ᵀ ⊗ I, its own adjoint: the sparse twin of all-reduce.
+- `push_rows`: each rank's rows sent to their owners (`CyclicRows`) and summed there; the
+  parameter-server push, as an all-to-all-v.
+- `pull_rows`: the rows a rank asks for, read from their owners; the parameter-server pull.
+  `pull` is the adjoint of `push` for the same requested indices:
+  ⟨push(x), y⟩ over owners = Σ_k ⟨x_k, pull_k(y)⟩ (the dot-product test in tests/mpi).
+
+Rows a rank owns itself never go through MPI, and a rank with no rows takes part with empty
+buffers, so every rank issues the same collectives in the same order whatever its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runner.core.comm import CountedComm
+
+
+class CyclicRows:
+    """Rows 0..num_rows−1 dealt to `parts` owners like cards: row r to owner r mod parts.
+
+    Dealt rather than cut in blocks because token ids are ranked by frequency: the hot rows
+    (the low ids) spread over every owner instead of all landing on the first. With fewer rows
+    than owners some owners own nothing.
+    """
+
+    def __init__(self, num_rows: int, parts: int) -> None:
+        if num_rows < 0 or parts < 1:
+            raise ValueError(f"cannot deal {num_rows} rows to {parts} owners")
+        self.num_rows, self.parts = num_rows, parts
+
+    def owner(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.remainder(rows, self.parts)
+
+    def owned(self, part: int) -> torch.Tensor:
+        """The rows `part` owns, ascending."""
+        return torch.arange(part, self.num_rows, self.parts, dtype=torch.long)
+
+    def __repr__(self) -> str:
+        return f"CyclicRows({self.num_rows} rows over {self.parts})"
+
+
+def coalesce_rows(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Duplicate indices summed: ascending unique indices and their summed rows."""
+    unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+    summed = values.new_zeros((len(unique), *values.shape[1:]))
+    summed.index_add_(0, inverse, values)
+    return unique, summed
+
+
+def _gather_counts(comm: CountedComm, count: int, label: str) -> list[int]:
+    mine = torch.tensor([count], dtype=torch.long)
+    every = torch.empty(comm.size, dtype=torch.long)
+    comm.allgatherv_(mine, every, [1] * comm.size, label=label)
+    return every.tolist()
+
+
+def _swap_counts(comm: CountedComm, send_counts: list[int], label: str) -> list[int]:
+    """Tell every rank how many items it gets from this one; learn how many to expect."""
+    send = torch.tensor(send_counts, dtype=torch.long)
+    recv = torch.empty(comm.size, dtype=torch.long)
+    comm.alltoallv_(send, [1] * comm.size, recv, [1] * comm.size, label=label, op="alltoallv")
+    return recv.tolist()
+
+
+def allgather_sum_rows(comm: CountedComm, indices: torch.Tensor, values: torch.Tensor,
+                       counts: list[int] | None = None,
+                       label: str = "sparse") -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over ranks of the row-sparse (indices, values), coalesced, on every rank.
+
+    `counts` (every rank's number of rows) when the caller has gathered them already; one
+    all-gather of the indices and one of the rows follow. Traffic per rank: all the others' rows,
+    so it grows with P.
+    """
+    if comm.size == 1:
+        return coalesce_rows(indices, values)
+    if counts is None:
+        counts = _gather_counts(comm, len(indices), label + " counts")
+    width = values.shape[1:]
+    row_elements = int(torch.Size(width).numel())
+    total = sum(counts)
+    all_indices = indices.new_empty(total)
+    all_values = values.new_empty((total, *width))
+    if total:
+        comm.allgatherv_(indices.contiguous(), all_indices, counts, label=label + " indices")
+        comm.allgatherv_(values.contiguous(), all_values, [c * row_elements for c in counts],
+                         label=label + " rows")
+    return coalesce_rows(all_indices, all_values)
+
+
+def _by_owner(rows: CyclicRows, indices: torch.Tensor,
+              me: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The positions of `indices` not owned by `me`, ordered by owner, the count per owner, and
+    the positions `me` owns."""
+    owners = rows.owner(indices)
+    mine = owners == me
+    others = torch.nonzero(~mine).flatten()
+    order = others[torch.argsort(owners[others], stable=True)]
+    counts = torch.bincount(owners[order], minlength=rows.parts).tolist()
+    return order, counts, torch.nonzero(mine).flatten()
+
+
+def push_rows(comm: CountedComm, rows: CyclicRows, indices: torch.Tensor, values: torch.Tensor,
+              label: str = "sparse push") -> tuple[torch.Tensor, torch.Tensor]:
+    """Send each row to its owner; return the rows this rank owns that anyone sent (its own
+    included), summed and coalesced. Traffic per rank: its own rows, whatever P."""
+    if comm.size == 1:
+        return coalesce_rows(indices, values)
+    order, send_counts, own = _by_owner(rows, indices, comm.rank)
+    recv_counts = _swap_counts(comm, send_counts, label + " counts")
+    width = values.shape[1:]
+    row_elements = int(torch.Size(width).numel())
+    total = sum(recv_counts)
+    got_indices = indices.new_empty(total)
+    got_values = values.new_empty((total, *width))
+    comm.alltoallv_(indices[order].contiguous(), send_counts, got_indices, recv_counts,
+                    label=label + " indices", op="alltoallv")
+    comm.alltoallv_(values[order].contiguous(), [c * row_elements for c in send_counts],
+                    got_values, [c * row_elements for c in recv_counts], label=label + " rows",
+                    op="alltoallv")
+    return coalesce_rows(torch.cat([indices[own], got_indices]),
+                         torch.cat([values[own], got_values]))
+
+
+def pull_rows(comm: CountedComm, rows: CyclicRows, wanted: torch.Tensor, table: torch.Tensor,
+              label: str = "sparse pull") -> torch.Tensor:
+    """The rows `wanted` (unique indices) of the table whose owned rows are authoritative on
+    their owners: a request to each owner, then its answer. Rows this rank owns are read locally.
+    `table` is this rank's (num_rows, ...) copy, read only at the rows it owns."""
+    out = table.new_empty((len(wanted), *table.shape[1:]))
+    if comm.size == 1:
+        return out.copy_(table[wanted])
+    order, ask_counts, own = _by_owner(rows, wanted, comm.rank)
+    out[own] = table[wanted[own]]
+    asked_counts = _swap_counts(comm, ask_counts, label + " counts")
+    asked = wanted.new_empty(sum(asked_counts))
+    comm.alltoallv_(wanted[order].contiguous(), ask_counts, asked, asked_counts,
+                    label=label + " indices", op="alltoallv")
+    row_elements = int(torch.Size(table.shape[1:]).numel())
+    answers = table.new_empty((len(order), *table.shape[1:]))
+    comm.alltoallv_(table[asked].contiguous(), [c * row_elements for c in asked_counts],
+                    answers, [c * row_elements for c in ask_counts], label=label + " rows",
+                    op="alltoallv")
+    out[order] = answers
+    return out

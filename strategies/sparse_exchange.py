@@ -1,0 +1,173 @@
+"""The gradient exchange of embedding tables whose gradients are row-sparse (`strategy.sparse`).
+
+An `nn.Embedding`/`nn.EmbeddingBag` built with `sparse=True` gets a gradient that holds only the
+rows its batch touched. Per table, after backward, one of (DESIGN.md, "Sparse exchange"):
+
+- `dense`: the rows scattered into a zero table and all-reduced (what a dense model would do);
+- `allgather`: every rank's (indices, rows) gathered by all, duplicates summed; the optimizer
+  then updates only the touched rows, on every rank alike;
+- `sharded`: each row belongs to one rank (`CyclicRows`); gradients are pushed to the owners,
+  which update their rows; every other copy of a row is a cache, refreshed from its owner (the
+  pull) just before a forward pass reads it. Per-rank traffic does not grow with P;
+- `auto`: per table and per step, every rank's number of touched rows is all-gathered and the
+  mode with the least α–β time is taken (`choose_sparse_mode`: a function of values every rank
+  holds alike, so all ranks choose the same, and the collectives that follow match).
+
+The optimizer receives the summed gradient (scaled like the dense buckets) as a sparse tensor
+in every mode, so plain SGD touches only those rows. SGD's momentum stays exact: its buffer is
+sparse too and keeps moving every row it ever held (it fills up towards the whole table; plain
+SGD is what keeps an update as sparse as its batch). A sparse gradient cannot carry weight
+decay, so the config refuses that combination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from runner.core import CountedComm
+from runner.core.cost import SPARSE_MODES, choose_sparse_mode
+from runner.core.sparse import CyclicRows, allgather_sum_rows, coalesce_rows, pull_rows, push_rows
+
+SPARSE_CHOICES = ("auto", *SPARSE_MODES)
+
+
+def sparse_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The embedding modules of `model` whose weight gets a row-sparse gradient."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse]
+
+
+@dataclass
+class _Table:
+    name: str
+    module: nn.Module
+    rows: CyclicRows
+    stale: bool = False  # some copies of rows this rank does not own may be out of date
+    dense_buffer: torch.Tensor | None = None
+    modes: dict[str, int] = field(default_factory=dict)  # steps exchanged in each mode
+    last: dict[str, float | str] = field(default_factory=dict)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.module.weight
+
+
+class SparseGradientExchange:
+    """Exchanges the gradients of `tables` over `comm` in `mode` and scales them by `scale`,
+    like `GradientBuckets` does for the dense parameters (same `finish`/`zero_` protocol)."""
+
+    def __init__(self, tables: list[tuple[str, nn.Module]], comm: CountedComm, scale: float,
+                 mode: str, alpha: float, beta: float) -> None:
+        if mode not in SPARSE_CHOICES:
+            raise ValueError(f"strategy.sparse must be one of {', '.join(SPARSE_CHOICES)}, "
+                             f"got '{mode}'")
+        self.comm, self.scale, self.mode = comm, scale, mode
+        self.alpha, self.beta = alpha, beta
+        self.tables = [_Table(name, module, CyclicRows(module.weight.shape[0], comm.size))
+                       for name, module in tables]
+        if mode in ("sharded", "auto") and comm.size > 1:
+            for table in self.tables:
+                table.module.register_forward_pre_hook(self._pull_hook(table))
+
+    def _pull_hook(self, table: _Table) -> Callable[[nn.Module, tuple], None]:
+        def pull_before_forward(module: nn.Module, args: tuple) -> None:
+            if table.stale:
+                self._pull(table, torch.unique(args[0]))
+        return pull_before_forward
+
+    def _pull(self, table: _Table, wanted: torch.Tensor) -> None:
+        """Every rank calls this at the same forward (the stale flag is the same everywhere)."""
+        weight = table.weight
+        with torch.no_grad():
+            fresh = pull_rows(self.comm, table.rows, wanted, weight.detach(),
+                              label=f"{table.name} pull")
+            weight[wanted] = fresh
+
+    # -- the exchange, after backward ---------------------------------------------------------
+
+    def finish(self) -> None:
+        for table in self.tables:
+            self._exchange(table)
+
+    def _local_rows(self, table: _Table) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, grad = table.weight, table.weight.grad
+        if grad is None:  # this rank's batch did not use the table at all
+            return (torch.empty(0, dtype=torch.long),
+                    weight.new_empty((0, *weight.shape[1:])))
+        if grad.is_sparse:
+            return coalesce_rows(grad._indices()[0], grad._values())
+        rows = torch.nonzero(grad.flatten(1).any(dim=1)).flatten()  # a dense gradient
+        return rows, grad[rows]
+
+    def _exchange(self, table: _Table) -> None:
+        weight = table.weight
+        num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
+        indices, values = self._local_rows(table)
+        touched = len(indices)
+        counts = None
+        mode = self.mode
+        if self.comm.size > 1 and mode in ("auto", "allgather"):
+            mine = torch.tensor([len(indices)], dtype=torch.long)
+            every = torch.empty(self.comm.size, dtype=torch.long)
+            self.comm.allgatherv_(mine, every, [1] * self.comm.size,
+                                  label=f"{table.name} counts")
+            counts = every.tolist()
+        if mode == "auto":
+            mode = ("dense" if self.comm.size == 1 else
+                    choose_sparse_mode(self.comm.size, num_rows, row_bytes, counts,
+                                       self.alpha, self.beta))
+        if mode == "dense":
+            if table.dense_buffer is None:
+                table.dense_buffer = torch.zeros_like(weight)
+            buffer = table.dense_buffer
+            buffer.zero_()
+            buffer.index_add_(0, indices, values)
+            self.comm.allreduce_(buffer, label=f"{table.name} dense")
+            # handed on as rows, like the sparse modes: the optimizer's state keeps one layout
+            indices = torch.nonzero(buffer.flatten(1).any(dim=1)).flatten()
+            values = buffer[indices]
+        else:
+            if mode == "allgather":
+                indices, values = allgather_sum_rows(self.comm, indices, values, counts,
+                                                     label=table.name)
+            else:
+                indices, values = push_rows(self.comm, table.rows, indices, values,
+                                            label=f"{table.name} push")
+                table.stale = self.comm.size > 1
+        weight.grad = torch.sparse_coo_tensor(indices.unsqueeze(0), values.mul_(self.scale),
+                                              weight.shape, is_coalesced=True,
+                                              check_invariants=False)
+        table.modes[mode] = table.modes.get(mode, 0) + 1
+        # this rank's batch: what the choice was made from
+        table.last = {"mode": mode, "rows": touched, "density": touched / num_rows}
+
+    def zero_(self) -> None:
+        for table in self.tables:
+            table.weight.grad = None  # a sparse gradient is replaced every step, never reused
+
+    # -- after training -----------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Make every copy of every table whole again (collective): each owner's rows gathered
+        by all. Costs one all-gather of the table; called once, when training ends."""
+        for table in self.tables:
+            if not table.stale:
+                continue
+            weight = table.weight
+            with torch.no_grad():
+                owned = [table.rows.owned(k) for k in range(self.comm.size)]
+                row_elements = weight[0].numel()
+                gathered = weight.new_empty(weight.shape)
+                self.comm.allgatherv_(weight.detach()[owned[self.comm.rank]].contiguous(),
+                                      gathered, [len(o) * row_elements for o in owned],
+                                      label=f"{table.name} refresh")
+                weight[torch.cat(owned)] = gathered
+            table.stale = False
+
+    def report(self) -> dict[str, dict]:
+        """Per table: the last step's mode, rows and density; the steps spent in each mode."""
+        return {t.name: {**t.last, "steps_by_mode": dict(t.modes)} for t in self.tables}
