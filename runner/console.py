@@ -91,6 +91,13 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec)
 
 
+def _sparse_cell(table: Mapping[str, Any]) -> str:
+    """'allgather 398, dense 2 steps; last batch 3.6% of the rows'."""
+    modes = ", ".join(f"{mode} {steps}" for mode, steps in
+                      sorted(table.get("steps_by_mode", {}).items(), key=lambda kv: -kv[1]))
+    return f"{modes} steps; last batch {_fmt(table.get('density'), '.1%')} of the rows"
+
+
 def summary_table(summary: Mapping[str, Any]) -> Table:
     grid = summary.get("grid", {})
     ranks = summary.get("world_size")
@@ -115,6 +122,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
                              f"{_ms(summary.get('predicted_comm_time_s_per_step'))} predicted"),
         ("comm share of step", _fmt(summary.get("comm_time_share"), ".1%")),
         ("params / rank", _fmt_bytes(summary.get("param_bytes_per_rank"))),
+        *[(f"sparse table {name}", _sparse_cell(table))
+          for name, table in (summary.get("sparse_exchange") or {}).items()],
         ("run dir", str(summary.get("run_dir"))),
     ]
     for key, value in rows:

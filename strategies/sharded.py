@@ -51,6 +51,9 @@ def unsupported_layers(layers: Sequence[nn.Module]) -> list[str]:
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Conv2d) and layer.groups != 1:
             problems.append(f"layer {i} ({layer}) is a grouped convolution")
+        elif isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
+            problems.append(f"layer {i} ({type(layer).__name__}): an embedding table, which "
+                            f"strategy=data replicates and exchanges sparsely (strategy.sparse)")
         elif not isinstance(layer, SHARDABLE) and any(True for _ in layer.parameters()):
             problems.append(f"layer {i} ({type(layer).__name__}) has parameters and is neither "
                             f"Linear nor Conv2d")
@@ -164,6 +167,8 @@ def output_shapes(layers: Sequence[nn.Module],
     device = params[0].device if params else torch.device("cpu")
     dtype = params[0].dtype if params else torch.float32
     shapes = []
+    if layers and isinstance(layers[0], (nn.Embedding, nn.EmbeddingBag)):
+        dtype = torch.long  # the samples are token ids
     with torch.no_grad():
         h = torch.zeros(1, *sample_shape, device=device, dtype=dtype)
         for layer in layers:

@@ -21,6 +21,7 @@ STEPS = 50
 COMMON = [f"trainer.steps={STEPS}", "trainer.eval_every=25", "seed=1"]
 DATA = ["strategy=data", "grid.pr=1"]
 BATCH2 = ["trainer.batch_size=2", "trainer.dtype=float64", "optimizer.lr=0.02"]
+TOKENS = ["model=bag_classifier", "dataset=tokens", "optimizer.lr=0.5"]
 RUNS: dict[str, tuple[list[str], int | None]] = {
     # name: (overrides, ranks of a user-started mpiexec, or None for the runner's own launch)
     "mlp_p1": ([*DATA, "grid.pc=1"], None),
@@ -39,6 +40,8 @@ RUNS: dict[str, tuple[list[str], int | None]] = {
     "cnn_batch2_p1": (["model=cnn", "grid.pr=1", "grid.pc=1", *BATCH2], None),
     "cnn_batch2_domain_2x2": (["model=cnn", "strategy=domain", "grid.pr=2", "grid.pc=2",
                                *BATCH2], None),
+    "tokens_p1": ([*DATA, "grid.pc=1", *TOKENS], None),
+    "tokens_p4_auto": ([*DATA, "grid.pc=4", *TOKENS, "strategy.sparse=auto"], None),
 }
 
 
@@ -72,6 +75,21 @@ def test_parallel_runs_reproduce_single_process_losses(runs: Runs, name: str) ->
     losses = train_losses(runs(name))
     assert len(losses) == STEPS
     assert _relative_gap(train_losses(runs("mlp_p1")), losses) <= 1e-5
+
+
+def test_embedding_model_exchanges_sparse_rows_and_reproduces_single_process(runs: Runs) -> None:
+    parallel = runs("tokens_p4_auto")
+    assert _relative_gap(train_losses(parallel), train_losses(runs("tokens_p1"))) < 1e-5
+    lines = [m for m in read_metrics(parallel) if "split" not in m]
+    modes = {m["sparse"]["0"]["mode"] for m in lines}
+    assert modes <= {"allgather", "sharded"}, modes  # a batch touches ~4% of the rows
+    assert all(0 < m["sparse"]["0"]["density"] < 0.1 for m in lines)
+    summary = read_summary(parallel)
+    table_bytes = 10000 * 64 * 4
+    assert summary["comm_bytes_per_step"] < table_bytes / 3, summary["comm_bytes_per_step"]
+    predicted = summary["predicted_comm_bytes_per_step"]
+    assert abs(predicted / summary["comm_bytes_per_step"] - 1) < 0.1, predicted
+    assert sum(summary["sparse_exchange"]["0"]["steps_by_mode"].values()) == STEPS
 
 
 def test_domain_trains_a_batch_smaller_than_the_ranks(runs: Runs) -> None:
@@ -248,6 +266,6 @@ def test_replica_optimizers_run_from_a_multirun(session_tmp: Path) -> None:
 def test_experiment_configs_compose_and_validate() -> None:
     from runner.app import precheck
 
-    for experiment in ("digits_cnn", "synthetic_mlp", "easgd_digits"):
+    for experiment in ("digits_cnn", "synthetic_mlp", "easgd_digits", "tokens_bag"):
         assert precheck([f"experiment={experiment}"]) is None
     assert json.dumps(precheck(["experiment=nope"])).startswith('"unknown experiment')

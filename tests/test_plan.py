@@ -119,3 +119,40 @@ def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
     assert str(tmp_path / "ab.json") in result.stdout
     planned = plan_cli("plan.world=4", env=env)
     assert planned.returncode == 0 and "calibrated" in planned.stdout
+
+
+def test_sparse_exchange_bytes_and_choice_by_hand() -> None:
+    from runner.core.cost import choose_sparse_mode, sparse_exchange_ops
+
+    # a 1000 x 16 float32 table (64 B rows) on 4 ranks, each touching 10 rows, 40 in all
+    dense = sparse_exchange_ops("dense", "world", 4, 1000, 64, 10, 40)
+    assert [(o.op, o.nbytes) for o in dense] == [("allreduce", 64_000)]
+    gather = sparse_exchange_ops("allgather", "world", 4, 1000, 64, 10, 40)
+    assert [(o.op, o.nbytes) for o in gather] == [("allgather", 32), ("allgather", 320),
+                                                  ("allgather", 2560)]
+    sharded = sparse_exchange_ops("sharded", "world", 4, 1000, 64, 10, 40)
+    # push and pull: counts (4 x 8 B), then 3/4 of the 10 rows' ids (8 B) and rows (64 B)
+    assert [o.nbytes for o in sharded] == [32, 60, 480] * 2
+    assert step_time(sharded, A, B) == pytest.approx(6 * 3 * A + B * 2 * (32 + 60 + 480))
+    assert sparse_exchange_ops("allgather", "world", 1, 1000, 64, 10, 10) == []
+    # few rows of a big table: a sparse mode; nearly every row: dense
+    assert choose_sparse_mode(4, 1_000_000, 256, [400] * 4, A, B) != "dense"
+    assert choose_sparse_mode(4, 1000, 64, [900] * 4, A, B) == "dense"
+    # allgather's traffic grows with P, the sharded exchange's does not: at large P, sharded
+    assert choose_sparse_mode(64, 1_000_000, 256, [20_000] * 64, A, B) == "sharded"
+
+
+def test_plan_compares_the_sparse_modes_of_an_embedding_model(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = plan_cli("model=bag_classifier", "dataset=tokens", "dataset.vocab_size=100000",
+                      "plan.world=4", "plan.alpha=1e-5", "plan.beta=1e-9", f"plan.out={out}")
+    assert result.returncode == 0, result.stderr
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"data sparse=auto", "data sparse=dense", "data sparse=allgather",
+                         "data sparse=sharded"}
+    table = 100_000 * 64 * 4
+    assert rows["data sparse=dense"]["comm_bytes_per_step"] > table
+    for mode in ("allgather", "sharded"):
+        assert rows[f"data sparse={mode}"]["comm_bytes_per_step"] < table / 10
+    auto = rows["data sparse=auto"]["comm_time_s_per_step"]
+    assert auto <= min(r["comm_time_s_per_step"] for r in rows.values()) * 1.05

@@ -77,6 +77,7 @@ def build_plan(cfg: DictConfig) -> Plan:
     from runner.plan.planner import make_plan
     from runner.registry import DATASETS, MODELS, load_plugins
     from strategies import STRATEGIES
+    from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
 
     load_plugins()
     plan_cfg = cfg.plan
@@ -112,6 +113,13 @@ def build_plan(cfg: DictConfig) -> Plan:
         options = strategy_options if name == cfg.strategy.name else {}
         accepted = accepted_options(cls)
         strategies[name] = cls(**{k: v for k, v in options.items() if k in accepted})
+    if "data" in strategies and sparse_tables(model):
+        # one row per sparse exchange mode: the comparison a user of embedding tables wants
+        options = strategy_options if cfg.strategy.name == "data" else {}
+        for mode in SPARSE_CHOICES:
+            strategies[f"data sparse={mode}"] = STRATEGIES.get("data")(**{**options,
+                                                                          "sparse": mode})
+        del strategies["data"]
     ab = load_alpha_beta(plan_cfg.alpha, plan_cfg.beta)
     for strategy in strategies.values():
         strategy.alpha_beta, strategy.rows_touched = (ab.alpha, ab.beta), rows_touched
