@@ -197,7 +197,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         try:
             factory = MODELS.get(model.name)
             _check_options("model", factory, model.options,
-                           ("input_shape", "num_classes", "vocab_size"), problems)
+                           ("input_shape", "num_classes", "vocab_size", "padding_idx"), problems)
             if spec is not None:
                 meta_model = _check_model_shapes(model, factory, spec, problems)
         except UnknownPluginError as exc:
@@ -223,8 +223,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
                     problems += instance.check(grid, batch)
                 if meta_model is not None and spec is not None and grid:
                     problems += instance.check_model(meta_model, spec.input_shape, grid)
-                if meta_model is not None:
-                    problems += _sparse_update_problems(meta_model, strategy, optimizer)
         except UnknownPluginError as exc:
             problems.append(f"strategy={strategy.name}: {exc}")
     if spec is not None and batch and batch > spec.train_size:
@@ -253,7 +251,7 @@ def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[s
     from runner.models import dataset_arguments
 
     try:
-        extra = dataset_arguments(factory, spec.vocab_size)
+        extra = dataset_arguments(factory, spec)
     except ValueError as exc:
         problems.append(f"model={model.name}: {exc}")
         return None
@@ -273,16 +271,3 @@ def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[s
         return None
     return net
 
-
-def _sparse_update_problems(model: Any, strategy: Plugin, optimizer: Plugin) -> list[str]:
-    """A sparse exchange hands the optimizer a row-sparse gradient; PyTorch's SGD cannot add
-    weight decay (a dense term on every row) to one."""
-    from strategies.sparse_exchange import sparse_tables
-
-    mode = strategy.options.get("sparse", "dense")
-    decay = optimizer.options.get("weight_decay", 0) if optimizer.name == "sgd" else 0
-    if mode == "dense" or not decay or not sparse_tables(model):
-        return []
-    return [f"optimizer.weight_decay={decay}: strategy.sparse={mode} gives the embedding table a "
-            f"row-sparse gradient, to which weight decay (a term on every row) cannot be added; "
-            f"set optimizer.weight_decay=0 or strategy.sparse=dense"]

@@ -25,6 +25,7 @@ class DatasetSpec:
     train_size: int
     val_size: int
     vocab_size: int | None = None  # token datasets: samples are int64 token ids below this
+    padding_id: int | None = None  # the id that fills short documents (no word)
 
 
 @dataclass

@@ -18,16 +18,24 @@ from runner.registry import register_model
 TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
 
 
-def dataset_arguments(factory: Callable[..., nn.Module], vocab_size: int | None) -> dict[str, Any]:
-    """What the dataset tells `factory` besides shapes: the vocabulary of a token dataset.
-    Raises ValueError when the model cannot take the dataset's inputs at all."""
-    embeds = TOKEN_INPUTS in inspect.signature(factory).parameters
-    if vocab_size is not None and not embeds:
+def dataset_arguments(factory: Callable[..., nn.Module], spec: Any) -> dict[str, Any]:
+    """What the dataset (its `DatasetSpec`) tells `factory` besides shapes: the vocabulary of
+    a token dataset and its padding id. Raises ValueError when the model cannot take the
+    dataset's inputs at all."""
+    accepted = inspect.signature(factory).parameters
+    embeds = TOKEN_INPUTS in accepted
+    if spec.vocab_size is not None and not embeds:
         raise ValueError("the dataset gives token ids, which this model cannot read; choose a "
                          "model that embeds them (model=bag_classifier)")
-    if vocab_size is None and embeds:
+    if spec.vocab_size is None and embeds:
         raise ValueError("the model embeds token ids; choose a token dataset (dataset=tokens)")
-    return {TOKEN_INPUTS: vocab_size} if embeds else {}
+    if not embeds:
+        return {}
+    extra: dict[str, Any] = {TOKEN_INPUTS: spec.vocab_size}
+    if spec.padding_id is not None and "padding_idx" in accepted:
+        extra["padding_idx"] = spec.padding_id
+    return extra
+
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
@@ -115,7 +123,8 @@ def alexnet(input_shape: Sequence[int], num_classes: int,
 @register_model("bag_classifier")
 def bag_classifier(input_shape: Sequence[int], num_classes: int, vocab_size: int | None = None,
                    embedding_dim: int = 64, hidden: Sequence[int] = (64,), mode: str = "mean",
-                   sparse: bool = True, activation: str = "relu") -> nn.Sequential:
+                   sparse: bool = True, activation: str = "relu",
+                   padding_idx: int | None = None) -> nn.Sequential:
     """A bag of tokens: EmbeddingBag (the mean of a document's token vectors) → MLP → classes.
 
     Nearly all weights are the (vocab_size × embedding_dim) table, and a batch touches only the
@@ -128,7 +137,7 @@ def bag_classifier(input_shape: Sequence[int], num_classes: int, vocab_size: int
         raise ValueError(f"bag_classifier reads documents of token ids, shape (length,), got "
                          f"{tuple(input_shape)}")
     layers: list[nn.Module] = [nn.EmbeddingBag(int(vocab_size), int(embedding_dim), mode=mode,
-                                               sparse=bool(sparse))]
+                                               sparse=bool(sparse), padding_idx=padding_idx)]
     width = int(embedding_dim)
     for h in hidden:
         layers += [nn.Linear(width, int(h)), _activation(activation)]

@@ -75,6 +75,11 @@ class SynchronousSGD(ReplicaOptimizer):
         self.schedule, self.warmup_steps = schedule, warmup_steps
         self.torch_optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
                                                weight_decay=weight_decay, nesterov=nesterov)
+        # Momentum and weight decay move every row of an embedding table every step: its
+        # row-sparse gradient (after a sparse exchange) is then applied densely. PyTorch's own
+        # sparse momentum would concatenate rows without end and slow down step after step.
+        self.dense_update = momentum > 0 or weight_decay > 0
+        self.params = list(model.parameters())
 
     @staticmethod
     def check(lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
@@ -100,6 +105,10 @@ class SynchronousSGD(ReplicaOptimizer):
         lr = scheduled_lr(self.base_lr, step, self.total_steps, self.schedule, self.warmup_steps)
         for group in self.torch_optimizer.param_groups:
             group["lr"] = lr
+        if self.dense_update:
+            for p in self.params:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
         self.torch_optimizer.step()
 
     @property

@@ -19,8 +19,8 @@ register_model = MODELS.register
 register_dataset = DATASETS.register
 register_optimizer = OPTIMIZERS.register
 
-_BUILTIN_MODULES = ("runner.models", "runner.datasets", "runner.optim", "runner.easgd",
-                    "strategies")
+_BUILTIN_MODULES = ("runner.models", "runner.datasets", "runner.corpus", "runner.optim",
+                    "runner.easgd", "strategies")
 
 
 def load_plugins() -> None:

@@ -147,7 +147,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     # Built in float32 from the seed, then converted: the same initial values in either dtype.
     factory = MODELS.get(run.model.name)
     model = factory(spec.input_shape, spec.num_classes,
-                    **dataset_arguments(factory, spec.vocab_size), **run.model.options)
+                    **dataset_arguments(factory, spec), **run.model.options)
     model = model.to(dtype)
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
     alpha_beta = load_alpha_beta()

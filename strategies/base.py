@@ -58,7 +58,10 @@ class ParallelModel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         # Gradients may be views into communication buckets: zero them, never drop them. A
-        # sparse gradient is dropped: autograd would append the next one to it.
+        # sparse gradient is dropped: autograd would append the next one to it; so is the
+        # gradient a sparse exchange hands on.
+        for reducer in self.reducers:
+            reducer.zero_()
         for p in self.parameters():
             if p.grad is not None:
                 if p.grad.is_sparse:

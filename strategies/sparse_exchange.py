@@ -14,10 +14,9 @@ rows its batch touched. Per table, after backward, one of (DESIGN.md, "Sparse ex
   holds alike, so all ranks choose the same, and the collectives that follow match).
 
 The optimizer receives the summed gradient (scaled like the dense buckets) as a sparse tensor
-in every mode, so plain SGD touches only those rows. SGD's momentum stays exact: its buffer is
-sparse too and keeps moving every row it ever held (it fills up towards the whole table; plain
-SGD is what keeps an update as sparse as its batch). A sparse gradient cannot carry weight
-decay, so the config refuses that combination.
+in every mode, so plain SGD updates only those rows. With momentum or weight decay, which move
+every row every step, `sgd` applies it densely (`runner/optim.py`): the exchange still moves
+only rows, the update is what the rule demands.
 """
 
 from __future__ import annotations

@@ -266,6 +266,7 @@ def test_replica_optimizers_run_from_a_multirun(session_tmp: Path) -> None:
 def test_experiment_configs_compose_and_validate() -> None:
     from runner.app import precheck
 
-    for experiment in ("digits_cnn", "synthetic_mlp", "easgd_digits", "tokens_bag"):
+    for experiment in ("digits_cnn", "synthetic_mlp", "easgd_digits", "tokens_bag",
+                       "kjv_bag"):
         assert precheck([f"experiment={experiment}"]) is None
     assert json.dumps(precheck(["experiment=nope"])).startswith('"unknown experiment')

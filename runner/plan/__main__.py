@@ -100,7 +100,7 @@ def build_plan(cfg: DictConfig) -> Plan:
         spec = dataset.spec()
         sample_shape, classes = tuple(spec.input_shape), spec.num_classes
         steps_per_epoch = spec.train_size // batch
-        extra = dataset_arguments(MODELS.get(cfg.model.name), spec.vocab_size)
+        extra = dataset_arguments(MODELS.get(cfg.model.name), spec)
         rows_touched = getattr(dataset, "expected_unique_tokens", None)
     with torch.device("meta"):
         model = MODELS.get(cfg.model.name)(sample_shape, classes, **extra, **model_options)

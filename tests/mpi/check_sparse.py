@@ -6,7 +6,7 @@
   the dot-product (adjoint) test, the all-gather sum is self-adjoint;
 - the exchange object in every mode, with one rank whose batch never used the table;
 - training: every mode gives the dense exchange's parameters after 12 steps (float32, 1e-6
-  relative), plain SGD and with momentum;
+  relative), with plain SGD (a sparse update) and with momentum and weight decay (dense);
 - `auto` chooses dense when a batch touches most rows of a table and a sparse mode when it
   touches few; every rank chooses alike.
 """
@@ -23,6 +23,7 @@ from runner.core import CommCounter, CountedComm, ProcessGrid
 from runner.core.sparse import CyclicRows, allgather_sum_rows, pull_rows, push_rows
 from runner.datasets import ZipfTokens
 from runner.models import bag_classifier
+from runner.optim import SynchronousSGD
 from strategies.data import DataParallel
 from strategies.sparse_exchange import SparseGradientExchange
 
@@ -125,13 +126,15 @@ def every_mode_handles_a_rank_that_never_used_the_table() -> None:
             assert torch.allclose(grad, want, rtol=1e-12, atol=1e-12), mode
 
 
-def train_tokens(mode: str, momentum: float, steps: int = 12) -> tuple[list[float], nn.Module]:
+def train_tokens(mode: str, momentum: float, weight_decay: float,
+                 steps: int = 12) -> tuple[list[float], nn.Module]:
     data = ZipfTokens(vocab_size=5000, seq_len=16, samples=1024).load()
     grid = ProcessGrid(1, SIZE, WORLD)
     torch.manual_seed(0)
     model = bag_classifier((16,), 4, vocab_size=5000, embedding_dim=16, hidden=(16,))
     pmodel = DataParallel(sparse=mode).parallelize(model, (16,), grid)
-    optimizer = torch.optim.SGD(pmodel.parameters(), lr=0.5, momentum=momentum)
+    optimizer = SynchronousSGD(pmodel, grid, steps, lr=0.5, momentum=momentum,
+                               weight_decay=weight_decay)
     batch, losses = 16 * SIZE, []
     for step in range(steps):
         rows = slice(step * batch + RANK * 16, step * batch + (RANK + 1) * 16)
@@ -139,7 +142,7 @@ def train_tokens(mode: str, momentum: float, steps: int = 12) -> tuple[list[floa
         loss = F.cross_entropy(pmodel(data.train_x[rows]), data.train_y[rows])
         loss.backward()
         pmodel.finish_gradient_sync()
-        optimizer.step()
+        optimizer.step(step)
         losses.append(loss.item())
     pmodel.refresh_copies()
     return losses, pmodel.module
@@ -147,10 +150,10 @@ def train_tokens(mode: str, momentum: float, steps: int = 12) -> tuple[list[floa
 
 @check
 def every_mode_trains_to_the_dense_parameters() -> None:
-    for momentum in (0.0, 0.9):
-        _, reference = train_tokens("dense", momentum)
+    for momentum, decay in ((0.0, 0.0), (0.9, 1e-3)):  # a sparse update; a dense one
+        _, reference = train_tokens("dense", momentum, decay)
         for mode in ("allgather", "sharded", "auto"):
-            _, model = train_tokens(mode, momentum)
+            _, model = train_tokens(mode, momentum, decay)
             for (name, got), want in zip(model.named_parameters(), reference.parameters(),
                                          strict=True):
                 gap = ((got - want).abs().max() / want.abs().max()).item()
