@@ -152,6 +152,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
     alpha_beta = load_alpha_beta()
     strategy.alpha_beta = (alpha_beta.alpha, alpha_beta.beta)
+    strategy.local_costs = (alpha_beta.table_pass, alpha_beta.sparse_row)
     strategy.rows_touched = getattr(dataset, "expected_unique_tokens", None)
     optimizer_cls = OPTIMIZERS.get(run.optimizer.name)
     # The planner models synchronous gradient exchange only: no prediction for other optimizers.

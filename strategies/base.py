@@ -18,7 +18,14 @@ from typing import Any, ClassVar, Protocol
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import DEFAULT_ALPHA, DEFAULT_BETA, CommOp, step_bytes
+from runner.core.cost import (
+    DEFAULT_ALPHA,
+    DEFAULT_BETA,
+    DEFAULT_SPARSE_ROW,
+    DEFAULT_TABLE_PASS,
+    CommOp,
+    step_bytes,
+)
 from strategies.buckets import GradientBuckets
 
 MB = 1 << 20
@@ -107,6 +114,8 @@ class Strategy:
         # model: α, β (seconds, seconds per byte), and the expected number of distinct rows of
         # an embedding table a given number of samples touches (None: no token data).
         self.alpha_beta: tuple[float, float] = (DEFAULT_ALPHA, DEFAULT_BETA)
+        # seconds per byte of local work: a dense pass over a table, a sparse row handled
+        self.local_costs: tuple[float, float] = (DEFAULT_TABLE_PASS, DEFAULT_SPARSE_ROW)
         self.rows_touched: Callable[[int], float] | None = None
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:

@@ -13,6 +13,7 @@ gradients); the first bucket is kept small so the first all-reduce starts early 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,10 @@ from torch import nn
 
 from runner.core import CountedComm, PendingOp
 from runner.core.cost import CommOp
+
+
+def _ignore(param: torch.Tensor) -> None:
+    """The hook of buckets that no longer exist."""
 
 
 @dataclass
@@ -51,8 +56,13 @@ class GradientBuckets:
         items = [(p.numel() * p.element_size(), p.dtype) for p in ordered]
         for group in group_by_size(items, caps):
             self._add_bucket([ordered[i] for i in group])
+        # The hook lives on the tensor, outside the garbage collector's sight: a strong
+        # reference to self would keep these buckets (and a model's worth of gradient memory)
+        # alive as long as the parameters, after the parallel model is gone.
+        on_ready = weakref.WeakMethod(self._on_grad_ready)
         for p in trainable:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(
+                lambda param, on_ready=on_ready: (on_ready() or _ignore)(param))
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         dtype = params[0].dtype

@@ -59,7 +59,8 @@ class DataParallel(Strategy):
                                                 self.bucket_cap_bytes, self.first_bucket_bytes)
             if tables and grid.size > 1:
                 pmodel.reducers.append(SparseGradientExchange(
-                    tables, grid.world, 1.0 / grid.size, self.sparse, *self.alpha_beta))
+                    tables, grid.world, 1.0 / grid.size, self.sparse, *self.alpha_beta,
+                    *self.local_costs))
         return pmodel
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
@@ -79,13 +80,14 @@ class DataParallel(Strategy):
                            samples_per_rank: int) -> list[CommOp]:
         """The exchange of one table, its rows per rank expected from the data (`rows_touched`;
         without it every row is assumed touched). `auto` predicts the mode the cost model
-        would choose for that many rows."""
+        (communication and local work) would choose for that many rows."""
         num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
         rows = (num_rows if self.rows_touched is None
                 else min(num_rows, self.rows_touched(samples_per_rank)))
         mode = self.sparse
         if mode == "auto":
-            mode = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, *self.alpha_beta)
+            mode = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, *self.alpha_beta,
+                                      *self.local_costs)
         return sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, rows, rows * p,
                                    label=name, counts_first=self.sparse == "auto")
 

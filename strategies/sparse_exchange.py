@@ -10,11 +10,14 @@ rows its batch touched. Per table, after backward, one of (DESIGN.md, "Sparse ex
   which update their rows; every other copy of a row is a cache, refreshed from its owner (the
   pull) just before a forward pass reads it. Per-rank traffic does not grow with P;
 - `auto`: per table and per step, every rank's number of touched rows is all-gathered and the
-  mode with the least α–β time is taken (`choose_sparse_mode`: a function of values every rank
-  holds alike, so all ranks choose the same, and the collectives that follow match).
+  mode with the least time is taken: α–β communication plus local work, since a sparse row
+  costs ~15× a dense table byte to sort, sum and update (`choose_sparse_mode`: a function of
+  values every rank holds alike, so all ranks choose the same, and the collectives that follow
+  match).
 
 The optimizer receives the summed gradient (scaled like the dense buckets) as a sparse tensor
-in every mode, so plain SGD updates only those rows. With momentum or weight decay, which move
+from the sparse modes, so plain SGD updates only those rows (and a dense one when `auto` chose
+dense: then nearly every row was touched anyway). With momentum or weight decay, which move
 every row every step, `sgd` applies it densely (`runner/optim.py`): the exchange still moves
 only rows, the update is what the rule demands.
 """
@@ -28,7 +31,12 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm
-from runner.core.cost import SPARSE_MODES, choose_sparse_mode
+from runner.core.cost import (
+    DEFAULT_SPARSE_ROW,
+    DEFAULT_TABLE_PASS,
+    SPARSE_MODES,
+    choose_sparse_mode,
+)
 from runner.core.sparse import CyclicRows, allgather_sum_rows, coalesce_rows, pull_rows, push_rows
 
 SPARSE_CHOICES = ("auto", *SPARSE_MODES)
@@ -60,12 +68,13 @@ class SparseGradientExchange:
     like `GradientBuckets` does for the dense parameters (same `finish`/`zero_` protocol)."""
 
     def __init__(self, tables: list[tuple[str, nn.Module]], comm: CountedComm, scale: float,
-                 mode: str, alpha: float, beta: float) -> None:
+                 mode: str, alpha: float, beta: float, table_pass: float = DEFAULT_TABLE_PASS,
+                 sparse_row: float = DEFAULT_SPARSE_ROW) -> None:
         if mode not in SPARSE_CHOICES:
             raise ValueError(f"strategy.sparse must be one of {', '.join(SPARSE_CHOICES)}, "
                              f"got '{mode}'")
         self.comm, self.scale, self.mode = comm, scale, mode
-        self.alpha, self.beta = alpha, beta
+        self.costs = (alpha, beta, table_pass, sparse_row)
         self.tables = [_Table(name, module, CyclicRows(module.weight.shape[0], comm.size))
                        for name, module in tables]
         if mode in ("sharded", "auto") and comm.size > 1:
@@ -118,7 +127,7 @@ class SparseGradientExchange:
         if mode == "auto":
             mode = ("dense" if self.comm.size == 1 else
                     choose_sparse_mode(self.comm.size, num_rows, row_bytes, counts,
-                                       self.alpha, self.beta))
+                                       *self.costs))
         if mode == "dense":
             if table.dense_buffer is None:
                 table.dense_buffer = torch.zeros_like(weight)
@@ -126,9 +135,7 @@ class SparseGradientExchange:
             buffer.zero_()
             buffer.index_add_(0, indices, values)
             self.comm.allreduce_(buffer, label=f"{table.name} dense")
-            # handed on as rows, like the sparse modes: the optimizer's state keeps one layout
-            indices = torch.nonzero(buffer.flatten(1).any(dim=1)).flatten()
-            values = buffer[indices]
+            weight.grad = buffer.mul_(self.scale)  # a dense update, as the buckets would give
         else:
             if mode == "allgather":
                 indices, values = allgather_sum_rows(self.comm, indices, values, counts,
@@ -137,9 +144,9 @@ class SparseGradientExchange:
                 indices, values = push_rows(self.comm, table.rows, indices, values,
                                             label=f"{table.name} push")
                 table.stale = self.comm.size > 1
-        weight.grad = torch.sparse_coo_tensor(indices.unsqueeze(0), values.mul_(self.scale),
-                                              weight.shape, is_coalesced=True,
-                                              check_invariants=False)
+            weight.grad = torch.sparse_coo_tensor(indices.unsqueeze(0),
+                                                  values.mul_(self.scale), weight.shape,
+                                                  is_coalesced=True, check_invariants=False)
         table.modes[mode] = table.modes.get(mode, 0) + 1
         # this rank's batch: what the choice was made from
         table.last = {"mode": mode, "rows": touched, "density": touched / num_rows}

@@ -116,6 +116,8 @@ def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
     for kind in ("point_to_point", "collective"):
         assert stored[kind]["alpha"] >= 0 and stored[kind]["beta"] > 0
         assert len(stored[kind]["sizes"]) == len(stored[kind]["seconds"])
+    # a random row costs more per byte than a pass over a table (the sparse exchange's choice)
+    assert 0 < stored["local"]["table_pass"] < stored["local"]["sparse_row"]
     assert str(tmp_path / "ab.json") in result.stdout
     planned = plan_cli("plan.world=4", env=env)
     assert planned.returncode == 0 and "calibrated" in planned.stdout
@@ -140,6 +142,10 @@ def test_sparse_exchange_bytes_and_choice_by_hand() -> None:
     assert choose_sparse_mode(4, 1000, 64, [900] * 4, A, B) == "dense"
     # allgather's traffic grows with P, the sharded exchange's does not: at large P, sharded
     assert choose_sparse_mode(64, 1_000_000, 256, [20_000] * 64, A, B) == "sharded"
+    # local work: with this machine's β (3.6e-10 s/B), at 30% of a table per rank sorting and
+    # summing rows costs more than a dense pass, though the sparse modes move fewer bytes
+    assert choose_sparse_mode(4, 1_000_000, 256, [300_000] * 4, A, 3.6e-10) == "dense"
+    assert choose_sparse_mode(4, 1_000_000, 256, [300_000] * 4, A, 3.6e-10, 0.0, 0.0) != "dense"
 
 
 def test_plan_compares_the_sparse_modes_of_an_embedding_model(tmp_path: Path) -> None:

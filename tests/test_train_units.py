@@ -72,3 +72,23 @@ def test_hydra_errors_become_one_line() -> None:
     assert one_line(Exception(text)) == "unknown model 'foo'; available: cnn, mlp"
     assert one_line(Exception("bad input '[1'\nSee https://hydra.cc/x for details")) == \
         "bad input '[1'"
+
+
+def test_dropped_gradient_buckets_free_their_memory() -> None:
+    import gc
+    import weakref
+
+    import torch
+
+    from runner.core import CommCounter, CountedComm
+    from strategies.buckets import GradientBuckets
+
+    layer = torch.nn.Linear(100, 100)
+    buckets = GradientBuckets(list(layer.parameters()), CountedComm(None, CommCounter()), 0.5,
+                              1 << 20)
+    alive = weakref.ref(buckets)
+    del buckets
+    gc.collect()
+    # the parameters' hooks must not keep the buckets (a model's worth of gradients) alive
+    assert alive() is None
+    layer(torch.randn(2, 100)).sum().backward()  # and the orphaned hooks do nothing harmful

@@ -118,15 +118,37 @@ def sparse_exchange_ops(mode: str, group: str, p: int, num_rows: int, row_bytes:
     return ops
 
 
+# Local work per byte, besides communication (measured on a 2-core x86 machine with one torch
+# thread; `python -m runner.plan plan.calibrate=true` measures them where it runs):
+# a dense update's passes over a table (zero the gradient, add it to the weights), and a row
+# that the sparse path sorts, sums into place and updates (random access: ~15x dearer a byte).
+DEFAULT_TABLE_PASS, DEFAULT_SPARSE_ROW = 1e-10, 1.5e-9
+
+
+def sparse_local_time(mode: str, num_rows: int, row_bytes: int, own_rows: float,
+                      all_rows: float, table_pass: float, sparse_row: float) -> float:
+    """Seconds of local work per step: dense passes over the whole table; allgather handles
+    every rank's rows (coalesce, update); sharded its own rows twice (coalesce and update at
+    the owner, then the pull's gather and write)."""
+    if mode == "dense":
+        return table_pass * num_rows * row_bytes
+    if mode == "allgather":
+        return sparse_row * all_rows * row_bytes
+    return sparse_row * 2 * own_rows * row_bytes
+
+
 def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: list[float],
-                       alpha: float, beta: float) -> str:
-    """The mode with the least α–β time for the busiest rank, given every rank's row count.
-    A pure function of values every rank holds alike, so every rank chooses the same mode (ties
-    go to the earlier mode in SPARSE_MODES: dense first)."""
+                       alpha: float, beta: float, table_pass: float = DEFAULT_TABLE_PASS,
+                       sparse_row: float = DEFAULT_SPARSE_ROW) -> str:
+    """The mode with the least time for the busiest rank — α–β communication plus local work
+    (`sparse_local_time`) — given every rank's row count. A pure function of values every rank
+    holds alike, so every rank chooses the same mode (ties go to the earlier mode in
+    SPARSE_MODES: dense first)."""
     own, total = max(counts), sum(counts)
 
     def cost(mode: str) -> float:
-        return step_time(sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, own, total),
-                         alpha, beta)
+        ops = sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, own, total)
+        return step_time(ops, alpha, beta) + sparse_local_time(
+            mode, num_rows, row_bytes, own, total, table_pass, sparse_row)
 
     return min(SPARSE_MODES, key=cost)

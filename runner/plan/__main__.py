@@ -123,6 +123,7 @@ def build_plan(cfg: DictConfig) -> Plan:
     ab = load_alpha_beta(plan_cfg.alpha, plan_cfg.beta)
     for strategy in strategies.values():
         strategy.alpha_beta, strategy.rows_touched = (ab.alpha, ab.beta), rows_touched
+        strategy.local_costs = (ab.table_pass, ab.sparse_row)
     return make_plan(model, sample_shape, batch, world, strategies, ab.alpha, ab.beta,
                      ab.source, steps_per_epoch)
 

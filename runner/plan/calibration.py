@@ -18,7 +18,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.core.cost import DEFAULT_ALPHA, DEFAULT_BETA
+from runner.core.cost import (
+    DEFAULT_ALPHA,
+    DEFAULT_BETA,
+    DEFAULT_SPARSE_ROW,
+    DEFAULT_TABLE_PASS,
+)
 from runner.rundir import PROJECT_ROOT, write_json
 
 SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
@@ -29,6 +34,9 @@ class AlphaBeta:
     alpha: float
     beta: float
     source: str
+    # local work per byte, for the sparse exchange's choice (runner/core/cost.py)
+    table_pass: float = DEFAULT_TABLE_PASS
+    sparse_row: float = DEFAULT_SPARSE_ROW
 
 
 def calibration_path() -> Path:
@@ -39,20 +47,25 @@ def calibration_path() -> Path:
 def load_alpha_beta(alpha: float | None = None, beta: float | None = None) -> AlphaBeta:
     """Explicit values first, then the stored calibration, then the defaults."""
     path = calibration_path()
-    stored = None
+    stored, local = None, {}
     if path.exists():
         try:
-            stored = json.loads(path.read_text())["collective"]
+            everything = json.loads(path.read_text())
+            stored, local = everything["collective"], everything.get("local", {})
         except (json.JSONDecodeError, KeyError):
             stored = None
+    costs = {"table_pass": local.get("table_pass", DEFAULT_TABLE_PASS),
+             "sparse_row": local.get("sparse_row", DEFAULT_SPARSE_ROW)}
     if alpha is not None and beta is not None:
-        return AlphaBeta(alpha, beta, "given")
+        return AlphaBeta(alpha, beta, "given", **costs)
     if stored is not None:
         return AlphaBeta(alpha if alpha is not None else stored["alpha"],
-                         beta if beta is not None else stored["beta"], f"calibrated ({path})")
+                         beta if beta is not None else stored["beta"], f"calibrated ({path})",
+                         **costs)
     return AlphaBeta(alpha if alpha is not None else DEFAULT_ALPHA,
                      beta if beta is not None else DEFAULT_BETA,
-                     "default (not calibrated: python -m runner.plan plan.calibrate=true)")
+                     "default (not calibrated: python -m runner.plan plan.calibrate=true)",
+                     **costs)
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -93,6 +106,47 @@ def _worker(kind: str, repeats: int) -> None:
         print(json.dumps({"kind": kind, "ranks": size, "sizes": SIZES, "seconds": times}))
 
 
+def measure_local(rows: int = 200_000, width: int = 64, touched: int = 50_000,
+                  repeats: int = 5) -> dict:
+    """Seconds per byte of the local work the sparse exchange's choice weighs (one thread, as a
+    rank runs): a dense update's passes over a table, and a row the sparse path coalesces and
+    adds into the table at random places."""
+    import torch
+
+    from runner.core.sparse import coalesce_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        table, grad = torch.randn(rows, width, generator=gen), torch.zeros(rows, width)
+        indices = torch.randint(0, rows, (touched,), generator=gen)
+        values = torch.randn(touched, width, generator=gen)
+
+        def dense_update() -> None:
+            grad.zero_()
+            table.add_(grad, alpha=-0.1)
+
+        def sparse_update() -> None:
+            unique, summed = coalesce_rows(indices, values)
+            table.index_add_(0, unique, summed, alpha=-0.1)
+
+        def median_time(fn: object) -> float:
+            samples = []
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                fn()  # type: ignore[operator]
+                if i:
+                    samples.append(time.perf_counter() - start)
+            return statistics.median(samples)
+
+        row_bytes = width * 4
+        return {"table_pass": median_time(dense_update) / (rows * row_bytes),
+                "sparse_row": median_time(sparse_update) / (touched * row_bytes)}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _run(kind: str, ranks: int, repeats: int) -> dict:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     out = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, "-m",
@@ -116,6 +170,7 @@ def measure(repeats: int = 20, collective_ranks: int = 4) -> dict:
                            "ranks": 2, "sizes": ping["sizes"], "seconds": ping["seconds"]},
         "collective": {"alpha": max(a / (2 * log2_ceil(p)), 0.0), "beta": b / (2 * (p - 1) / p),
                        "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"]},
+        "local": measure_local(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     path = calibration_path()
