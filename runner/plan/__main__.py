@@ -58,9 +58,14 @@ def main(argv: list[str]) -> int:
     for row in plan.rows:
         if row.refused:
             refused.setdefault(row.strategy, []).append(row)
+    # strategies refused at the same grids for the same reason (the sparse modes of `data`)
+    # share one line
+    lines: dict[tuple[str, str], list[str]] = {}
     for name, rows in refused.items():
         grids = ", ".join(f"{r.pr}x{r.pc}" for r in rows)
-        console.print(f"not possible: {name} at {grids}: {rows[0].refused}")
+        lines.setdefault((grids, str(rows[0].refused)), []).append(name)
+    for (grids, reason), names in lines.items():
+        console.print(f"not possible: {', '.join(names)} at {grids}: {reason}")
     if plan_cfg.layers:
         for row in sorted(plan.feasible, key=lambda r: (r.comm_time, r.comm_bytes)):
             console.print(layer_table(plan, row))
