@@ -55,6 +55,7 @@ class KingJamesVerses:
         if problems:
             raise ValueError("; ".join(problems))
         self.vocab_size, self.seq_len, self.val_fraction = vocab_size, seq_len, val_fraction
+        self._train_x: torch.Tensor | None = None
 
     def spec(self) -> DatasetSpec:
         kjv_file()  # a missing package is a config error, reported before any process starts
@@ -96,7 +97,9 @@ class KingJamesVerses:
     def expected_unique_tokens(self, samples: int) -> float:
         """Measured, not modelled: the mean number of distinct ids in 20 seeded batches of
         `samples` training verses (for the planner)."""
-        train = self.load().train_x
+        if self._train_x is None:  # the planner asks once per sparse mode: load once
+            self._train_x = self.load().train_x
+        train = self._train_x
         gen = torch.Generator().manual_seed(0)
         counts = [len(torch.unique(train[torch.randperm(len(train), generator=gen)[:samples]]))
                   for _ in range(20)]
