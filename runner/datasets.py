@@ -153,6 +153,7 @@ class ZipfTokens:
                                                                      classes, samples)
         self.exponent, self.shift, self.topic_share = exponent, shift, topic_share
         self.val_fraction, self.seed = val_fraction, seed
+        self._probabilities: torch.Tensor | None = None
 
     def spec(self) -> DatasetSpec:
         val = _val_size(self.samples, self.val_fraction)
@@ -160,7 +161,13 @@ class ZipfTokens:
                            vocab_size=self.vocab_size)
 
     def token_probabilities(self) -> torch.Tensor:
-        """(classes, vocab_size): the probability of each token id in a document of each class."""
+        """(classes, vocab_size): the probability of each token id in a document of each class
+        (computed once: the planner asks for every sparse mode)."""
+        if self._probabilities is None:
+            self._probabilities = self._token_probabilities()
+        return self._probabilities
+
+    def _token_probabilities(self) -> torch.Tensor:
         law = zipf_mandelbrot(self.vocab_size, self.exponent, self.shift)
         gen = torch.Generator().manual_seed(self.seed)
         topics = torch.stack([law[torch.argsort(torch.randperm(self.vocab_size, generator=gen))]

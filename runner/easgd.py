@@ -53,11 +53,18 @@ def resolve_moving_rate(lr: float, rho: float | None, moving_rate: float | None,
     return DEFAULT_BETA / replicas
 
 
-def _flatten_into(params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor:
+def _pieces(params: list[nn.Parameter],
+            flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+    """Each parameter with its piece of `flat` (the parameters laid end to end), shaped like it."""
     offset = 0
     for p in params:
-        out[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        yield p, flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
+
+
+def _flatten_into(params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor:
+    for p, piece in _pieces(params, out):
+        piece.copy_(p.detach())
     return out
 
 
@@ -137,10 +144,8 @@ class ElasticAveraging(ReplicaOptimizer):
                 else:
                     p.add_(p.grad, alpha=-self.base_lr)
             if exchange:
-                offset = 0
-                for p in self.owned:
-                    p.sub_(self.differences[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, difference in _pieces(self.owned, self.differences):
+                    p.sub_(difference)
         if exchange:
             self._broadcast_group_replicated()
 
@@ -154,10 +159,8 @@ class ElasticAveraging(ReplicaOptimizer):
         saved = [p.detach().clone() for p in self.params]
         centre = self.centre(torch.empty_like(self.flat))
         with torch.no_grad():
-            offset = 0
-            for p in self.owned:
-                p.copy_(centre[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, value in _pieces(self.owned, centre):
+                p.copy_(value)
         self._broadcast_group_replicated()
         try:
             yield

@@ -38,6 +38,12 @@ class GradientExchange(Protocol):
 
     def zero_(self) -> None: ...
 
+    def refresh(self) -> None:
+        """Collective: bring copies left stale by the exchange up to date."""
+
+    def report(self) -> dict[str, Any]:
+        """What the exchange chose, per parameter group (empty: nothing to say)."""
+
 
 class ParallelModel(nn.Module):
     """This rank's part of the model, and the gradient exchanges that make its steps agree."""
@@ -85,16 +91,13 @@ class ParallelModel(nn.Module):
         """Collective: bring every rank's copy of every parameter up to date (after training;
         a parameter-server exchange leaves rows a rank does not own stale until it reads them)."""
         for reducer in self.reducers:
-            refresh = getattr(reducer, "refresh", None)
-            if refresh is not None:
-                refresh()
+            reducer.refresh()
 
     def exchange_report(self) -> dict[str, Any]:
         """Per sparse table: the mode and density of the last exchange (empty: none)."""
         report: dict[str, Any] = {}
         for reducer in self.reducers:
-            if hasattr(reducer, "report"):
-                report.update(reducer.report())
+            report.update(reducer.report())
         return report
 
     def param_bytes(self) -> int:

@@ -119,6 +119,12 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
+    def refresh(self) -> None:
+        """Every rank's copy is current after each step: nothing to do."""
+
+    def report(self) -> dict[str, dict]:
+        return {}
+
 
 def group_by_size(items: list[tuple[int, torch.dtype]], caps: list[int]) -> list[list[int]]:
     """Indices of consecutive same-dtype items (bytes, dtype) grouped into buckets; bucket k

@@ -48,13 +48,18 @@ class DataParallel(Strategy):
                     f"splits each sample)"]
         return super().check(grid, global_batch)
 
+    def _split(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]],
+                                               list[nn.Parameter]]:
+        """The embedding tables exchanged sparsely, and the parameters the buckets carry."""
+        tables = sparse_tables(model) if self.sparse != "dense" else []
+        sparse = {id(module.weight) for _, module in tables}
+        return tables, [p for p in model.parameters() if id(p) not in sparse]
+
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
         pmodel = DataParallelModel(model, grid)
         if sync_replica_gradients:
-            tables = sparse_tables(model) if self.sparse != "dense" else []
-            in_tables = {id(module.weight) for _, module in tables}
-            dense = [p for p in model.parameters() if id(p) not in in_tables]
+            tables, dense = self._split(model)
             pmodel.reducers = gradient_exchange(dense, grid.world, 1.0 / grid.size,
                                                 self.bucket_cap_bytes, self.first_bucket_bytes)
             if tables and grid.size > 1:
@@ -65,11 +70,11 @@ class DataParallel(Strategy):
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
-        tables = sparse_tables(model) if self.sparse != "dense" else []
-        in_tables = {id(module.weight) for _, module in tables}
+        tables, dense = self._split(model)
+        exchanged = {id(p) for p in dense}
         params = [(name.split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
                   for name, p in model.named_parameters()
-                  if p.requires_grad and id(p) not in in_tables]
+                  if p.requires_grad and id(p) in exchanged]
         ops = predict_gradient_ops(params, "world", grid.size, *self.bucket_caps)
         for name, module in tables:
             ops += self.predict_sparse_ops(name, module.weight, grid.size,

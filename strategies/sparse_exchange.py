@@ -37,7 +37,14 @@ from runner.core.cost import (
     SPARSE_MODES,
     choose_sparse_mode,
 )
-from runner.core.sparse import CyclicRows, allgather_sum_rows, coalesce_rows, pull_rows, push_rows
+from runner.core.sparse import (
+    CyclicRows,
+    allgather_sum_rows,
+    coalesce_rows,
+    gather_counts,
+    pull_rows,
+    push_rows,
+)
 
 SPARSE_CHOICES = ("auto", *SPARSE_MODES)
 
@@ -106,10 +113,7 @@ class SparseGradientExchange:
         if grad is None:  # this rank's batch did not use the table at all
             return (torch.empty(0, dtype=torch.long),
                     weight.new_empty((0, *weight.shape[1:])))
-        if grad.is_sparse:
-            return coalesce_rows(grad._indices()[0], grad._values())
-        rows = torch.nonzero(grad.flatten(1).any(dim=1)).flatten()  # a dense gradient
-        return rows, grad[rows]
+        return coalesce_rows(grad._indices()[0], grad._values())  # zero_() left it sparse
 
     def _exchange(self, table: _Table) -> None:
         weight = table.weight
@@ -119,11 +123,7 @@ class SparseGradientExchange:
         counts = None
         mode = self.mode
         if self.comm.size > 1 and mode in ("auto", "allgather"):
-            mine = torch.tensor([len(indices)], dtype=torch.long)
-            every = torch.empty(self.comm.size, dtype=torch.long)
-            self.comm.allgatherv_(mine, every, [1] * self.comm.size,
-                                  label=f"{table.name} counts")
-            counts = every.tolist()
+            counts = gather_counts(self.comm, touched, f"{table.name} counts")
         if mode == "auto":
             mode = ("dense" if self.comm.size == 1 else
                     choose_sparse_mode(self.comm.size, num_rows, row_bytes, counts,

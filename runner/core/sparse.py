@@ -56,7 +56,8 @@ def coalesce_rows(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Te
     return unique, summed
 
 
-def _gather_counts(comm: CountedComm, count: int, label: str) -> list[int]:
+def gather_counts(comm: CountedComm, count: int, label: str) -> list[int]:
+    """Every rank's `count`, on every rank (one small all-gather)."""
     mine = torch.tensor([count], dtype=torch.long)
     every = torch.empty(comm.size, dtype=torch.long)
     comm.allgatherv_(mine, every, [1] * comm.size, label=label)
@@ -83,7 +84,7 @@ def allgather_sum_rows(comm: CountedComm, indices: torch.Tensor, values: torch.T
     if comm.size == 1:
         return coalesce_rows(indices, values)
     if counts is None:
-        counts = _gather_counts(comm, len(indices), label + " counts")
+        counts = gather_counts(comm, len(indices), label + " counts")
     width = values.shape[1:]
     row_elements = int(torch.Size(width).numel())
     total = sum(counts)
