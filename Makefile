@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[bundled-mpi,dev,text]"
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[bundled-mpi,dev,text,tensorboard]"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -43,9 +43,14 @@ class TrainerConfig:
     log_every: int = 1
     eval_every: int | None = None
     checkpoint_every: int | None = None
-    resume: str | None = None
+    resume: str | None = None  # None, "auto" or a checkpoint directory
     threads: int | None = None
     dtype: str = "float32"
+    comm_timeout_s: float | None = None  # the watchdog: a collective that takes longer ends the job
+
+
+FAILURE_MODES = ("raise", "kill", "hang", "nan")
+LOGGERS = ("none", "tensorboard")
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,13 @@ class LauncherConfig:
 
 @dataclass(frozen=True)
 class DebugConfig:
-    """For tests and measurements: make one rank raise at one step; time collectives alone."""
+    """For tests and measurements: make one rank fail at one step; time collectives alone."""
 
-    raise_at_step: int | None = None
-    raise_on_rank: int = 0
+    fail_at_step: int | None = None
+    fail_on_rank: int = 0
+    # raise: an exception; kill: SIGKILL itself; hang: sleep forever outside any collective;
+    # nan: its loss becomes NaN (a diverged run)
+    fail_mode: str = "raise"
     isolate_comm: bool = False  # time each collective alone (barrier first, no overlap)
     slow_rank: int | None = None  # this rank sleeps slow_seconds in every step (a straggler)
     slow_seconds: float = 0.0
@@ -79,6 +87,7 @@ class RunConfig:
     optimizer: Plugin
     launcher: LauncherConfig
     debug: DebugConfig
+    logger: str = "none"  # also write metrics to TensorBoard: "tensorboard"
 
 
 def _plugin(cfg: DictConfig, key: str, problems: list[str]) -> Plugin:
@@ -156,10 +165,18 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     if dtype not in DTYPES:
         problems.append(f"trainer.dtype={dtype}: must be one of {', '.join(DTYPES)}")
     resume = OmegaConf.select(cfg, "trainer.resume")
-    for key, value in (("trainer.checkpoint_every", checkpoint_every), ("trainer.resume", resume)):
-        if value is not None:  # keys of the contract, not implemented yet: refuse, never ignore
-            problems.append(f"{key}={value}: checkpointing and resume are not implemented yet; "
-                            f"leave it null")
+    if resume is not None and (not isinstance(resume, str) or not resume):
+        problems.append(f"trainer.resume={resume!r}: must be null, auto or a checkpoint path")
+    comm_timeout = OmegaConf.select(cfg, "trainer.comm_timeout_s")
+    if comm_timeout is not None and (isinstance(comm_timeout, bool)
+                                     or not isinstance(comm_timeout, (int, float))
+                                     or comm_timeout <= 0):
+        problems.append(f"trainer.comm_timeout_s={comm_timeout!r}: must be null or a number of "
+                        f"seconds > 0")
+        comm_timeout = None
+    logger = str(OmegaConf.select(cfg, "logger.name", default="none"))
+    if logger not in LOGGERS:
+        problems.append(f"logger={logger}: must be one of {', '.join(LOGGERS)}")
     model, dataset = _plugin(cfg, "model", problems), _plugin(cfg, "dataset", problems)
     strategy, optimizer = _plugin(cfg, "strategy", problems), _plugin(cfg, "optimizer", problems)
 
@@ -167,14 +184,17 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     launcher = LauncherConfig(command=_strings(launcher_cfg.get("command")),
                               nproc_flag=str(launcher_cfg.get("nproc_flag", "-n")),
                               args=_strings(launcher_cfg.get("args")))
-    raise_at = _int(cfg, "debug.raise_at_step", problems, optional=True)
-    raise_on = _int(cfg, "debug.raise_on_rank", problems, minimum=0, optional=True) or 0
+    fail_at = _int(cfg, "debug.fail_at_step", problems, optional=True)
+    fail_on = _int(cfg, "debug.fail_on_rank", problems, minimum=0, optional=True) or 0
+    fail_mode = str(OmegaConf.select(cfg, "debug.fail_mode", default="raise"))
+    if fail_mode not in FAILURE_MODES:
+        problems.append(f"debug.fail_mode={fail_mode}: must be one of {', '.join(FAILURE_MODES)}")
     grid = GridShape(pr, pc) if pr and pc else None
     if grid and world_size is not None and grid.size != world_size:
         problems.append(f"grid.pr*grid.pc={grid.size} but the MPI job has {world_size} ranks "
                         f"(set grid.pr and grid.pc so that their product is {world_size})")
-    if grid and raise_at is not None and raise_on >= grid.size:
-        problems.append(f"debug.raise_on_rank={raise_on} is not a rank of a {grid.size}-rank job")
+    if grid and fail_at is not None and fail_on >= grid.size:
+        problems.append(f"debug.fail_on_rank={fail_on} is not a rank of a {grid.size}-rank job")
     slow_rank = _int(cfg, "debug.slow_rank", problems, minimum=0, optional=True)
     slow_seconds = OmegaConf.select(cfg, "debug.slow_seconds", default=0.0) or 0.0
     if not isinstance(slow_seconds, (int, float)) or slow_seconds < 0:
@@ -234,12 +254,14 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     return RunConfig(
         seed=seed, grid=grid,
         trainer=TrainerConfig(steps, batch, log_every, eval_every, checkpoint_every,
-                              None if resume is None else str(resume), threads, dtype),
+                              None if resume is None else str(resume), threads, dtype,
+                              None if comm_timeout is None else float(comm_timeout)),
         model=model, dataset=dataset, strategy=strategy, optimizer=optimizer,
         launcher=launcher,
-        debug=DebugConfig(raise_at, raise_on,
+        debug=DebugConfig(fail_at, fail_on, fail_mode,
                           bool(OmegaConf.select(cfg, "debug.isolate_comm", default=False)),
                           slow_rank, float(slow_seconds)),
+        logger=logger,
     )
 
 

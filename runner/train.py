@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,7 +29,22 @@ from strategies import STRATEGIES, ParallelModel
 
 
 class InjectedFailure(RuntimeError):
-    """Raised on purpose by `debug.raise_at_step` (tests of failure handling)."""
+    """Raised on purpose by `debug.fail_at_step` (tests of failure handling)."""
+
+
+def inject_failure(mode: str, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+    """`debug.fail_mode` on this rank at this step: what a test of failure handling needs."""
+    if mode == "raise":
+        raise InjectedFailure(f"injected failure on rank {rank} at step {step} "
+                              f"(debug.fail_at_step)")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "hang":  # outside any collective: the other ranks wait in their next one
+        while True:
+            time.sleep(3600)
+    if mode == "nan":
+        return loss * float("nan")
+    return loss
 
 
 class EpochSampler:
@@ -196,13 +213,12 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             # (P/B) x this rank's sum: the mean over the P ranks is the global mean loss, for any
             # split of the rows (see strategies/base.py)
             loss = F.cross_entropy(pmodel(x), y, reduction="sum") * (grid.size / batch_size)
+            if run.debug.fail_at_step == step and grid.rank == run.debug.fail_on_rank:
+                loss = inject_failure(run.debug.fail_mode, grid.rank, step, loss)
             loss.backward()
             pmodel.finish_gradient_sync()
             optimizer.step(step - 1)
             loss_value = mean_loss(loss, loss_comm)
-            if run.debug.raise_at_step == step and grid.rank == run.debug.raise_on_rank:
-                raise InjectedFailure(f"injected failure on rank {grid.rank} at step {step} "
-                                      f"(debug.raise_at_step)")
             elapsed = time.perf_counter() - start
             comm = grid.counter.since(before)
             step_times.append(elapsed)

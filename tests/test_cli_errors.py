@@ -54,8 +54,10 @@ CASES = {
                               ["model=mlp", "model=bag_classifier"]),
     "embedding_table_under_grid": (["model=bag_classifier", "dataset=tokens", "strategy=grid"],
                                    ["strategy=grid", "EmbeddingBag", "strategy=data"]),
-    "checkpoint_not_silently_ignored": (["trainer.checkpoint_every=10"],
-                                        ["trainer.checkpoint_every=10", "not implemented"]),
+    "resume_from_nothing": (["trainer.resume=/no/such/checkpoint"],
+                            ["trainer.resume=/no/such/checkpoint", "no complete checkpoint"]),
+    "bad_watchdog_timeout": (["trainer.comm_timeout_s=-1"], ["trainer.comm_timeout_s=-1"]),
+    "bad_failure_mode": (["debug.fail_mode=explode"], ["debug.fail_mode=explode"]),
     "every_problem_named": (["grid.pc=0", "optimizer.momentum=1.5", "trainer.steps=0"],
                             ["grid.pc=0", "optimizer.momentum", "trainer.steps=0"]),
 }

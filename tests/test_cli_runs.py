@@ -195,7 +195,7 @@ def test_training_learns_digits(runs: Runs) -> None:
 
 def test_a_failing_rank_ends_the_job_with_its_traceback(session_tmp: Path) -> None:
     run_dir = session_tmp / "failing"
-    result = run_cli(*COMMON, *DATA, "grid.pc=4", "debug.raise_at_step=3", "debug.raise_on_rank=2",
+    result = run_cli(*COMMON, *DATA, "grid.pc=4", "debug.fail_at_step=3", "debug.fail_on_rank=2",
                      f"hydra.run.dir={run_dir}", timeout=120)  # a hang would hit the timeout
     assert result.returncode not in (0, 2), result.returncode
     assert "[rank 2] failed" in result.stderr and "InjectedFailure" in result.stderr

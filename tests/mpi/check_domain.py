@@ -107,7 +107,7 @@ def run_config(pr: int, pc: int) -> dict:
         "strategy": {"name": "domain" if pr * pc > 1 else "grid"},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "launcher": {"command": None, "args": []},
-        "debug": {"raise_at_step": None, "raise_on_rank": 0},
+        "debug": {"fail_at_step": None},
     }
 
 

@@ -179,7 +179,7 @@ def config(optimizer: dict, strategy: str = "data", pr: int = 1, pc: int = SIZE,
         "strategy": {"name": strategy},
         "optimizer": optimizer,
         "launcher": {"command": None, "args": []},
-        "debug": {"raise_at_step": None, "raise_on_rank": 0, **(debug or {})},
+        "debug": {"fail_at_step": None, **(debug or {})},
     }
 
 

@@ -191,7 +191,7 @@ def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
         "model": model_cfg, "dataset": {"name": "digits", "val_fraction": 0.2},
         "strategy": {"name": strategy}, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
         "launcher": {"command": None, "args": []},
-        "debug": {"raise_at_step": None, "raise_on_rank": 0},
+        "debug": {"fail_at_step": None},
     }
 
 
