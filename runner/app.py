@@ -15,11 +15,12 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.config import ConfigError, validate
 from runner.console import print_error
 from runner.launch import MPIEnvironment, RunFailed, detect_mpi_environment, execute
+from runner.preflight import output_problems
 from runner.rundir import PROJECT_ROOT
 
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -65,14 +66,18 @@ def precheck(args: list[str]) -> str | None:
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=args)
+            cfg = compose(config_name="config", overrides=args, return_hydra_config=True)
+            run_dir = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
     except (HydraException, OmegaConfBaseException) as exc:
         return one_line(exc)
+    with open_dict(cfg):
+        del cfg["hydra"]
     try:
-        validate(cfg, world_size=None if _mpi is None else _mpi.size)
+        run = validate(cfg, world_size=None if _mpi is None else _mpi.size)
     except ConfigError as exc:
         return str(exc)
-    return None
+    problems = output_problems(run, run_dir)
+    return "; ".join(problems) if problems else None
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

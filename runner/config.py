@@ -47,6 +47,7 @@ class TrainerConfig:
     threads: int | None = None
     dtype: str = "float32"
     comm_timeout_s: float | None = None  # the watchdog: a collective that takes longer ends the job
+    keep_checkpoints: int | None = 3  # the newest complete ones; None: keep all
 
 
 FAILURE_MODES = ("raise", "kill", "hang", "nan")
@@ -164,9 +165,17 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     dtype = str(OmegaConf.select(cfg, "trainer.dtype", default="float32"))
     if dtype not in DTYPES:
         problems.append(f"trainer.dtype={dtype}: must be one of {', '.join(DTYPES)}")
+    keep_checkpoints = _int(cfg, "trainer.keep_checkpoints", problems, optional=True)
     resume = OmegaConf.select(cfg, "trainer.resume")
     if resume is not None and (not isinstance(resume, str) or not resume):
         problems.append(f"trainer.resume={resume!r}: must be null, auto or a checkpoint path")
+    elif resume not in (None, "auto"):
+        from runner.checkpoint import CheckpointError, resolve_resume
+
+        try:  # a path names a checkpoint directory, or a run directory with checkpoints
+            resolve_resume(resume, None)
+        except CheckpointError as exc:
+            problems.append(str(exc))
     comm_timeout = OmegaConf.select(cfg, "trainer.comm_timeout_s")
     if comm_timeout is not None and (isinstance(comm_timeout, bool)
                                      or not isinstance(comm_timeout, (int, float))
@@ -177,6 +186,10 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
     logger = str(OmegaConf.select(cfg, "logger.name", default="none"))
     if logger not in LOGGERS:
         problems.append(f"logger={logger}: must be one of {', '.join(LOGGERS)}")
+    elif logger == "tensorboard":
+        from runner.board import tensorboard_missing
+
+        problems += filter(None, [tensorboard_missing()])
     model, dataset = _plugin(cfg, "model", problems), _plugin(cfg, "dataset", problems)
     strategy, optimizer = _plugin(cfg, "strategy", problems), _plugin(cfg, "optimizer", problems)
 
@@ -255,7 +268,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
         seed=seed, grid=grid,
         trainer=TrainerConfig(steps, batch, log_every, eval_every, checkpoint_every,
                               None if resume is None else str(resume), threads, dtype,
-                              None if comm_timeout is None else float(comm_timeout)),
+                              None if comm_timeout is None else float(comm_timeout),
+                              keep_checkpoints),
         model=model, dataset=dataset, strategy=strategy, optimizer=optimizer,
         launcher=launcher,
         debug=DebugConfig(fail_at, fail_on, fail_mode,

@@ -73,6 +73,7 @@ class ElasticAveraging(ReplicaOptimizer):
 
     syncs_gradients = False
     has_centre = True
+    per_replica = True
 
     def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
                  lr: float = 0.2, rho: float | None = None, moving_rate: float | None = None,
@@ -172,6 +173,17 @@ class ElasticAveraging(ReplicaOptimizer):
     @property
     def lr(self) -> float:
         return self.base_lr
+
+    def state_kinds(self) -> tuple[str, ...]:
+        return ("velocity",) if self.velocity else ()
+
+    def param_states(self) -> dict[str, list[torch.Tensor | None]]:
+        return {"velocity": list(self.velocity)} if self.velocity else {}
+
+    def load_param_states(self, states: dict[str, list[torch.Tensor | None]]) -> None:
+        for mine, saved in zip(self.velocity, states.get("velocity", []), strict=False):
+            if saved is not None:
+                mine.copy_(saved)
 
 
 @register_optimizer("sync_easgd")

@@ -39,6 +39,8 @@ class ReplicaOptimizer:
     # replicas to a step (the logged loss is then replica 0's).
     asynchronous: ClassVar[bool] = False
     has_centre: ClassVar[bool] = False  # evaluation also scores a centre variable
+    # Replicas' weights differ (the EASGD family): a checkpoint keeps each replica's own.
+    per_replica: ClassVar[bool] = False
 
     @staticmethod
     def check(**options: object) -> list[str]:
@@ -59,6 +61,20 @@ class ReplicaOptimizer:
 
     def close(self) -> None:
         """Collective over all ranks: release what the optimizer holds (MPI windows)."""
+
+    # -- what a checkpoint keeps ------------------------------------------------------------
+
+    def state_kinds(self) -> tuple[str, ...]:
+        """The kinds of per-parameter state this optimizer keeps (momentum, velocity)."""
+        return ()
+
+    def param_states(self) -> dict[str, list[torch.Tensor | None]]:
+        """Per kind, one tensor per model parameter, in `model.parameters()` order (None where
+        there is none yet)."""
+        return {}
+
+    def load_param_states(self, states: dict[str, list[torch.Tensor | None]]) -> None:
+        """Restore what `param_states` returned (re-sharded to this rank's parameters)."""
 
 
 @register_optimizer("sgd")
@@ -114,3 +130,18 @@ class SynchronousSGD(ReplicaOptimizer):
     @property
     def lr(self) -> float:
         return float(self.torch_optimizer.param_groups[0]["lr"])
+
+    def state_kinds(self) -> tuple[str, ...]:
+        return ("momentum",) if self.torch_optimizer.defaults["momentum"] else ()
+
+    def param_states(self) -> dict[str, list[torch.Tensor | None]]:
+        if not self.state_kinds():
+            return {}
+        state = self.torch_optimizer.state
+        return {"momentum": [state[p].get("momentum_buffer") if p in state else None
+                             for p in self.params]}
+
+    def load_param_states(self, states: dict[str, list[torch.Tensor | None]]) -> None:
+        for p, buffer in zip(self.params, states.get("momentum", []), strict=False):
+            if buffer is not None:
+                self.torch_optimizer.state[p]["momentum_buffer"] = buffer

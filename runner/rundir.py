@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -62,6 +63,22 @@ class RunDir:
             return None
 
 
+def unwritable(path: Path) -> str | None:
+    """Why a run directory cannot be made or written at `path` (None: it can): tried for real
+    in its nearest existing ancestor, with a file made and removed again."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot make the run directory {path}: {existing} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return f"cannot write the run directory {path}: {exc.strerror or exc} ({existing})"
+    return None
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary name, then rename: readers never see a half-written file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -75,16 +92,31 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 class MetricsWriter:
     """One JSON line per record, flushed, so a crash loses at most the last line. A new run
-    starts a new file: rerunning into the same directory must not mix two runs' lines."""
+    starts a new file: rerunning into the same directory must not mix two runs' lines. A run
+    resumed at step s keeps the lines up to s and continues after them (the lines of steps
+    after s are dropped: those steps run again)."""
 
-    def __init__(self, path: Path) -> None:
-        self._file: TextIO = path.open("w", buffering=1)
+    def __init__(self, path: Path, continue_after: int | None = None) -> None:
+        if continue_after is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if _line_step(line) is not None and _line_step(line) <= continue_after]
+            atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+            self._file: TextIO = path.open("a", buffering=1)
+        else:
+            self._file = path.open("w", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()
+
+
+def _line_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line cut short by a crash
 
 
 def git_commit() -> str | None:

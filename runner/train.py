@@ -3,21 +3,40 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
+from runner.board import TensorBoardWriter
+from runner.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    TrainingProgress,
+    latest_checkpoint,
+    load_centre,
+    load_training_state,
+    resolve_resume,
+    resume_command,
+    resume_plan,
+    sampler_state,
+    save_checkpoint,
+)
 from runner.config import RunConfig
 from runner.console import ProgressReporter, make_console, summary_table
 from runner.core import CountedComm, Partition, ProcessGrid
 from runner.core.cost import step_bytes, step_time
+from runner.core.placement import place_whole
 from runner.datasets import ClassificationData
+from runner.interrupt import StopRequest
 from runner.logs import get_logger
 from runner.models import dataset_arguments
 from runner.optim import ReplicaOptimizer
@@ -56,6 +75,20 @@ class EpochSampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.epoch, self.position = 0, 0
         self._order = torch.randperm(num_samples, generator=self.generator)
+
+    def state(self) -> dict[str, Any]:
+        """Where the sample order stands: the epoch's permutation, the position in it, and
+        the generator that draws the next one (restored exactly on resume)."""
+        return {"epoch": self.epoch, "position": self.position,
+                "generator": self.generator.get_state(), "order": self._order.clone()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if len(state["order"]) != self.num_samples:
+            raise ValueError(f"the checkpoint's sample order covers {len(state['order'])} "
+                             f"samples, this dataset has {self.num_samples}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.generator.set_state(state["generator"])
+        self._order = state["order"].clone()
 
     def next_batch(self) -> torch.Tensor:
         if self.position + self.batch_size > self.num_samples:
@@ -139,12 +172,53 @@ def sparse_line(model: ParallelModel) -> dict[str, Any]:
                        for name, table in report.items()}}
 
 
-def mean_loss(loss: torch.Tensor, comm: CountedComm) -> float:
-    """Mean over the rows of the ranks of `comm`: the mean of their (P/B)-scaled sums (over the
-    world: the global batch; over a model group: that replica's rows)."""
-    buffer = loss.detach().reshape(1).clone()
+def mean_loss(loss: torch.Tensor, comm: CountedComm, stop: bool) -> tuple[float, bool]:
+    """The mean over the rows of the ranks of `comm` (the mean of their (P/B)-scaled sums: over
+    the world the global batch, over a model group that replica's rows), and whether any of
+    them was asked to stop: one all-reduce, so they all stop after the same step."""
+    buffer = torch.tensor([loss.item(), float(stop)], dtype=loss.dtype)
     comm.allreduce_(buffer, label="loss")
-    return buffer.item() / comm.size
+    return buffer[0].item() / comm.size, bool(buffer[1].item())
+
+
+class StepFailure(RuntimeError):
+    """A failure every rank meets at the same step (a non-finite loss, a checkpoint that could
+    not be written): the job ends without any rank having to abort the others."""
+
+
+def _anyone(grid: ProcessGrid, stopping: bool) -> bool:
+    flag = torch.tensor([int(stopping)], dtype=torch.int32)
+    grid.world.allreduce_(flag, label="stop")
+    return bool(flag.item())
+
+
+def _interrupted(run_dir: RunDir, grid: ProcessGrid, step: int, signal_name: str,
+                 checkpoint: Path | None) -> dict[str, Any]:
+    """The summary of a run stopped by a signal after writing its checkpoint."""
+    command = resume_command(run_dir.path)
+    message = (f"interrupted by {signal_name} after step {step}: checkpoint written to "
+               f"{checkpoint}; to continue: {command}")
+    summary = {"status": "interrupted", "step": step, "signal": signal_name,
+               "checkpoint": str(checkpoint), "resume_command": command, "message": message,
+               "run_dir": str(run_dir.path)}
+    if grid.rank == 0:
+        write_json(run_dir.summary, summary)
+    get_logger().info("%s", message)
+    return summary
+
+
+def _setup_checkpoints(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> Checkpoint | None:
+    """The checkpoint to resume from (None: a fresh start). A fresh run in a directory holding
+    an earlier run's checkpoints moves them aside, so that `resume=auto` never picks one up."""
+    found = None
+    if grid.rank == 0:
+        found = resolve_resume(run.trainer.resume, run_dir.checkpoints)
+        if found is None and latest_checkpoint(run_dir.checkpoints) is not None:
+            aside = run_dir.path / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
+            run_dir.checkpoints.rename(aside)
+            get_logger().info("an earlier run's checkpoints moved to %s", aside)
+    found = grid.world.allgather_object(found)[0]
+    return None if found is None else Checkpoint(found)
 
 
 def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
@@ -154,6 +228,9 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     grid.counter.isolate = run.debug.isolate_comm
     started = time.perf_counter()
     torch.manual_seed(run.seed)
+    # A file-size limit (ulimit -f) then fails the write with EFBIG, which is reported, instead
+    # of killing the rank without a word.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     dataset = DATASETS.get(run.dataset.name)(**run.dataset.options)
     spec = dataset.spec()
@@ -166,6 +243,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     model = factory(spec.input_shape, spec.num_classes,
                     **dataset_arguments(factory, spec), **run.model.options)
     model = model.to(dtype)
+    place_whole(model)  # every shard a strategy makes knows where it sits (checkpoints)
     strategy = STRATEGIES.get(run.strategy.name)(**run.strategy.options)
     alpha_beta = load_alpha_beta()
     strategy.alpha_beta = (alpha_beta.alpha, alpha_beta.beta)
@@ -178,9 +256,28 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
                      if optimizer_cls.syncs_gradients else None)
     pmodel = strategy.parallelize(model, spec.input_shape, grid,
                                   sync_replica_gradients=optimizer_cls.syncs_gradients)
+    checkpoint = _setup_checkpoints(run, run_dir, grid)
+    plan = None
+    if checkpoint is not None:
+        plan = resume_plan(checkpoint, optimizer_cls.per_replica, optimizer_cls.has_centre, grid)
+        load_centre(checkpoint, plan, pmodel)  # the optimizer takes its centre from the model
     optimizer: ReplicaOptimizer = optimizer_cls(pmodel, grid=grid,
                                                 total_steps=run.trainer.steps,
                                                 **run.optimizer.options)
+    sampler = EpochSampler(spec.train_size, run.trainer.batch_size, run.seed)
+    start_step, time_offset = 0, 0.0
+    if checkpoint is not None and plan is not None:
+        for note in load_training_state(checkpoint, plan, pmodel, optimizer, grid):
+            log.info("resume: %s", note)
+        sampler.load_state(sampler_state(checkpoint))
+        start_step, time_offset = checkpoint.step, float(checkpoint.manifest["time_s"])
+        if start_step >= run.trainer.steps:
+            raise StepFailure(f"nothing to train: {checkpoint.path} is at step {start_step} and "
+                              f"trainer.steps={run.trainer.steps} (raise trainer.steps to train "
+                              f"on)")
+        log.info("resumed from %s (step %d)", checkpoint.path, start_step)
+        if is_rank0:
+            make_console().print(f"resuming from {checkpoint.path} at step {start_step}")
     # An asynchronous optimizer's replicas never meet during a step: the loss shown is then
     # replica 0's (the mean over its rows), reduced over its model group only.
     loss_comm = grid.model if optimizer.asynchronous else pmodel.loss_comm
@@ -188,10 +285,19 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
              sum(p.numel() for p in pmodel.parameters()), run.dataset.name, spec.train_size,
              spec.val_size)
 
-    sampler = EpochSampler(spec.train_size, run.trainer.batch_size, run.seed)
     input_rows = pmodel.input_rows(run.trainer.batch_size)
     output_rows = pmodel.output_rows(run.trainer.batch_size)
-    metrics = MetricsWriter(run_dir.metrics) if is_rank0 else None
+    resumed_here = checkpoint is not None and checkpoint.path.parent == run_dir.checkpoints
+    sinks: list[Any] = []
+    if is_rank0:
+        sinks.append(MetricsWriter(run_dir.metrics,
+                                   continue_after=start_step if resumed_here else None))
+        if run.logger == "tensorboard":
+            sinks.append(TensorBoardWriter(run_dir.path / "tensorboard", start_step))
+    run_info = {"config": OmegaConf.to_container(OmegaConf.load(run_dir.config)),
+                "strategy": run.strategy.name, "optimizer": run.optimizer.name,
+                "git_commit": git_commit() if is_rank0 else None}
+    last_checkpoint = checkpoint.path if checkpoint is not None else None
     step_times: list[float] = []
     comm_bytes: list[int] = []
     comm_seconds: list[float] = []
@@ -199,10 +305,25 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     evaluation: dict[str, float] | None = None
     slow = run.debug.slow_seconds if grid.rank == run.debug.slow_rank else 0.0
     steps, title = run.trainer.steps, f"{run.strategy.name} {grid.pr}x{grid.pc}"
-    batch_size = run.trainer.batch_size
+    batch_size, every = run.trainer.batch_size, run.trainer.checkpoint_every
+    step, stopped_by = start_step, None
 
-    with ProgressReporter(is_rank0, steps, title) as progress:
-        for step in range(1, steps + 1):
+    def write(record: dict[str, Any]) -> None:
+        for sink in sinks:
+            sink.write(record)
+
+    def checkpoint_now(at: int) -> Path:
+        progress_state = TrainingProgress(at, time_offset + sum(step_times), sampler.state())
+        try:
+            return save_checkpoint(run_dir.checkpoints, progress_state, pmodel, optimizer, grid,
+                                   run_info, run.trainer.keep_checkpoints)
+        except CheckpointError as exc:
+            kept = f"the latest complete one is {last_checkpoint}" if last_checkpoint else \
+                "there is no earlier checkpoint"
+            raise StepFailure(f"{exc}; {kept}") from None
+
+    with StopRequest() as stop, ProgressReporter(is_rank0, steps, title) as progress:
+        for step in range(start_step + 1, steps + 1):
             start = time.perf_counter()
             before = grid.counter.snapshot()
             if slow:  # debug.slow_rank: a straggler on purpose
@@ -218,41 +339,59 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             loss.backward()
             pmodel.finish_gradient_sync()
             optimizer.step(step - 1)
-            loss_value = mean_loss(loss, loss_comm)
+            loss_value, stopping = mean_loss(loss, loss_comm, stop.requested)
             elapsed = time.perf_counter() - start
             comm = grid.counter.since(before)
             step_times.append(elapsed)
             comm_bytes.append(comm.nbytes)
             comm_seconds.append(comm.seconds)
             rate = run.trainer.batch_size / elapsed
-            if metrics and (step % run.trainer.log_every == 0 or step == steps):
-                metrics.write({"step": step, "time_s": sum(step_times),
-                               "loss": loss_value, "lr": optimizer.lr,
-                               "step_time_s": elapsed, "comm_time_s": comm.seconds,
-                               "comm_bytes": comm.nbytes, "comm_share": comm.seconds / elapsed,
-                               "samples_per_s": rate, **sparse_line(pmodel)})
+            if step % run.trainer.log_every == 0 or step == steps or not math.isfinite(loss_value):
+                write({"step": step, "time_s": time_offset + sum(step_times),
+                       "loss": loss_value, "lr": optimizer.lr,
+                       "step_time_s": elapsed, "comm_time_s": comm.seconds,
+                       "comm_bytes": comm.nbytes, "comm_share": comm.seconds / elapsed,
+                       "samples_per_s": rate, **sparse_line(pmodel)})
             progress.step(step, loss_value, rate)
             if step % run.trainer.log_every == 0:
                 log.info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss_value,
                          elapsed, comm.seconds, comm.nbytes)
+            if not math.isfinite(loss_value):  # every rank sees the same all-reduced loss
+                kept = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
+                        else "no checkpoint was written (trainer.checkpoint_every)")
+                raise StepFailure(f"the loss is {loss_value} at step {step}: training stopped; "
+                                  f"{kept}. Lower optimizer.lr, or check the data")
+            at_end = step == steps
+            due = bool(every) and step % every == 0 and not at_end
+            if stopping or due or at_end:
+                # Asynchronous replicas each stop when they see the signal: meet over the world
+                # (every rank comes here at its checkpoint steps, its last step, or its stop).
+                if _anyone(grid, stopping):
+                    stopped_by = stop.signal_name or "a signal to another rank"
+                    break
+                if due:
+                    last_checkpoint = checkpoint_now(step)
             eval_every = run.trainer.eval_every
-            if step == steps or (eval_every and step % eval_every == 0):
-                if step == steps and optimizer.asynchronous:
+            if at_end or (eval_every and step % eval_every == 0):
+                if at_end and optimizer.asynchronous:
                     grid.world.barrier()  # every worker's last exchange is in the centre
                 result = validation(pmodel, optimizer, data.val_x, data.val_y,
-                                    everyone=step == steps or not optimizer.asynchronous)
+                                    everyone=at_end or not optimizer.asynchronous)
                 if result is not None:
                     evaluation = result
                     log.info("step %d val %s", step, json.dumps(result))
                     progress.evaluation(step, result["loss"], result["accuracy"])
-                    if metrics:
-                        metrics.write({"step": step, "split": "val",
-                                       "time_s": sum(step_times), **result})
-    if metrics:
-        metrics.close()
+                    write({"step": step, "split": "val",
+                           "time_s": time_offset + sum(step_times), **result})
+        if stopped_by is not None or every:
+            last_checkpoint = checkpoint_now(step)
+    for sink in sinks:
+        sink.close()
     pmodel.refresh_copies()
-    rates = grid.world.allgather_object(len(step_times) / sum(step_times))
     optimizer.close()
+    if stopped_by is not None:
+        return _interrupted(run_dir, grid, step, stopped_by, last_checkpoint)
+    rates = grid.world.allgather_object(len(step_times) / sum(step_times))
 
     wall = time.perf_counter() - started
     param_bytes = pmodel.param_bytes()
@@ -290,6 +429,9 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
         "versions": versions(),
         "git_commit": git_commit() if is_rank0 else None,
         "run_dir": str(run_dir.path),
+        "resumed_from": ({"checkpoint": str(checkpoint.path), "step": start_step}
+                         if checkpoint is not None else None),
+        "checkpoint": str(last_checkpoint) if last_checkpoint is not None else None,
     }
     if is_rank0:
         write_json(run_dir.summary, summary)

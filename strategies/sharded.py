@@ -21,6 +21,7 @@ from torch import nn
 
 from runner.core import CountedComm, Partition
 from runner.core.cost import CommOp
+from runner.core.placement import place_rows
 from runner.core.primitives import all_gather, repartition
 
 # Layers that act on each feature or channel separately: they run on a shard unchanged.
@@ -87,6 +88,13 @@ def plan_layers(layers: Sequence[nn.Module], start: int, group_size: int) -> lis
     return steps
 
 
+def _place(shard: nn.Module, layer: nn.Module, rows: slice) -> None:
+    """Record which rows of the layer's weight and bias the shard holds (for checkpoints)."""
+    place_rows(shard.weight, layer.weight, rows)
+    if shard.bias is not None:
+        place_rows(shard.bias, layer.bias, rows)
+
+
 class ShardedLinear(nn.Module):
     """Rows `part.slice(index)` of a Linear's weight and bias (output features)."""
 
@@ -97,6 +105,7 @@ class ShardedLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach()[rows].clone()))
+        _place(self, linear, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -112,6 +121,7 @@ class ShardedConv2d(nn.Module):
         self.weight = nn.Parameter(conv.weight.detach()[channels].clone())
         self.bias = (None if conv.bias is None
                      else nn.Parameter(conv.bias.detach()[channels].clone()))
+        _place(self, conv, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)

@@ -54,8 +54,8 @@ def factorisations(world: int) -> list[tuple[int, int]]:
 
 
 def loss_op(grid: GridShape, dtype: torch.dtype) -> list[CommOp]:
-    """The loss all-reduce the training loop adds to every step."""
-    size = torch.empty((), dtype=dtype).element_size()
+    """The loss all-reduce the training loop adds to every step (the loss and the stop flag)."""
+    size = 2 * torch.empty((), dtype=dtype).element_size()
     return [CommOp("allreduce", "world", grid.size, size, "loss")] if grid.size > 1 else []
 
 

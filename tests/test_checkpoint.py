@@ -1,0 +1,220 @@
+"""Checkpoint and resume through the real command line, with real MPI ranks.
+
+Exactness is bitwise: a run resumed from a checkpoint must repeat the uninterrupted run's losses
+to the last bit (same grid, synchronous optimizers). Re-sharding onto another grid and strategy
+must continue from the same global weights, so its losses agree to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.checkpoint import Checkpoint, CheckpointError, latest_checkpoint
+from runner.core.placement import Placement
+from tests.conftest import ROOT, TIMEOUT_S, assert_ok, read_metrics, read_summary, run_cli
+
+BASE = ["trainer.eval_every=null", "trainer.batch_size=32", "trainer.dtype=float64", "seed=3"]
+GRID = [*BASE, "strategy=grid", "grid.pr=2", "grid.pc=2", "optimizer.momentum=0.9"]
+DATA2 = [*BASE, "strategy=data", "grid.pr=1", "grid.pc=2"]
+EASGD = [*DATA2, "optimizer=sync_easgd", "+optimizer.momentum=0.5"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = [m for m in read_metrics(run_dir) if "split" not in m]
+    steps = [m["step"] for m in lines]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {m["step"]: m["loss"] for m in lines}
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp: Path) -> Path:
+    """40 uninterrupted steps on a 2 x 2 grid."""
+    run_dir = tmp / "ref40"
+    assert_ok(run_cli(*GRID, "trainer.steps=40", f"hydra.run.dir={run_dir}"))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def twenty_then_twenty(tmp: Path) -> Path:
+    """20 steps with a checkpoint at the end, then resumed in the same directory to 40."""
+    run_dir = tmp / "twenty"
+    assert_ok(run_cli(*GRID, "trainer.steps=20", "trainer.checkpoint_every=20",
+                      f"hydra.run.dir={run_dir}"))
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step-00000020"
+    assert_ok(run_cli(*GRID, "trainer.steps=40", "trainer.resume=auto",
+                      f"hydra.run.dir={run_dir}"))
+    return run_dir
+
+
+def test_resume_repeats_the_uninterrupted_losses_exactly(reference: Path,
+                                                         twenty_then_twenty: Path) -> None:
+    resumed = losses(twenty_then_twenty)
+    assert sorted(resumed) == list(range(1, 41))  # the metrics continue, nothing doubled
+    assert resumed == losses(reference)
+    summary = read_summary(twenty_then_twenty)
+    assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 20
+
+
+@pytest.mark.parametrize("target", [["strategy=model", "grid.pr=4", "grid.pc=1"],
+                                    ["strategy=data", "grid.pr=1", "grid.pc=4"]],
+                         ids=["model_4x1", "data_1x4"])
+def test_a_2x2_grid_checkpoint_resumes_on_another_grid(tmp: Path, reference: Path,
+                                                       twenty_then_twenty: Path,
+                                                       target: list[str]) -> None:
+    run_dir = tmp / f"reshard_{target[0].split('=')[1]}"
+    checkpoint = twenty_then_twenty / "checkpoints" / "step-00000020"
+    assert_ok(run_cli(*GRID, *target, "trainer.steps=40", f"trainer.resume={checkpoint}",
+                      f"hydra.run.dir={run_dir}"))
+    expected, got = losses(reference), losses(run_dir)
+    assert sorted(got) == list(range(21, 41))
+    # the same global weights, momentum and data order: only the order of float64 sums differs
+    assert max(abs(got[s] - expected[s]) for s in got) < 1e-12
+
+
+def test_sync_easgd_resumes_exactly_after_a_crash(tmp: Path) -> None:
+    """Worker weights, velocities, the centre, RNG and data order: the crash at step 14 costs
+    the steps after the checkpoint of step 10, nothing else."""
+    reference, crashed = tmp / "easgd_ref", tmp / "easgd_crash"
+    assert_ok(run_cli(*EASGD, "trainer.steps=24", f"hydra.run.dir={reference}"))
+    failed = run_cli(*EASGD, "trainer.steps=24", "trainer.checkpoint_every=10",
+                     "debug.fail_at_step=14", "debug.fail_on_rank=1", f"hydra.run.dir={crashed}")
+    assert failed.returncode != 0
+    assert latest_checkpoint(crashed / "checkpoints").name == "step-00000010"
+    assert_ok(run_cli(*EASGD, "trainer.steps=24", "trainer.checkpoint_every=10",
+                      "trainer.resume=auto", f"hydra.run.dir={crashed}"))
+    assert losses(crashed) == losses(reference)
+
+
+def test_sigint_writes_a_checkpoint_and_says_how_to_resume(tmp: Path, reference: Path) -> None:
+    run_dir = tmp / "interrupted"
+    command = [sys.executable, "-m", "runner", *GRID, "trainer.steps=40",
+               "debug.slow_rank=0", "debug.slow_seconds=0.3", f"hydra.run.dir={run_dir}"]
+    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and job.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and 3 <= summary["step"] < 40
+    checkpoint = Path(summary["checkpoint"])
+    assert checkpoint == latest_checkpoint(run_dir / "checkpoints")
+    resume = next(line for line in err.splitlines() if "python -m runner" in line)
+    words = shlex.split(resume[resume.index("python -m runner"):])
+    assert words[:3] == ["python", "-m", "runner"] and "trainer.resume=auto" in words
+    # the printed command, less the straggler, continues the run to the reference's losses
+    words = [w for w in words[3:] if not w.startswith("debug.slow")]
+    assert_ok(run_cli(*words))
+    assert losses(run_dir) == losses(reference)
+
+
+def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp: Path) -> None:
+    run_dir = tmp / "diverged"
+    result = run_cli(*DATA2, "trainer.steps=20", "trainer.checkpoint_every=5",
+                     "debug.fail_at_step=7", "debug.fail_on_rank=1", "debug.fail_mode=nan",
+                     f"hydra.run.dir={run_dir}")
+    assert result.returncode != 0
+    assert "the loss is nan at step 7" in result.stderr
+    assert "step-00000005" in result.stderr  # the message names the checkpoint that stays
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step-00000005"
+    assert not (run_dir / "checkpoints" / "step-00000007").exists()
+    assert Checkpoint(run_dir / "checkpoints" / "step-00000005").step == 5
+
+
+def _rank_pids(run_dir: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"runner.worker" in cmdline and str(run_dir).encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp: Path) -> None:
+    """A real write error: after the first checkpoint the ranks' file-size limit drops below a
+    shard's size, so the next shard write fails (EFBIG) on every rank."""
+    run_dir = tmp / "disk"
+    command = [sys.executable, "-m", "runner", *DATA2, "trainer.steps=40",
+               "trainer.checkpoint_every=5", "debug.slow_rank=0", "debug.slow_seconds=0.1",
+               f"hydra.run.dir={run_dir}"]
+    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    first = run_dir / "checkpoints" / "step-00000005"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and not (first / "manifest.json").exists():
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    shard = (first / "rank-00000.pt").stat().st_size
+    for pid in _rank_pids(run_dir):
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (shard // 2, shard // 2))
+    out, err = job.communicate(timeout=120)
+    assert job.returncode not in (0, 2), f"{out}\n{err}"
+    assert "not written" in err and "File too large" in err
+    assert f"the latest complete one is {first}" in err
+    assert latest_checkpoint(run_dir / "checkpoints") == first
+    Checkpoint(first).rank_state(0)  # still whole and loadable
+
+
+def test_an_unwritable_run_directory_is_refused_before_anything_starts(tmp: Path) -> None:
+    blocker = tmp / "a_file"
+    blocker.write_text("")
+    result = run_cli("trainer.steps=2", f"hydra.run.dir={blocker}/run")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: cannot make the run directory {blocker}/run: "
+                                     f"{blocker} is not a directory")
+
+
+def test_checkpoints_load_weights_only(tmp: Path, twenty_then_twenty: Path) -> None:
+    """A shard that smuggles in an arbitrary object is refused, and the object's code never
+    runs."""
+    source = twenty_then_twenty / "checkpoints" / "step-00000020"
+    forged = tmp / "forged"
+    forged.mkdir()
+    for item in source.iterdir():
+        (forged / item.name).write_bytes(item.read_bytes())
+    marker = tmp / "code_ran"
+    payload = torch.load(source / "rank-00000.pt", weights_only=True)
+    payload["rng"] = _Smuggled(str(marker))
+    torch.save(payload, forged / "rank-00000.pt")
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        Checkpoint(forged).rank_state(0)
+    assert not marker.exists()
+
+
+class _Smuggled:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_checkpoint_of_another_model_is_refused(twenty_then_twenty: Path) -> None:
+    checkpoint = Checkpoint(twenty_then_twenty / "checkpoints" / "step-00000020")
+    out = torch.empty(3, 64, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match=r"1.weight has shape \[128, 64\]"):
+        checkpoint.read_into("model", None, Placement("1.weight", (256, 64), 0, 3), out)
