@@ -19,13 +19,20 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.config import ConfigError, validate
 from runner.console import print_error
-from runner.launch import MPIEnvironment, RunFailed, detect_mpi_environment, execute
+from runner.launch import (
+    MPIEnvironment,
+    RunFailed,
+    RunInterrupted,
+    detect_mpi_environment,
+    execute,
+)
 from runner.preflight import output_problems
 from runner.rundir import PROJECT_ROOT
 
 CONF_DIR = PROJECT_ROOT / "conf"
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
+EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C
 
 # Flags after which Hydra does something other than one run with these overrides.
 _HYDRA_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "-c", "--cfg",
@@ -96,6 +103,9 @@ def hydra_task(cfg: DictConfig) -> dict[str, Any] | None:
     except RunFailed as exc:
         print_error(str(exc))
         sys.exit(EXIT_RUN_FAILED)
+    except RunInterrupted as exc:  # not an error: the message says how to continue
+        print(str(exc), file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def _lead_mpi_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:

@@ -7,7 +7,6 @@ must continue from the same global weights, so its losses agree to float64 round
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shlex
@@ -200,7 +199,7 @@ def test_checkpoints_load_weights_only(tmp: Path, twenty_then_twenty: Path) -> N
     payload = torch.load(source / "rank-00000.pt", weights_only=True)
     payload["rng"] = _Smuggled(str(marker))
     torch.save(payload, forged / "rank-00000.pt")
-    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+    with pytest.raises(Exception, match=r"[Ww]eights only load failed|Unsupported global"):
         Checkpoint(forged).rank_state(0)
     assert not marker.exists()
 

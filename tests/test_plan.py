@@ -92,8 +92,8 @@ def test_alexnet_plan_from_shapes_alone(tmp_path: Path) -> None:
     assert all(r["activation_bytes_per_rank"] > 0 for r in plan["rows"])
     weights = 62_378_344  # AlexNet without the 2-GPU grouping of the paper's convolutions
     assert data["param_bytes_per_rank"] == 4 * weights
-    # pure batch: the whole model's gradient is all-reduced (plus the 4-byte loss)
-    assert data["comm_bytes_per_step"] == 4 * weights + 4
+    # pure batch: the whole model's gradient is all-reduced (plus the loss and the stop flag)
+    assert data["comm_bytes_per_step"] == 4 * weights + 8
     for row in plan["rows"]:
         assert row["comm_bytes_per_step"] == sum(layer["comm_bytes"] for layer in row["layers"])
         assert row["comm_time_s_per_step"] == pytest.approx(

@@ -58,7 +58,7 @@ class MPILauncher(Launcher):
                initial_job_idx: int) -> Sequence[JobReturn]:
         from runner.config import ConfigError
         from runner.console import make_console, print_error
-        from runner.launch import RunFailed
+        from runner.launch import RunFailed, RunInterrupted
         from runner.sweep import SweepJob, sweep_failures, sweep_rows, sweep_table, write_sweep_csv
 
         assert self.config is not None and self.hydra_context is not None
@@ -70,6 +70,7 @@ class MPILauncher(Launcher):
         console = make_console()
         returns: list[JobReturn] = []
         jobs: list[SweepJob] = []
+        interrupted: RunInterrupted | None = None
         for offset, overrides in enumerate(job_overrides):
             number = initial_job_idx + offset
             shown = filter_overrides(overrides)
@@ -95,10 +96,17 @@ class MPILauncher(Launcher):
             error = str(ret._return_value).splitlines()[0] if failed else None
             run_dir = str(ret.hydra_cfg.hydra.runtime.output_dir) if ret.hydra_cfg else ""
             jobs.append(SweepJob(number, shown, run_dir, summary, error))
+            if isinstance(ret._return_value, RunInterrupted):  # the user stops the sweep
+                interrupted = ret._return_value
+                break
         rows = sweep_rows(jobs)
         write_sweep_csv(sweep_dir / SWEEP_CSV, rows)
         console.print(sweep_table(rows, title=f"sweep {sweep_dir}"))
         console.print(f"sweep table: {sweep_dir / SWEEP_CSV}")
+        if interrupted is not None:
+            print(f"{interrupted}\nthe sweep stopped at job {jobs[-1].number}: the jobs after "
+                  f"it did not run", file=sys.stderr)
+            sys.exit(130)
         failures = sweep_failures(rows)
         expected = (ConfigError, RunFailed, HydraException)
         if failures and all(r.status == JobStatus.COMPLETED or isinstance(r._return_value, expected)

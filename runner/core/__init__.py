@@ -6,10 +6,12 @@ Knows nothing of Hydra, configs, strategies or training (see DESIGN.md, "Layout"
 from runner.core.comm import CommCounter, CommRecord, CountedComm, PendingOp
 from runner.core.grid import GridShape, ProcessGrid
 from runner.core.partition import Partition, balanced_sizes, balanced_slice
+from runner.core.watchdog import CommWatchdog, describe_timeout
 
 __all__ = [
     "CommCounter",
     "CommRecord",
+    "CommWatchdog",
     "CountedComm",
     "GridShape",
     "Partition",
@@ -17,4 +19,5 @@ __all__ = [
     "ProcessGrid",
     "balanced_sizes",
     "balanced_slice",
+    "describe_timeout",
 ]

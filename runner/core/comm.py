@@ -9,6 +9,10 @@ part of the communication that was *not* hidden behind computation.
 
 A group of size 1 moves nothing: every operation returns at once and records nothing, and no MPI
 call is made. That lets a 1-process run use the same code without initialising MPI at all.
+
+Every blocking call (and the wait of a non-blocking one) also marks itself in flight on the
+counter, for the watchdog (`runner.core.watchdog`): one tuple written before the MPI call, None
+after it; no lock, since the watchdog thread only reads the attribute (an atomic read).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class CommTotals:
     seconds: float = 0.0
 
 
+# (operation, group name, group size, label, start time from time.perf_counter())
+InFlight = tuple[str, str, int, str, float]
+
+
 @dataclass
 class CommCounter:
     """Accumulates records from every communicator that shares it (world, row, column groups)."""
@@ -45,6 +53,8 @@ class CommCounter:
     keep_records: bool = False
     isolate: bool = False  # measure each operation alone (see CountedComm._start)
     totals: CommTotals = field(default_factory=CommTotals)
+    # The blocking operation this rank is in now, if any (read by the watchdog thread).
+    in_flight: InFlight | None = None
 
     def add(self, op: str, group: str, group_size: int, nbytes: int, seconds: float,
             label: str) -> None:
@@ -131,7 +141,9 @@ class PendingOp:
     def wait(self) -> None:
         if self.done:
             return
+        owner = self._owner
         start = time.perf_counter()
+        owner.counter.in_flight = (self._op, owner.name, owner.size, self._label, start)
         if isinstance(self._request, list):
             _mpi().Request.Waitall(self._request)
         else:
@@ -162,15 +174,20 @@ class CountedComm:
     def __repr__(self) -> str:
         return f"CountedComm({self.name}, rank={self.rank}, size={self.size})"
 
-    def _start(self) -> float:
-        """The start time of an operation. When the counter isolates operations, every rank
-        first waits at an (uncounted) barrier, so the time is the operation's own and not the
-        wait for a late peer: what the α–β model describes."""
-        if self.counter.isolate and self.size > 1:
+    def _start(self, op: str, label: str) -> float:
+        """Mark `op` in flight and return its start time. When the counter isolates operations,
+        every rank first waits at an (uncounted, but watched) barrier, so the time is the
+        operation's own and not the wait for a late peer: what the α–β model describes."""
+        counter = self.counter
+        start = time.perf_counter()
+        counter.in_flight = (op, self.name, self.size, label, start)
+        if counter.isolate and self.size > 1:
             self.mpi_comm.Barrier()
-        return time.perf_counter()
+            start = time.perf_counter()
+        return start
 
     def _record(self, op: str, nbytes: int, seconds: float, label: str) -> None:
+        self.counter.in_flight = None
         self.counter.add(op, self.name, self.size, nbytes, seconds, label)
 
     # -- collectives on tensors -------------------------------------------------------------
@@ -181,7 +198,7 @@ class CountedComm:
             return tensor
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = self._start()
+        start = self._start("allreduce", label)
         self.mpi_comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
@@ -192,7 +209,7 @@ class CountedComm:
             return out.copy_(tensor)
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = self._start()
+        start = self._start("allreduce", label)
         self.mpi_comm.Allreduce(tensor, out, op=MPI.SUM)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
@@ -205,7 +222,7 @@ class CountedComm:
             return None if out is None else out.copy_(tensor)
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = self._start()
+        start = self._start("reduce", label)
         self.mpi_comm.Reduce(tensor, out if self.rank == root else None, op=MPI.SUM, root=root)
         self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
@@ -216,8 +233,9 @@ class CountedComm:
             return PendingOp(self, "iallreduce", None, 0, label, 0.0, ())
         _require_contiguous(tensor)
         MPI = _mpi()
-        start = self._start()
+        start = self._start("iallreduce", label)
         request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        self.counter.in_flight = None  # issued: in flight again only while someone waits for it
         pending = PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
                             time.perf_counter() - start, (tensor,))
         if self.counter.isolate:  # no overlap: the operation's own time
@@ -231,9 +249,10 @@ class CountedComm:
         `wait()` completes them all. Payload: the bytes this rank sends."""
         if self.size == 1 or (not sends and not recvs):
             return PendingOp(self, "exchange", None, 0, label, 0.0, ())
-        start = self._start()
+        start = self._start("exchange", label)
         requests = [self.mpi_comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
         requests += [self.mpi_comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
+        self.counter.in_flight = None
         nbytes = sum(_nbytes(buf) for buf, _ in sends)
         pending = PendingOp(self, "exchange", requests, nbytes, label,
                             time.perf_counter() - start, tuple(buf for buf, _ in sends + recvs))
@@ -245,7 +264,7 @@ class CountedComm:
         if self.size == 1:
             return tensor
         _require_contiguous(tensor)
-        start = self._start()
+        start = self._start("bcast", label)
         self.mpi_comm.Bcast(tensor, root=root)
         self._record("bcast", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
@@ -255,7 +274,7 @@ class CountedComm:
         """Concatenate every rank's `piece` (of `counts[rank]` elements) into `out`, by rank."""
         _require_contiguous(piece)
         _require_contiguous(out)
-        start = self._start()
+        start = self._start("allgather", label)
         self.mpi_comm.Allgatherv(piece, [out, (counts, _displacements(counts))])
         self._record("allgather", _nbytes(out), time.perf_counter() - start, label)
         return out
@@ -266,7 +285,7 @@ class CountedComm:
         _require_contiguous(full)
         _require_contiguous(out)
         MPI = _mpi()
-        start = self._start()
+        start = self._start("reduce_scatter", label)
         self.mpi_comm.Reduce_scatter(full, out, counts, op=MPI.SUM)
         self._record("reduce_scatter", _nbytes(full), time.perf_counter() - start, label)
         return out
@@ -278,7 +297,7 @@ class CountedComm:
         "alltoallv": irregular blocks whose input holds nothing for this rank itself)."""
         _require_contiguous(send)
         _require_contiguous(recv)
-        start = self._start()
+        start = self._start(op, label)
         self.mpi_comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
                                 [recv, (recv_counts, _displacements(recv_counts))])
         self._record(op, _nbytes(send), time.perf_counter() - start, label)
@@ -295,11 +314,18 @@ class CountedComm:
 
     # -- small control messages (pickled Python objects) --------------------------------------
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: Any, label: str = "") -> list[Any]:
         if self.size == 1:
             return [obj]
-        return self.mpi_comm.allgather(obj)
+        counter = self.counter
+        counter.in_flight = ("allgather_object", self.name, self.size, label, time.perf_counter())
+        gathered = self.mpi_comm.allgather(obj)
+        counter.in_flight = None
+        return gathered
 
-    def barrier(self) -> None:
+    def barrier(self, label: str = "") -> None:
         if self.size > 1:
+            counter = self.counter
+            counter.in_flight = ("barrier", self.name, self.size, label, time.perf_counter())
             self.mpi_comm.Barrier()
+            counter.in_flight = None

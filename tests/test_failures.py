@@ -1,0 +1,208 @@
+"""A job whose rank dies, hangs or is asked to stop ends promptly, says which rank and why, and
+leaves no process behind. Real ranks through the real command line (an exception on a rank is
+tested in test_cli_runs.py).
+
+Durations are measured from outside, honestly on a busy machine: the clock starts when rank 0's
+metrics line of step 2 appears (every rank has then finished step 2's collectives, and the
+failure is injected at step 3) and stops when the command returns, so the start-up of the ranks,
+however slow, is not counted, and the head's own exit is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from runner.core import CommCounter, CommWatchdog, CountedComm
+from tests.conftest import ROOT, TIMEOUT_S, read_summary
+
+DATA4 = ["strategy=data", "grid.pr=1", "grid.pc=4", "trainer.batch_size=32",
+         "trainer.eval_every=null"]
+DATA2 = ["strategy=data", "grid.pr=1", "grid.pc=2", "trainer.batch_size=32",
+         "trainer.eval_every=null"]
+FAIL_AT_3_ON_2 = ["debug.fail_at_step=3", "debug.fail_on_rank=2"]
+KILL_DEADLINE_S = 10.0
+
+
+def job_processes(run_dir: Path) -> list[str]:
+    """Every live process whose command line names this run's directory."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in cmdline:
+            found.append(f"{proc.name}: {cmdline.replace(chr(0), ' ')}")
+    return found
+
+
+def start_cli(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for_step(job: subprocess.Popen[str], run_dir: Path, step: int) -> float:
+    """The moment rank 0 logged `step` (polled every 20 ms), or the moment the job ended."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and job.poll() is None:
+        if metrics.exists() and any(json.loads(line).get("step", 0) >= step
+                                    for line in metrics.read_text().splitlines() if line):
+            break
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+def finish(job: subprocess.Popen[str], run_dir: Path,
+           timeout: float = 120) -> tuple[str, str, float]:
+    """The job's output and the moment it ended; a job still running after `timeout` fails the
+    test, and is killed with every process of its run."""
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        for line in job_processes(run_dir):
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        raise
+    return out, err, time.monotonic()
+
+
+def test_a_rank_killed_by_sigkill_is_named_and_the_job_ends_within_10_s(tmp_path: Path) -> None:
+    run_dir = tmp_path / "killed"
+    job = start_cli(*DATA4, "trainer.steps=100", *FAIL_AT_3_ON_2, "debug.fail_mode=kill",
+                    f"hydra.run.dir={run_dir}")
+    seen = wait_for_step(job, run_dir, 2)
+    out, err, ended = finish(job, run_dir, timeout=KILL_DEADLINE_S + 20)
+    assert job.returncode not in (0, 2), f"exit {job.returncode}\n{out}\n{err}"
+    # The other ranks wait in step 3's gradient all-reduce for ever, unless something ends it.
+    assert ended - seen < KILL_DEADLINE_S, f"{ended - seen:.1f} s after step 2\n{err}"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the 4-rank job failed"), last
+    assert "rank 2 (pid " in last and "killed by signal 9 (SIGKILL) at step ~3" in last, last
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and summary["failed_rank"] == 2, summary
+    assert summary["signal"] == 9 and str(summary["pid"]) in last
+    assert not job_processes(run_dir)
+    assert not (run_dir / ".ranks").exists()  # the supervisors' records are the head's alone
+
+
+def test_a_hung_rank_ends_the_job_through_the_watchdog(tmp_path: Path) -> None:
+    run_dir = tmp_path / "hung"
+    timeout = 3
+    job = start_cli(*DATA4, "trainer.steps=100", *FAIL_AT_3_ON_2, "debug.fail_mode=hang",
+                    f"trainer.comm_timeout_s={timeout}", f"hydra.run.dir={run_dir}")
+    seen = wait_for_step(job, run_dir, 2)
+    out, err, ended = finish(job, run_dir, timeout=timeout + KILL_DEADLINE_S + 20)
+    assert job.returncode not in (0, 2), f"exit {job.returncode}\n{out}\n{err}"
+    assert ended - seen < timeout + KILL_DEADLINE_S, f"{ended - seen:.1f} s after step 2\n{err}"
+    # A rank that waited names the operation, its group and the setting; the hung rank 2
+    # waits in no collective, so it is not the one that reports.
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed", summary
+    timed_out = summary["timed_out"]
+    assert timed_out["rank"] in (0, 1, 3) and timed_out["group"] == "world", timed_out
+    expected = (f"rank {timed_out['rank']}: {timed_out['op']} '{timed_out['label']}' on group "
+                f"world (4 ranks) did not complete within {timeout} s "
+                f"(trainer.comm_timeout_s); a peer may have hung or died")
+    assert summary["error"] == expected
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the 4-rank job failed") and expected in last, last
+    log = (run_dir / "logs" / f"rank{timed_out['rank']}.log").read_text()
+    assert "did not complete within" in log
+    assert not job_processes(run_dir)  # the hung rank too
+
+
+def test_sigterm_to_the_head_stops_the_ranks_cleanly(tmp_path: Path) -> None:
+    run_dir = tmp_path / "stopped"
+    job = start_cli(*DATA2, "trainer.steps=200", "debug.slow_rank=0", "debug.slow_seconds=0.2",
+                    f"hydra.run.dir={run_dir}")
+    wait_for_step(job, run_dir, 2)
+    assert job.poll() is None, job.communicate()
+    job.send_signal(signal.SIGTERM)
+    out, err, _ = finish(job, run_dir)
+    assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
+    assert err.count("stopping: the ranks finish their step") == 1, err
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted", summary
+    assert Path(summary["checkpoint"]).is_dir() and "trainer.resume=auto" in summary[
+        "resume_command"]
+    assert summary["message"] in err
+    assert not job_processes(run_dir)
+
+
+def test_a_second_signal_kills_the_job_at_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "killed_twice"
+    # Steps of 2 s: the ranks cannot finish theirs before the second signal.
+    job = start_cli(*DATA2, "trainer.steps=200", "debug.slow_rank=0", "debug.slow_seconds=2",
+                    f"hydra.run.dir={run_dir}")
+    wait_for_step(job, run_dir, 1)
+    assert job.poll() is None, job.communicate()
+    job.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    job.send_signal(signal.SIGINT)
+    second = time.monotonic()
+    out, err, ended = finish(job, run_dir)
+    assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
+    assert ended - second < 3.0, f"{ended - second:.1f} s after the second signal"
+    assert err.count("stopping: the ranks finish their step") == 1, err
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["checkpoint"] is None, summary
+    assert "killed at a second SIGINT" in summary["message"]
+    assert not job_processes(run_dir)
+
+
+# -- the watchdog alone (no MPI) ----------------------------------------------------------------
+
+class FakeComm:
+    """Enough of an mpi4py communicator to see what the watchdog sees during a call."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter, self.seen = counter, []
+
+    def Get_rank(self) -> int:
+        return 1
+
+    def Get_size(self) -> int:
+        return 4
+
+    def Bcast(self, tensor: object, root: int) -> None:
+        self.seen.append(self.counter.in_flight)
+
+    def Barrier(self) -> None:
+        self.seen.append(self.counter.in_flight)
+
+
+def test_collectives_mark_themselves_in_flight_while_they_block() -> None:
+    import torch
+
+    counter = CommCounter()
+    fake = FakeComm(counter)
+    comm = CountedComm(fake, counter, "model")
+    comm.bcast_(torch.zeros(2), label="weights")
+    comm.barrier()
+    assert [s[:4] for s in fake.seen] == [("bcast", "model", 4, "weights"),
+                                          ("barrier", "model", 4, "")]
+    assert counter.in_flight is None
+
+
+def test_the_watchdog_fires_once_on_an_operation_past_its_timeout() -> None:
+    counter = CommCounter()
+    fired: list[str] = []
+    with CommWatchdog(counter, 0.2, 3, lambda message, _: fired.append(message),
+                      interval=0.02):
+        counter.in_flight = ("allreduce", "world", 4, "loss", time.perf_counter())
+        counter.in_flight = None  # done in time: nothing
+        time.sleep(0.3)
+        assert not fired
+        counter.in_flight = ("allreduce", "world", 4, "loss", time.perf_counter())
+        time.sleep(0.5)
+    assert fired == ["rank 3: allreduce 'loss' on group world (4 ranks) did not complete "
+                     "within 0.2 s (the communication timeout); a peer may have hung or died"]
