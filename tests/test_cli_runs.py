@@ -160,10 +160,11 @@ def test_run_directory_contract(runs: Runs) -> None:
 def test_measured_bytes_equal_predicted_every_step(runs: Runs) -> None:
     run_dir = runs("mlp_p4")
     summary = read_summary(run_dir)
-    # 64 -> 128 -> 128 -> 10 MLP on 8x8 digits: weights+biases in float32, plus the 4-byte loss.
+    # 64 -> 128 -> 128 -> 10 MLP on 8x8 digits: weights+biases in float32, plus the loss and
+    # the stop flag (4 bytes each).
     params = (64 * 128 + 128) + (128 * 128 + 128) + (128 * 10 + 10)
     assert summary["param_bytes_per_rank"] == 4 * params
-    assert summary["predicted_comm_bytes_per_step"] == 4 * params + 4
+    assert summary["predicted_comm_bytes_per_step"] == 4 * params + 8
     for m in read_metrics(run_dir):
         if "split" not in m:
             assert m["comm_bytes"] == summary["predicted_comm_bytes_per_step"], m
