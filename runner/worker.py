@@ -9,7 +9,7 @@ for longer than `trainer.comm_timeout_s` (a peer hung) does the same from its wa
 A rank that can say nothing (SIGKILL, the OOM killer, a segfault) is named by its supervisor:
 under the head, the process the launcher starts forks the rank before MPI is initialised and
 waits for it, writing the rank's pid on start and its exit status at the end into
-`RUN_DIR/.ranks/rank<k>.json` (read by `runner.launch`), then ends the way the rank did, so the
+`RUN_DIR/.ranks/rank<k>.json` (read by `runner.mpijob`), then ends the way the rank did, so the
 launcher reacts as it would without it. Why not let the head watch pids alone: MPICH ends the
 whole job ~40 ms after one rank is killed, and the other ranks die within milliseconds of it
 (some even before the dead rank's pid is seen to end), too close to tell which was first; the
