@@ -1,0 +1,46 @@
+"""`python -m runner.report DIR`: figures and a report.md for a run or a multirun sweep.
+
+Reads only the run-directory contract (DESIGN.md, "Run directory"): `metrics.jsonl`,
+`summary.json`, `config.yaml`, and a sweep's `sweep_summary.csv`, so it works on a run copied
+off a cluster, on one still going and on one that failed. No Hydra, no torch, no MPI.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.report.data import ReportError, is_run_dir, is_sweep_dir, load_run, load_sweep
+
+__all__ = ["ReportError", "write_report"]
+
+
+def write_report(path: Path, out: Path | None = None) -> list[Path]:
+    """Write the figures and report.md for the run or sweep at `path` into `out` (default
+    `<path>/report/`); return the files written, report.md first."""
+    from runner.report import plots, summary
+
+    if not path.exists():
+        raise ReportError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise ReportError(f"{path}: not a directory")
+    out = out if out is not None else path / "report"
+    if is_run_dir(path):
+        run = load_run(path)
+        figures = plots.run_figures(run)
+        render = lambda pngs: summary.run_markdown(run, pngs)  # noqa: E731
+    elif is_sweep_dir(path):
+        sweep = load_sweep(path)
+        figures = plots.sweep_figures(sweep.jobs)
+        render = lambda pngs: summary.sweep_markdown(sweep, pngs)  # noqa: E731
+    else:
+        raise ReportError(f"{path} is neither a run directory (config.yaml, metrics.jsonl, "
+                          "summary.json) nor a sweep directory (sweep_summary.csv, numbered "
+                          "job directories)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        pngs = plots.save(figures, out)
+        report = out / "report.md"
+        report.write_text(render(pngs))
+    except OSError as exc:
+        raise ReportError(f"cannot write the report into {out}: {exc.strerror or exc}") from exc
+    return [report, *pngs]

@@ -1,0 +1,242 @@
+"""Reading the run-directory contract (DESIGN.md, "Run directory") for a report.
+
+Tolerant on purpose: a report is most wanted for a run that is still going or went wrong, so a
+missing `summary.json`, a half-written last line of `metrics.jsonl` or a sweep job without a run
+directory is noted in the report, never fatal. Only input that is no run or sweep at all is
+refused (`ReportError`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+SWEEP_CSV = "sweep_summary.csv"
+
+Record = dict[str, Any]
+
+
+class ReportError(Exception):
+    """Input that cannot be reported on; the message is the one line the user sees."""
+
+
+@dataclass
+class Run:
+    """One run directory as far as it got."""
+
+    path: Path
+    train: list[Record]
+    val: list[Record]
+    summary: Record | None
+    config: Record | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if self.summary is not None:
+            return str(self.summary.get("status", "unknown"))
+        return "in progress or interrupted" if self.train else "not started"
+
+    def setting(self, summary_key: str, config_key: str) -> Any:
+        """A value from summary.json, else from config.yaml (a run still going has no summary)."""
+        if self.summary and self.summary.get(summary_key) is not None:
+            return self.summary[summary_key]
+        return OmegaConf.select(OmegaConf.create(self.config or {}), config_key)
+
+    def describe(self) -> str:
+        """'data · grid 1×2 · sgd', the run's identity for titles."""
+        grid = self.setting("grid", "grid") or {}
+        return (f"{self.setting('strategy', 'strategy.name') or '?'} · grid "
+                f"{grid.get('pr', '?')}×{grid.get('pc', '?')} · "
+                f"{self.setting('optimizer', 'optimizer.name') or '?'}")
+
+    def stats(self) -> Record:
+        """The summary's numbers; for a run without one, the same numbers from its metrics so
+        far (predictions are then unknown)."""
+        if self.summary is not None and self.summary.get("status") == "completed":
+            return dict(self.summary)
+        steps = [r["step_time_s"] for r in self.train if _number(r.get("step_time_s"))]
+        comm = [r["comm_time_s"] for r in self.train if _number(r.get("comm_time_s"))]
+        nbytes = [r["comm_bytes"] for r in self.train if _number(r.get("comm_bytes"))]
+        derived: Record = {
+            "steps": self.train[-1]["step"] if self.train else None,
+            "final_loss": self.train[-1].get("loss") if self.train else None,
+            "val_loss": self.val[-1].get("loss") if self.val else None,
+            "val_accuracy": self.val[-1].get("accuracy") if self.val else None,
+            "median_step_time_s": statistics.median(steps) if steps else None,
+            "comm_time_s_per_step": statistics.fmean(comm) if comm else None,
+            "comm_bytes_per_step": statistics.fmean(nbytes) if nbytes else None,
+            "comm_time_share": sum(comm) / sum(steps) if comm and sum(steps) > 0 else None,
+        }
+        return {**derived, **{k: v for k, v in (self.summary or {}).items() if v is not None}}
+
+
+@dataclass
+class Job:
+    """One job of a multirun sweep."""
+
+    number: int
+    overrides: list[str]
+    status: str
+    error: str | None
+    run: Run | None
+
+    @property
+    def plotted(self) -> bool:
+        return self.status != "failed" and self.run is not None and bool(self.run.train)
+
+
+@dataclass
+class Sweep:
+    path: Path
+    jobs: list[Job]
+    notes: list[str] = field(default_factory=list)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_run_dir(path: Path) -> bool:
+    return any((path / name).is_file() for name in RUN_FILES)
+
+
+def job_dirs(path: Path) -> list[Path]:
+    """A sweep's numbered job directories, in job order."""
+    return sorted((p for p in path.iterdir() if p.is_dir() and p.name.isdigit()),
+                  key=lambda p: int(p.name))
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return ((path / SWEEP_CSV).is_file() or (path / "multirun.yaml").is_file()
+            or any(is_run_dir(p) for p in job_dirs(path)))
+
+
+def read_metrics(path: Path) -> tuple[list[Record], list[Record], list[str]]:
+    """Training and validation lines of a metrics.jsonl, skipping what cannot be read."""
+    lines = path.read_text(errors="replace").splitlines()
+    train: list[Record] = []
+    val: list[Record] = []
+    notes: list[str] = []
+    bad = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or not _number(record.get("step")):
+            if number == len(lines):
+                notes.append("the last line of metrics.jsonl is incomplete (still being "
+                             "written, or the run was stopped): ignored")
+            else:
+                bad += 1
+            continue
+        if record.get("split") == "val":
+            val.append(record)
+        elif "split" not in record:
+            train.append(record)
+    if bad:
+        notes.append(f"{bad} unreadable line(s) in metrics.jsonl ignored")
+    return train, val, notes
+
+
+def _load_yaml(path: Path) -> Any:
+    """The file as plain Python, or None when it cannot be read (a report only notes that)."""
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception:  # malformed YAML raises yaml's or OmegaConf's errors alike
+        return None
+
+
+def load_run(path: Path) -> Run:
+    train: list[Record] = []
+    val: list[Record] = []
+    notes: list[str] = []
+    if (path / "metrics.jsonl").is_file():
+        train, val, notes = read_metrics(path / "metrics.jsonl")
+    else:
+        notes.append("no metrics.jsonl")
+    summary = None
+    if (path / "summary.json").is_file():
+        try:
+            summary = json.loads((path / "summary.json").read_text())
+        except json.JSONDecodeError:
+            notes.append("summary.json is not valid JSON: ignored")
+    elif train:
+        notes.append("no summary.json yet: the run is still going or was interrupted; numbers "
+                     "below are from metrics.jsonl so far")
+    config = None
+    if (path / "config.yaml").is_file():
+        loaded = _load_yaml(path / "config.yaml")
+        config = loaded if isinstance(loaded, dict) else None
+        if config is None:
+            notes.append("config.yaml could not be read: ignored")
+    return Run(path, train, val, summary if isinstance(summary, dict) else None, config, notes)
+
+
+def _job_overrides(job_dir: Path | None, shown: str) -> list[str]:
+    """The job's overrides as Hydra recorded them (exact, even with spaces in a value), else
+    the CSV's space-joined form."""
+    if job_dir is not None and (job_dir / ".hydra" / "overrides.yaml").is_file():
+        loaded = _load_yaml(job_dir / ".hydra" / "overrides.yaml")
+        if isinstance(loaded, list):
+            return [str(item) for item in loaded]
+    return shown.split()
+
+
+def _job_dir(sweep: Path, number: int, recorded: str) -> Path | None:
+    for candidate in (sweep / str(number), Path(recorded) if recorded else None):
+        if candidate is not None and candidate.is_dir():
+            return candidate
+    return None
+
+
+def load_sweep(path: Path) -> Sweep:
+    """Jobs from sweep_summary.csv; while a sweep runs (no CSV yet), from its job directories."""
+    jobs: list[Job] = []
+    notes: list[str] = []
+    if (path / SWEEP_CSV).is_file():
+        with (path / SWEEP_CSV).open(newline="") as f:
+            for row in csv.DictReader(f):
+                try:
+                    number = int(row.get("job") or "")
+                except ValueError:
+                    notes.append(f"{SWEEP_CSV}: a row without a job number ignored")
+                    continue
+                job_dir = _job_dir(path, number, row.get("run_dir") or "")
+                run = load_run(job_dir) if job_dir is not None and is_run_dir(job_dir) else None
+                jobs.append(Job(number, _job_overrides(job_dir, row.get("overrides") or ""),
+                                row.get("status") or "unknown", row.get("error") or None, run))
+    else:
+        notes.append(f"no {SWEEP_CSV}: the sweep is still going or was interrupted; jobs are "
+                     "read from their directories")
+        for job_dir in job_dirs(path):
+            run = load_run(job_dir) if is_run_dir(job_dir) else None
+            error = (run.summary or {}).get("error") if run else None
+            jobs.append(Job(int(job_dir.name), _job_overrides(job_dir, ""),
+                            run.status if run else "not started", error, run))
+    return Sweep(path, jobs, notes)
+
+
+def varying_overrides(jobs: list[Job]) -> tuple[list[str], dict[int, str]]:
+    """The overrides every job shares, and each job's label: the overrides that set it apart."""
+    if not jobs:
+        return [], {}
+    common = [o for o in jobs[0].overrides if all(o in job.overrides for job in jobs)]
+    labels = {job.number: " ".join(o for o in job.overrides if o not in common)
+              or f"job {job.number}" for job in jobs}
+    return common, labels
+
+
+def finite(value: Any) -> bool:
+    return _number(value) and math.isfinite(value)
