@@ -61,10 +61,12 @@ class Run:
     def stats(self) -> Record:
         """The summary's numbers; for a run without one, the same numbers from its metrics so
         far (predictions are then unknown)."""
-        if self.summary is not None and self.summary.get("status") == "completed":
-            return dict(self.summary)
         steps = [r["step_time_s"] for r in self.train if _number(r.get("step_time_s"))]
         comm = [r["comm_time_s"] for r in self.train if _number(r.get("comm_time_s"))]
+        # not in summary.json, whose comm_time_s_per_step is a mean (start-up steps weigh in)
+        median_comm = {"median_comm_time_s": statistics.median(comm) if comm else None}
+        if self.summary is not None and self.summary.get("status") == "completed":
+            return {**self.summary, **median_comm}
         nbytes = [r["comm_bytes"] for r in self.train if _number(r.get("comm_bytes"))]
         derived: Record = {
             "steps": self.train[-1]["step"] if self.train else None,
@@ -75,6 +77,7 @@ class Run:
             "comm_time_s_per_step": statistics.fmean(comm) if comm else None,
             "comm_bytes_per_step": statistics.fmean(nbytes) if nbytes else None,
             "comm_time_share": sum(comm) / sum(steps) if comm and sum(steps) > 0 else None,
+            **median_comm,
         }
         return {**derived, **{k: v for k, v in (self.summary or {}).items() if v is not None}}
 
@@ -230,8 +233,8 @@ def load_sweep(path: Path) -> Sweep:
 
 def varying_overrides(jobs: list[Job]) -> tuple[list[str], dict[int, str]]:
     """The overrides every job shares, and each job's label: the overrides that set it apart."""
-    if not jobs:
-        return [], {}
+    if len(jobs) < 2:  # nothing to set a job apart from
+        return [], {job.number: " ".join(job.overrides) or f"job {job.number}" for job in jobs}
     common = [o for o in jobs[0].overrides if all(o in job.overrides for job in jobs)]
     labels = {job.number: " ".join(o for o in job.overrides if o not in common)
               or f"job {job.number}" for job in jobs}

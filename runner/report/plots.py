@@ -20,6 +20,7 @@ from runner.report.data import Job, Record, Run, finite, varying_overrides
 TIME_LABEL = "training time (s, cumulative step time)"
 WIDE = (11.0, 4.2)
 DPI = 110
+LINE_STYLES = ("-", "--", "-.", ":")
 
 
 def series(records: Iterable[Record], x: str, y: str, scale: float = 1.0) -> tuple[list, list]:
@@ -128,10 +129,11 @@ def sweep_curves_figure(jobs: list[Job]) -> Figure:
     by_step, by_time, accuracy = fig.subplots(1, 3)
     for index, job in enumerate(shown):
         assert job.run is not None
-        style = {"color": _colour(index), "lw": 1.2}
+        # identical curves are common (every grid computes the same losses): vary the dashes too
+        style = {"color": _colour(index), "lw": 1.4, "ls": LINE_STYLES[index % len(LINE_STYLES)]}
         (line,) = by_step.plot(*series(job.run.train, "step", "loss"), **style)
         by_time.plot(*series(job.run.train, "time_s", "loss"), **style)
-        accuracy.plot(*series(job.run.val, "step", "accuracy"), "o-", ms=4, **style)
+        accuracy.plot(*series(job.run.val, "step", "accuracy"), marker="o", ms=4, **style)
         line.set_label(f"{job.number}: {labels[job.number]}")
     _finish(by_step, "step", "training loss", legend=False)
     _finish(by_time, TIME_LABEL, "training loss", legend=False)
@@ -169,17 +171,20 @@ def _bars(ax: Axes, groups: list[list[float | None]], names: list[str], ticks: l
 
 def sweep_times_figure(jobs: list[Job]) -> Figure:
     """Per job: median step time beside measured and predicted communication time per step;
-    and measured beside predicted communication bytes per step."""
+    and measured beside predicted communication bytes per step. The measured communication
+    time is shown as a median too: summary.json's mean is dominated by the first steps of a
+    short run (MPI warm-up), which the prediction does not model."""
     shown = [job for job in jobs if job.plotted]
     _, labels = varying_overrides(jobs)
     ticks = [f"{job.number}\n" + labels[job.number].replace(" ", "\n") for job in shown]
     stats = [job.run.stats() for job in shown if job.run is not None]
     fig = Figure(figsize=(max(9.0, 2.2 * len(shown) + 3), 4.8), layout="constrained")
     times, nbytes = fig.subplots(1, 2)
-    _bars(times, [[s.get("median_step_time_s"), s.get("comm_time_s_per_step"),
-                   s.get("predicted_comm_time_s_per_step")] for s in stats],
-          ["median step time", "communication (measured)", "communication (predicted)"],
-          ticks, 1e3)
+    _bars(times, [[s.get("median_step_time_s"), s.get("median_comm_time_s"),
+                   s.get("comm_time_s_per_step"), s.get("predicted_comm_time_s_per_step")]
+                  for s in stats],
+          ["step time (median)", "communication, measured (median)",
+           "communication, measured (mean)", "communication, predicted"], ticks, 1e3)
     times.set_ylabel("time per step (ms)")
     times.set_xlabel("job")
     _bars(nbytes, [[s.get("comm_bytes_per_step"), s.get("predicted_comm_bytes_per_step")]

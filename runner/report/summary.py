@@ -94,7 +94,7 @@ def run_markdown(run: Run, pngs: Sequence[Path]) -> str:
          ratio(s.get("comm_time_s_per_step"), s.get("predicted_comm_time_s_per_step"))),
     ]
     lines = [f"# Run report: {run.describe()}", "", f"Run directory: `{run.path}`", "",
-             *table(("", ""), rows), "",
+             *table(("quantity", "value"), rows), "",
              "## Communication per step: measured against the planner's prediction", "",
              *table(("per step", "measured", "predicted", "measured / predicted"), comm)]
     if s.get("predicted_comm_bytes_per_step") is None and run.status == "completed":
@@ -131,7 +131,7 @@ def sweep_markdown(sweep: Sweep, pngs: Sequence[Path]) -> str:
               "median step (ms)", "comm share", "comm ms/step (predicted)",
               "comm bytes/step (predicted)", "error")
     lines = [f"# Sweep report: `{sweep.path}`", "",
-             f"{len(sweep.jobs)} jobs: {counts or 'none'}.", ""]
+             f"{len(sweep.jobs)} job(s): {counts or 'none'}.", ""]
     if common:
         lines += [f"Overrides every job shares: `{' '.join(common)}`", ""]
     lines += table(header, [job_row(job, labels[job.number]) for job in sweep.jobs])
