@@ -51,27 +51,6 @@ def reference(tmp: Path) -> Path:
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def twenty_then_twenty(tmp: Path) -> Path:
-    """20 steps with a checkpoint at the end, then resumed in the same directory to 40."""
-    run_dir = tmp / "twenty"
-    assert_ok(run_cli(*GRID, "trainer.steps=20", "trainer.checkpoint_every=20",
-                      f"hydra.run.dir={run_dir}"))
-    assert latest_checkpoint(run_dir / "checkpoints").name == "step-00000020"
-    assert_ok(run_cli(*GRID, "trainer.steps=40", "trainer.resume=auto",
-                      f"hydra.run.dir={run_dir}"))
-    return run_dir
-
-
-def test_resume_repeats_the_uninterrupted_losses_exactly(reference: Path,
-                                                         twenty_then_twenty: Path) -> None:
-    resumed = losses(twenty_then_twenty)
-    assert sorted(resumed) == list(range(1, 41))  # the metrics continue, nothing doubled
-    assert resumed == losses(reference)
-    summary = read_summary(twenty_then_twenty)
-    assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 20
-
-
 @pytest.mark.parametrize("target", [["strategy=model", "grid.pr=4", "grid.pc=1"],
                                     ["strategy=data", "grid.pr=1", "grid.pc=4"]],
                          ids=["model_4x1", "data_1x4"])
@@ -87,21 +66,25 @@ def test_a_2x2_grid_checkpoint_resumes_on_another_grid(tmp: Path, reference: Pat
     assert max(abs(got[s] - expected[s]) for s in got) < 1e-12
 
 
-def test_sync_easgd_resumes_exactly_after_a_crash(tmp: Path) -> None:
-    """Worker weights, velocities, the centre, RNG and data order: the crash at step 14 costs
-    the steps after the checkpoint of step 10, nothing else."""
-    reference, crashed = tmp / "easgd_ref", tmp / "easgd_crash"
-    assert_ok(run_cli(*EASGD, "trainer.steps=24", f"hydra.run.dir={reference}"))
-    failed = run_cli(*EASGD, "trainer.steps=24", "trainer.checkpoint_every=10",
-                     "debug.fail_at_step=14", "debug.fail_on_rank=1", f"hydra.run.dir={crashed}")
-    assert failed.returncode != 0
-    assert latest_checkpoint(crashed / "checkpoints").name == "step-00000010"
-    assert_ok(run_cli(*EASGD, "trainer.steps=24", "trainer.checkpoint_every=10",
-                      "trainer.resume=auto", f"hydra.run.dir={crashed}"))
-    assert losses(crashed) == losses(reference)
+def test_sync_easgd_20_steps_resumed_for_20_more_repeat_40_steps(tmp: Path) -> None:
+    """Worker weights, velocities, the centre, RNG and data order all restored."""
+    reference, halves = tmp / "easgd_40", tmp / "easgd_20_20"
+    assert_ok(run_cli(*EASGD, "trainer.steps=40", f"hydra.run.dir={reference}"))
+    assert_ok(run_cli(*EASGD, "trainer.steps=20", "trainer.checkpoint_every=20",
+                      f"hydra.run.dir={halves}"))
+    assert latest_checkpoint(halves / "checkpoints").name == "step-00000020"
+    assert_ok(run_cli(*EASGD, "trainer.steps=40", "trainer.resume=auto",
+                      f"hydra.run.dir={halves}"))
+    resumed = losses(halves)
+    assert sorted(resumed) == list(range(1, 41))  # the metrics continue, nothing doubled
+    assert resumed == losses(reference)
 
 
-def test_sigint_writes_a_checkpoint_and_says_how_to_resume(tmp: Path, reference: Path) -> None:
+def test_a_stopped_run_resumes_to_exactly_the_uninterrupted_losses(tmp: Path,
+                                                                   reference: Path) -> None:
+    """SIGTERM to the command mid-run: a checkpoint, exit 130, and a printed command that
+    continues the run (in its own directory, metrics continued) to the reference's losses bit
+    for bit: 2 x 2 grid, momentum, data order, all restored."""
     run_dir = tmp / "interrupted"
     command = [sys.executable, "-m", "runner", *GRID, "trainer.steps=40",
                "debug.slow_rank=0", "debug.slow_seconds=0.3", f"hydra.run.dir={run_dir}"]
@@ -113,9 +96,10 @@ def test_sigint_writes_a_checkpoint_and_says_how_to_resume(tmp: Path, reference:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
             break
         time.sleep(0.2)
-    job.send_signal(signal.SIGINT)
+    job.send_signal(signal.SIGTERM)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
+    assert err.count("stopping: the ranks finish their step") == 1, err
     summary = read_summary(run_dir)
     assert summary["status"] == "interrupted" and 3 <= summary["step"] < 40
     checkpoint = Path(summary["checkpoint"])
@@ -126,7 +110,13 @@ def test_sigint_writes_a_checkpoint_and_says_how_to_resume(tmp: Path, reference:
     # the printed command, less the straggler, continues the run to the reference's losses
     words = [w for w in words[3:] if not w.startswith("debug.slow")]
     assert_ok(run_cli(*words))
-    assert losses(run_dir) == losses(reference)
+    resumed = losses(run_dir)
+    assert sorted(resumed) == list(range(1, 41))  # the metrics continue, nothing doubled
+    assert resumed == losses(reference)
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed"
+    assert summary["resumed_from"]["checkpoint"] == str(checkpoint)
+    assert not (reference / "tensorboard").exists()  # logger=tensorboard is off by default
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp: Path) -> None:
@@ -188,10 +178,10 @@ def test_an_unwritable_run_directory_is_refused_before_anything_starts(tmp: Path
                                      f"{blocker} is not a directory")
 
 
-def test_checkpoints_load_weights_only(tmp: Path, twenty_then_twenty: Path) -> None:
+def test_checkpoints_load_weights_only(tmp: Path, reference: Path) -> None:
     """A shard that smuggles in an arbitrary object is refused, and the object's code never
     runs."""
-    source = twenty_then_twenty / "checkpoints" / "step-00000020"
+    source = reference / "checkpoints" / "step-00000020"
     forged = tmp / "forged"
     forged.mkdir()
     for item in source.iterdir():
@@ -213,8 +203,8 @@ class _Smuggled:
         return (os.system, (f"touch {self.path}",))
 
 
-def test_a_checkpoint_of_another_model_is_refused(twenty_then_twenty: Path) -> None:
-    checkpoint = Checkpoint(twenty_then_twenty / "checkpoints" / "step-00000020")
+def test_a_checkpoint_of_another_model_is_refused(reference: Path) -> None:
+    checkpoint = Checkpoint(reference / "checkpoints" / "step-00000020")
     out = torch.empty(3, 64, dtype=torch.float64)
     with pytest.raises(CheckpointError, match=r"1.weight has shape \[128, 64\]"):
         checkpoint.read_into("model", None, Placement("1.weight", (256, 64), 0, 3), out)

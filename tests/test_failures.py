@@ -120,24 +120,6 @@ def test_a_hung_rank_ends_the_job_through_the_watchdog(tmp_path: Path) -> None:
     assert not job_processes(run_dir)  # the hung rank too
 
 
-def test_sigterm_to_the_head_stops_the_ranks_cleanly(tmp_path: Path) -> None:
-    run_dir = tmp_path / "stopped"
-    job = start_cli(*DATA2, "trainer.steps=200", "debug.slow_rank=0", "debug.slow_seconds=0.2",
-                    f"hydra.run.dir={run_dir}")
-    wait_for_step(job, run_dir, 2)
-    assert job.poll() is None, job.communicate()
-    job.send_signal(signal.SIGTERM)
-    out, err, _ = finish(job, run_dir)
-    assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
-    assert err.count("stopping: the ranks finish their step") == 1, err
-    summary = read_summary(run_dir)
-    assert summary["status"] == "interrupted", summary
-    assert Path(summary["checkpoint"]).is_dir() and "trainer.resume=auto" in summary[
-        "resume_command"]
-    assert summary["message"] in err
-    assert not job_processes(run_dir)
-
-
 def test_a_second_signal_kills_the_job_at_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "killed_twice"
     # Steps of 2 s: the ranks cannot finish theirs before the second signal.

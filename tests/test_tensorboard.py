@@ -22,9 +22,3 @@ def test_tensorboard_scalars_match_the_metrics(tmp_path: Path) -> None:
     assert [s for s, _ in train] == [m["step"] for m in metrics]
     assert all(abs(v - m["loss"]) < 1e-6 for (_, v), m in zip(train, metrics, strict=True))
     assert [e.step for e in events.Scalars("val/accuracy")] == [3, 6]
-
-
-def test_no_tensorboard_files_by_default(tmp_path: Path) -> None:
-    run_dir = tmp_path / "plain"
-    assert_ok(run_cli(*RUN[:-3], "trainer.steps=2", "grid.pc=1", f"hydra.run.dir={run_dir}"))
-    assert not (run_dir / "tensorboard").exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +94,19 @@ def test_dropped_gradient_buckets_free_their_memory() -> None:
     # the parameters' hooks must not keep the buckets (a model's worth of gradients) alive
     assert alive() is None
     layer(torch.randn(2, 100)).sum().backward()  # and the orphaned hooks do nothing harmful
+
+
+def test_a_resumed_run_continues_its_metrics_after_the_checkpoint(tmp_path: Path) -> None:
+    """Lines after the checkpoint's step (those steps run again) and a line cut short by a crash
+    are dropped; the rest is kept and appended to."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "loss": {s}}}\n' for s in range(1, 8))
+                    + '{"step": 5, "split": "val", "loss": 1}\n{"step": 8, "lo')
+    writer = MetricsWriter(path, continue_after=5)
+    writer.write({"step": 6, "loss": 60})
+    writer.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(m["step"], m["loss"]) for m in lines] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5),
+                                                       (5, 1), (6, 60)]
+    MetricsWriter(path).close()  # a fresh run starts a new file
+    assert path.read_text() == ""
