@@ -220,9 +220,8 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
     step = min(s for _, s in everyone)
     path = step_dir(checkpoints, step)
     error = None
-    if grid.rank == 0:  # a crash while writing this step before: start it afresh
-        error = _attempt(lambda: (shutil.rmtree(path) if path.exists() else None,
-                                  path.mkdir(parents=True)))
+    if grid.rank == 0:
+        error = _attempt(lambda: _fresh_directory(path))
     _raise_first(grid.world.allgather_object(error), step)
     writer: dict[str, int] = {}
     for rank, (entries, _) in enumerate(everyone):
@@ -251,6 +250,13 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
         for old in complete_checkpoints(checkpoints)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _fresh_directory(path: Path) -> None:
+    """An empty directory for this step's files (a crash may have left a partial one)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
 
 
 def _attempt(write: Any) -> str | None:
