@@ -208,12 +208,13 @@ def _interrupted(run_dir: RunDir, grid: ProcessGrid, step: int, signal_name: str
 
 
 def _setup_checkpoints(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> Checkpoint | None:
-    """The checkpoint to resume from (None: a fresh start). A fresh run in a directory holding
-    an earlier run's checkpoints moves them aside, so that `resume=auto` never picks one up."""
+    """The checkpoint to resume from (None: a fresh start). A run that does not continue this
+    directory's own checkpoints moves them aside, so that `resume=auto` never mixes runs."""
     found = None
     if grid.rank == 0:
         found = resolve_resume(run.trainer.resume, run_dir.checkpoints)
-        if found is None and latest_checkpoint(run_dir.checkpoints) is not None:
+        continues_here = found is not None and found.parent == run_dir.checkpoints
+        if not continues_here and latest_checkpoint(run_dir.checkpoints) is not None:
             aside = run_dir.path / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
             run_dir.checkpoints.rename(aside)
             get_logger().info("an earlier run's checkpoints moved to %s", aside)
