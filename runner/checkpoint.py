@@ -33,6 +33,7 @@ import torch
 from runner.core import ProcessGrid
 from runner.core.placement import Placement, as_rows, placement_of
 from runner.optim import ReplicaOptimizer
+from runner.rundir import atomic_write_text, nearest_existing
 from strategies import ParallelModel
 
 FORMAT = 1
@@ -116,15 +117,16 @@ class Entry:
         return cls(kind, replica, name, tuple(shape), start, stop)
 
 
+def _placement(param: torch.Tensor) -> Placement:
+    place = placement_of(param)
+    if place is None:
+        raise CheckpointError("a parameter of the parallel model has no placement: the "
+                              "strategy made it without `place_rows`")
+    return place
+
+
 def _placements(model: ParallelModel) -> list[Placement]:
-    places = []
-    for param in model.parameters():
-        place = placement_of(param)
-        if place is None:
-            raise CheckpointError("a parameter of the parallel model has no placement: the "
-                                  "strategy made it without `place_rows`")
-        places.append(place)
-    return places
+    return [_placement(param) for param in model.parameters()]
 
 
 def _entries(kind: str, replica: int | None, places: list[Placement],
@@ -194,16 +196,6 @@ def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
-def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    tmp = path / f".{MANIFEST}.tmp"
-    with tmp.open("w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / MANIFEST)
-
-
 def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: ParallelModel,
                     optimizer: ReplicaOptimizer, grid: ProcessGrid, run_info: dict[str, Any],
                     keep: int | None = None) -> Path:
@@ -244,7 +236,8 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
             "written": time.strftime("%Y-%m-%dT%H:%M:%S"), **run_info,
             "files": {shard_file(rank): [e.to_json() for e in entries if writer[e.key] == rank]
                       for rank, (entries, _) in enumerate(everyone)}}
-        error = _attempt(lambda: _write_manifest(path, manifest))
+        error = _attempt(lambda: atomic_write_text(path / MANIFEST,
+                                                   json.dumps(manifest, indent=1) + "\n"))
     _raise_first(grid.world.allgather_object(error), step, path if grid.rank == 0 else None)
     if grid.rank == 0 and keep:
         for old in complete_checkpoints(checkpoints)[:-keep]:
@@ -342,32 +335,21 @@ class Checkpoint:
     def read_tensors(self, kind: str, replica: int | None,
                      like: list[torch.Tensor]) -> list[torch.Tensor]:
         """`kind`'s values for tensors shaped and placed like the parameters `like`."""
-        out = []
-        for param in like:
-            value = torch.empty_like(param.detach())
-            self.read_into(kind, replica, _placement(param), value)
-            out.append(value)
-        return out
+        return [value for value in self.read_states(kind, replica, like, optional=False)
+                if value is not None]
 
-    def read_states(self, kind: str, replica: int | None,
-                    like: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """As `read_tensors`, None for a parameter the optimizer kept no state for."""
+    def read_states(self, kind: str, replica: int | None, like: list[torch.Tensor],
+                    optional: bool = True) -> list[torch.Tensor | None]:
+        """As `read_tensors`; `optional`: None for a parameter the optimizer kept no state for."""
         out: list[torch.Tensor | None] = []
         for param in like:
             value = torch.empty_like(param.detach())
-            found = self.read_into(kind, replica, _placement(param), value, optional=True)
+            found = self.read_into(kind, replica, _placement(param), value, optional=optional)
             out.append(value if found else None)
         return out
 
     def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
         return self._file(shard_file(rank))
-
-
-def _placement(param: torch.Tensor) -> Placement:
-    place = placement_of(param)
-    if place is None:
-        raise CheckpointError("a parameter of the parallel model has no placement")
-    return place
 
 
 def _copy_into(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
@@ -470,9 +452,7 @@ def checkpoint_bytes(param_bytes: int, replicas: int, per_replica: bool, has_cen
 def space_problem(directory: Path, needed: int, what: str) -> str | None:
     """One line when the filesystem of `directory` (or its nearest existing ancestor) has less
     than `needed` bytes free."""
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(directory)
     free = shutil.disk_usage(existing).free
     if free >= needed:
         return None

@@ -10,7 +10,6 @@ and the exit code is 0. No Hydra here: the saved config is already resolved.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -21,21 +20,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from runner.config import ConfigError
 from runner.console import print_error
 from runner.launch import RunFailed, RunInterrupted, execute
+from runner.report.data import read_metrics
 
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
 
 
 def training_losses(run_dir: Path) -> dict[int, float]:
     """Step → training loss from a run's `metrics.jsonl` (a line cut short is skipped)."""
-    losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-            if "split" not in record:
-                losses[int(record["step"])] = float(record["loss"])
-        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
-            continue
-    return losses
+    train, _, _ = read_metrics(run_dir / "metrics.jsonl")
+    return {int(r["step"]): float(r["loss"]) for r in train if isinstance(r.get("loss"), float)}
 
 
 def compare(original: dict[int, float], replay: dict[int, float]) -> str | None:

@@ -66,9 +66,7 @@ class RunDir:
 def unwritable(path: Path) -> str | None:
     """Why a run directory cannot be made or written at `path` (None: it can): tried for real
     in its nearest existing ancestor, with a file made and removed again."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         return f"cannot make the run directory {path}: {existing} is not a directory"
     try:
@@ -79,10 +77,21 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where a new directory would be made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary name, then rename: readers never see a half-written file."""
+    """Write to a temporary name, flush it to disk, then rename: readers never see a
+    half-written file, and a crash never leaves a complete name over incomplete contents."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
