@@ -119,9 +119,7 @@ def run_mode(mode: str, initial_table: Any, batches: list[tuple[Any, Any]], grid
 
     from strategies.data import DataParallel
 
-    strategy = DataParallel(sparse=mode)
-    strategy.alpha_beta = (calibration.alpha, calibration.beta)
-    strategy.local_costs = (calibration.table_pass, calibration.sparse_row)
+    strategy = DataParallel(sparse=mode, costs=calibration)
     pmodel = strategy.parallelize(build_model(initial_table), (IDS_PER_BAG,), grid)
     optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
     comm = grid.world.mpi_comm
@@ -165,13 +163,13 @@ def worker(vocabs: list[int], densities: list[float], repeats: int, warmup: int,
     from mpi4py import MPI
 
     from runner.core import ProcessGrid
-    from runner.plan.calibration import load_alpha_beta
+    from runner.plan.calibration import load_machine_costs
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     grid = ProcessGrid(1, size, comm)
-    calibration = load_alpha_beta()
+    calibration = load_machine_costs()
     cases = []
     for vocab in vocabs:
         big = vocab >= big_vocab

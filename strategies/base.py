@@ -18,14 +18,7 @@ from typing import Any, ClassVar, Protocol
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import (
-    DEFAULT_ALPHA,
-    DEFAULT_BETA,
-    DEFAULT_SPARSE_ROW,
-    DEFAULT_TABLE_PASS,
-    CommOp,
-    step_bytes,
-)
+from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts, step_bytes
 from strategies.buckets import GradientBuckets
 
 MB = 1 << 20
@@ -109,17 +102,20 @@ class Strategy:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+    # Keyword arguments the runner passes itself (never config options).
+    CONTEXT_ARGUMENTS: ClassVar[tuple[str, ...]] = ("costs", "rows_touched")
+
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, *,
+                 costs: MachineCosts = DEFAULT_COSTS,
+                 rows_touched: Callable[[int], float] | None = None) -> None:
         # Gradient buckets: the first one small so the first all-reduce starts early.
         self.bucket_cap_bytes = int(bucket_cap_mb * MB)
         self.first_bucket_bytes = int(first_bucket_mb * MB)
         # What the runner knows of the machine and the data, for choices made from the cost
-        # model: α, β (seconds, seconds per byte), and the expected number of distinct rows of
-        # an embedding table a given number of samples touches (None: no token data).
-        self.alpha_beta: tuple[float, float] = (DEFAULT_ALPHA, DEFAULT_BETA)
-        # seconds per byte of local work: a dense pass over a table, a sparse row handled
-        self.local_costs: tuple[float, float] = (DEFAULT_TABLE_PASS, DEFAULT_SPARSE_ROW)
-        self.rows_touched: Callable[[int], float] | None = None
+        # model: the machine's costs (an immutable value), and the expected number of distinct
+        # rows of an embedding table a given number of samples touches (None: no token data).
+        self.costs = costs
+        self.rows_touched = rows_touched
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""

@@ -8,11 +8,19 @@ sparse gradients are exchanged as `strategy.sparse` says (`sparse_exchange.py`);
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp, choose_sparse_mode, sparse_exchange_ops
+from runner.core.cost import (
+    DEFAULT_COSTS,
+    CommOp,
+    MachineCosts,
+    choose_sparse_mode,
+    sparse_exchange_ops,
+)
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
 from strategies.registry import register_strategy
@@ -32,8 +40,9 @@ class DataParallelModel(ParallelModel):
 @register_strategy("data")
 class DataParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 sparse: str = "auto") -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb)
+                 sparse: str = "auto", *, costs: MachineCosts = DEFAULT_COSTS,
+                 rows_touched: Callable[[int], float] | None = None) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched)
         self.sparse = sparse
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
@@ -64,8 +73,7 @@ class DataParallel(Strategy):
                                                 self.bucket_cap_bytes, self.first_bucket_bytes)
             if tables and grid.size > 1:
                 pmodel.reducers.append(SparseGradientExchange(
-                    tables, grid.world, 1.0 / grid.size, self.sparse, *self.alpha_beta,
-                    *self.local_costs))
+                    tables, grid.world, 1.0 / grid.size, self.sparse, self.costs))
         return pmodel
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
@@ -91,8 +99,7 @@ class DataParallel(Strategy):
                 else min(num_rows, self.rows_touched(samples_per_rank)))
         mode = self.sparse
         if mode == "auto":
-            mode = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, *self.alpha_beta,
-                                      *self.local_costs)
+            mode = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs)
         return sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, rows, rows * p,
                                    label=name, counts_first=self.sparse == "auto")
 

@@ -31,12 +31,7 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm
-from runner.core.cost import (
-    DEFAULT_SPARSE_ROW,
-    DEFAULT_TABLE_PASS,
-    SPARSE_MODES,
-    choose_sparse_mode,
-)
+from runner.core.cost import SPARSE_MODES, MachineCosts, choose_sparse_mode
 from runner.core.sparse import (
     CyclicRows,
     allgather_sum_rows,
@@ -75,13 +70,12 @@ class SparseGradientExchange:
     like `GradientBuckets` does for the dense parameters (same `finish`/`zero_` protocol)."""
 
     def __init__(self, tables: list[tuple[str, nn.Module]], comm: CountedComm, scale: float,
-                 mode: str, alpha: float, beta: float, table_pass: float = DEFAULT_TABLE_PASS,
-                 sparse_row: float = DEFAULT_SPARSE_ROW) -> None:
+                 mode: str, costs: MachineCosts) -> None:
         if mode not in SPARSE_CHOICES:
             raise ValueError(f"strategy.sparse must be one of {', '.join(SPARSE_CHOICES)}, "
                              f"got '{mode}'")
         self.comm, self.scale, self.mode = comm, scale, mode
-        self.costs = (alpha, beta, table_pass, sparse_row)
+        self.costs = costs
         self.tables = [_Table(name, module, CyclicRows(module.weight.shape[0], comm.size))
                        for name, module in tables]
         if mode in ("sharded", "auto") and comm.size > 1:
@@ -126,8 +120,7 @@ class SparseGradientExchange:
             counts = gather_counts(self.comm, touched, f"{table.name} counts")
         if mode == "auto":
             mode = ("dense" if self.comm.size == 1 else
-                    choose_sparse_mode(self.comm.size, num_rows, row_bytes, counts,
-                                       *self.costs))
+                    choose_sparse_mode(self.comm.size, num_rows, row_bytes, counts, self.costs))
         if mode == "dense":
             if table.dense_buffer is None:
                 table.dense_buffer = torch.zeros_like(weight)

@@ -124,7 +124,7 @@ def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
 
 
 def test_sparse_exchange_bytes_and_choice_by_hand() -> None:
-    from runner.core.cost import choose_sparse_mode, sparse_exchange_ops
+    from runner.core.cost import MachineCosts, choose_sparse_mode, sparse_exchange_ops
 
     # a 1000 x 16 float32 table (64 B rows) on 4 ranks, each touching 10 rows, 40 in all
     dense = sparse_exchange_ops("dense", "world", 4, 1000, 64, 10, 40)
@@ -138,14 +138,15 @@ def test_sparse_exchange_bytes_and_choice_by_hand() -> None:
     assert step_time(sharded, A, B) == pytest.approx(6 * 3 * A + B * 2 * (32 + 60 + 480))
     assert sparse_exchange_ops("allgather", "world", 1, 1000, 64, 10, 10) == []
     # few rows of a big table: a sparse mode; nearly every row: dense
-    assert choose_sparse_mode(4, 1_000_000, 256, [400] * 4, A, B) != "dense"
-    assert choose_sparse_mode(4, 1000, 64, [900] * 4, A, B) == "dense"
+    assert choose_sparse_mode(4, 1_000_000, 256, [400] * 4, MachineCosts(A, B)) != "dense"
+    assert choose_sparse_mode(4, 1000, 64, [900] * 4, MachineCosts(A, B)) == "dense"
     # allgather's traffic grows with P, the sharded exchange's does not: at large P, sharded
-    assert choose_sparse_mode(64, 1_000_000, 256, [20_000] * 64, A, B) == "sharded"
+    assert choose_sparse_mode(64, 1_000_000, 256, [20_000] * 64, MachineCosts(A, B)) == "sharded"
     # local work: with this machine's β (3.6e-10 s/B), at 30% of a table per rank sorting and
     # summing rows costs more than a dense pass, though the sparse modes move fewer bytes
-    assert choose_sparse_mode(4, 1_000_000, 256, [300_000] * 4, A, 3.6e-10) == "dense"
-    assert choose_sparse_mode(4, 1_000_000, 256, [300_000] * 4, A, 3.6e-10, 0.0, 0.0) != "dense"
+    assert choose_sparse_mode(4, 1_000_000, 256, [300_000] * 4, MachineCosts(A, 3.6e-10)) == "dense"
+    assert choose_sparse_mode(4, 1_000_000, 256, [300_000] * 4,
+                              MachineCosts(A, 3.6e-10, 0.0, 0.0)) != "dense"
 
 
 def test_plan_compares_the_sparse_modes_of_an_embedding_model(tmp_path: Path) -> None:

@@ -72,6 +72,13 @@ def step_bytes(ops: list[CommOp]) -> int:
     return sum(op.nbytes for op in ops)
 
 
+def loss_op(world_size: int, itemsize: int) -> list[CommOp]:
+    """The all-reduce every training step adds after the strategy's own collectives: the loss
+    and the stop flag, two values of the loss's dtype."""
+    return [CommOp("allreduce", "world", world_size, 2 * itemsize, "loss")] if world_size > 1 \
+        else []
+
+
 # -- the sparse exchange of an embedding table's gradient (DESIGN.md, "Sparse exchange") ----------
 
 SPARSE_MODES = ("dense", "allgather", "sharded")
@@ -125,6 +132,23 @@ def sparse_exchange_ops(mode: str, group: str, p: int, num_rows: int, row_bytes:
 DEFAULT_TABLE_PASS, DEFAULT_SPARSE_ROW = 1e-10, 1.5e-9
 
 
+@dataclass(frozen=True)
+class MachineCosts:
+    """What this machine charges, for choices made from the cost model: α (seconds per
+    message), β (seconds per byte), and local work per byte (`table_pass`: a dense pass over a
+    table; `sparse_row`: a row the sparse path sorts, sums and updates). `source` says where
+    the numbers come from (defaults, a calibration file, given on the command line)."""
+
+    alpha: float = DEFAULT_ALPHA
+    beta: float = DEFAULT_BETA
+    table_pass: float = DEFAULT_TABLE_PASS
+    sparse_row: float = DEFAULT_SPARSE_ROW
+    source: str = "default"
+
+
+DEFAULT_COSTS = MachineCosts()
+
+
 def sparse_local_time(mode: str, num_rows: int, row_bytes: int, own_rows: float,
                       all_rows: float, table_pass: float, sparse_row: float) -> float:
     """Seconds of local work per step: dense passes over the whole table; allgather handles
@@ -138,8 +162,7 @@ def sparse_local_time(mode: str, num_rows: int, row_bytes: int, own_rows: float,
 
 
 def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: list[float],
-                       alpha: float, beta: float, table_pass: float = DEFAULT_TABLE_PASS,
-                       sparse_row: float = DEFAULT_SPARSE_ROW) -> str:
+                       costs: MachineCosts) -> str:
     """The mode with the least time for the busiest rank — α–β communication plus local work
     (`sparse_local_time`) — given every rank's row count. A pure function of values every rank
     holds alike, so every rank chooses the same mode (ties go to the earlier mode in
@@ -148,7 +171,7 @@ def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: list[float
 
     def cost(mode: str) -> float:
         ops = sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, own, total)
-        return step_time(ops, alpha, beta) + sparse_local_time(
-            mode, num_rows, row_bytes, own, total, table_pass, sparse_row)
+        return step_time(ops, costs.alpha, costs.beta) + sparse_local_time(
+            mode, num_rows, row_bytes, own, total, costs.table_pass, costs.sparse_row)
 
     return min(SPARSE_MODES, key=cost)

@@ -15,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from runner.core.cost import (
@@ -23,20 +22,11 @@ from runner.core.cost import (
     DEFAULT_BETA,
     DEFAULT_SPARSE_ROW,
     DEFAULT_TABLE_PASS,
+    MachineCosts,
 )
 from runner.rundir import PROJECT_ROOT, write_json
 
 SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    alpha: float
-    beta: float
-    source: str
-    # local work per byte, for the sparse exchange's choice (runner/core/cost.py)
-    table_pass: float = DEFAULT_TABLE_PASS
-    sparse_row: float = DEFAULT_SPARSE_ROW
 
 
 def calibration_path() -> Path:
@@ -44,7 +34,8 @@ def calibration_path() -> Path:
                                PROJECT_ROOT / ".calibration" / "alpha_beta.json"))
 
 
-def load_alpha_beta(alpha: float | None = None, beta: float | None = None) -> AlphaBeta:
+def load_machine_costs(alpha: float | None = None,
+                       beta: float | None = None) -> MachineCosts:
     """Explicit values first, then the stored calibration, then the defaults."""
     path = calibration_path()
     stored, local = None, {}
@@ -57,15 +48,15 @@ def load_alpha_beta(alpha: float | None = None, beta: float | None = None) -> Al
     costs = {"table_pass": local.get("table_pass", DEFAULT_TABLE_PASS),
              "sparse_row": local.get("sparse_row", DEFAULT_SPARSE_ROW)}
     if alpha is not None and beta is not None:
-        return AlphaBeta(alpha, beta, "given", **costs)
+        return MachineCosts(alpha, beta, source="given", **costs)
     if stored is not None:
-        return AlphaBeta(alpha if alpha is not None else stored["alpha"],
-                         beta if beta is not None else stored["beta"], f"calibrated ({path})",
-                         **costs)
-    return AlphaBeta(alpha if alpha is not None else DEFAULT_ALPHA,
-                     beta if beta is not None else DEFAULT_BETA,
-                     "default (not calibrated: python -m runner.plan plan.calibrate=true)",
-                     **costs)
+        return MachineCosts(alpha if alpha is not None else stored["alpha"],
+                            beta if beta is not None else stored["beta"],
+                            source=f"calibrated ({path})", **costs)
+    return MachineCosts(alpha if alpha is not None else DEFAULT_ALPHA,
+                        beta if beta is not None else DEFAULT_BETA,
+                        source="default (not calibrated: python -m runner.plan "
+                               "plan.calibrate=true)", **costs)
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:

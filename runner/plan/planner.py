@@ -7,12 +7,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from rich.table import Table
 from torch import nn
 
 from runner.core import GridShape
-from runner.core.cost import CommOp, op_time, step_bytes, step_time
+from runner.core.cost import CommOp, MachineCosts, loss_op, op_time, step_bytes, step_time
 from strategies.base import Strategy
 
 
@@ -53,16 +52,10 @@ def factorisations(world: int) -> list[tuple[int, int]]:
     return [(pr, world // pr) for pr in range(1, world + 1) if world % pr == 0]
 
 
-def loss_op(grid: GridShape, dtype: torch.dtype) -> list[CommOp]:
-    """The loss all-reduce the training loop adds to every step (the loss and the stop flag)."""
-    size = 2 * torch.empty((), dtype=dtype).element_size()
-    return [CommOp("allreduce", "world", grid.size, size, "loss")] if grid.size > 1 else []
-
-
 def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world: int,
-              strategies: dict[str, Strategy], alpha: float, beta: float, source: str,
+              strategies: dict[str, Strategy], costs: MachineCosts,
               steps_per_epoch: int | None = None) -> Plan:
-    dtype = next(model.parameters()).dtype
+    itemsize = next(model.parameters()).element_size()
     rows = []
     for name, strategy in strategies.items():
         for pr, pc in factorisations(world):
@@ -72,12 +65,13 @@ def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world
             if problems:
                 rows.append(PlanRow(name, pr, pc, refused=problems[0]))
                 continue
-            ops = strategy.predict_ops(model, sample_shape, grid, batch) + loss_op(grid, dtype)
+            ops = (strategy.predict_ops(model, sample_shape, grid, batch)
+                   + loss_op(grid.size, itemsize))
             rows.append(PlanRow(
-                name, pr, pc, ops, step_bytes(ops), step_time(ops, alpha, beta),
+                name, pr, pc, ops, step_bytes(ops), step_time(ops, costs.alpha, costs.beta),
                 strategy.predict_param_bytes(model, sample_shape, grid),
                 strategy.predict_activation_bytes(model, sample_shape, grid, batch)))
-    return Plan(world, batch, alpha, beta, source, rows, steps_per_epoch)
+    return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, steps_per_epoch)
 
 
 def by_layer(row: PlanRow, alpha: float, beta: float) -> list[dict[str, Any]]:

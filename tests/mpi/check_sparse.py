@@ -20,6 +20,7 @@ from mpi4py import MPI
 from torch import nn
 
 from runner.core import CommCounter, CountedComm, ProcessGrid
+from runner.core.cost import MachineCosts
 from runner.core.sparse import CyclicRows, allgather_sum_rows, pull_rows, push_rows
 from runner.datasets import ZipfTokens
 from runner.models import bag_classifier
@@ -109,7 +110,8 @@ def every_mode_handles_a_rank_that_never_used_the_table() -> None:
     want = dense_sum(num_rows, width) / SIZE
     for mode in ("allgather", "sharded", "auto"):
         table = nn.Embedding(num_rows, width, sparse=True).double()
-        exchange = SparseGradientExchange([("t", table)], COMM, 1.0 / SIZE, mode, 1e-6, 1e-9)
+        exchange = SparseGradientExchange([("t", table)], COMM, 1.0 / SIZE, mode,
+                                          MachineCosts(1e-6, 1e-9))
         indices, values = rows_of(RANK, num_rows, width)
         table.weight.grad = (None if RANK == 1 else  # a batch that never reached the table
                              torch.sparse_coo_tensor(indices.unsqueeze(0), values,
@@ -165,7 +167,8 @@ def auto_chooses_dense_for_busy_tables_and_sparse_for_quiet_ones() -> None:
     width, alpha, beta = 16, 5e-6, 2.5e-10
     for num_rows, touched, expect_dense in ((64, 60, True), (200_000, 40, False)):
         table = nn.Embedding(num_rows, width, sparse=True)
-        exchange = SparseGradientExchange([("t", table)], COMM, 1.0, "auto", alpha, beta)
+        exchange = SparseGradientExchange([("t", table)], COMM, 1.0, "auto",
+                                          MachineCosts(alpha, beta))
         gen = torch.Generator().manual_seed(RANK)
         indices = torch.randperm(num_rows, generator=gen)[:touched]
         table.weight.grad = torch.sparse_coo_tensor(indices.unsqueeze(0),
