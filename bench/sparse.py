@@ -163,7 +163,7 @@ def worker(vocabs: list[int], densities: list[float], repeats: int, warmup: int,
     from mpi4py import MPI
 
     from runner.core import ProcessGrid
-    from runner.plan.calibration import load_machine_costs
+    from runner.machine import load_machine_costs
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

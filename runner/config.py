@@ -1,23 +1,37 @@
-"""The run configuration as typed values, validated before any process starts.
+"""The run configuration: one schema, in one place.
 
-`validate()` takes the composed config (a DictConfig from Hydra, or the `config.yaml` a worker
-reads) and returns a frozen `RunConfig`, or raises `ConfigError` naming *every* offending value.
-Nothing here imports Hydra.
+Every key of the engine's own sections has its type, default and documentation here, in a
+dataclass per section (the docstring under a field documents it). The entry points register these
+dataclasses in Hydra's ConfigStore (`runner.compose`), so `conf/` holds only the plugin groups
+(model, dataset, strategy, optimizer, experiment) and the root's defaults list. A plugin's own
+options are typed by its constructor's signature (`runner.options`).
+
+`parse()` turns a composed config (Hydra's, or a run directory's `config.yaml`) into a frozen
+`RunConfig`, naming every unknown key and wrong type at once; the cross-field and plugin checks
+are `runner.validation`'s. Nothing here imports Hydra or torch.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.core import GridShape
-from runner.core.registry import UnknownPluginError, accepted_options, unknown_options
+from runner.core.grid import GridShape
+from runner.options import type_problem
 
 DTYPES = ("float32", "float64")  # float64: to check a strategy's mathematics beyond rounding
+FAILURE_MODES = ("raise", "kill", "hang", "nan")
+LOGGERS = ("none", "tensorboard")
+PLUGIN_GROUPS = ("model", "dataset", "strategy", "optimizer")
+
+# OmegaConf reads these annotations at run time: the typing spellings it understands
+# (`Optional[int]`, not `int | None`), hence the UP007 exemptions below.
 
 
 class ConfigError(ValueError):
@@ -26,6 +40,125 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("; ".join(problems))
+
+
+@dataclass
+class GridConfig:
+    """The process grid `pr × pc`."""
+
+    pr: int = 2
+    """Ranks that split the model (or each sample's domain): the size of a model group."""
+    pc: int = 2
+    """Ranks that split the batch: the number of batch replicas."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    steps: int = 300
+    """Training steps (global batches)."""
+    batch_size: int = 64
+    """The global batch: the same whatever the number of ranks."""
+    log_every: int = 1
+    """A metrics.jsonl line every N steps."""
+    eval_every: Optional[int] = 100  # noqa: UP045
+    """Validation loss and accuracy every N steps (null: only at the end)."""
+    checkpoint_every: Optional[int] = None  # noqa: UP045
+    """A sharded checkpoint every N steps, and at the end (null: none)."""
+    keep_checkpoints: Optional[int] = 3  # noqa: UP045
+    """The newest complete checkpoints kept (null: all)."""
+    resume: Optional[str] = None  # noqa: UP045
+    """null, auto (this run directory's latest checkpoint), or a checkpoint or run directory."""
+    comm_timeout_s: Optional[float] = 300.0  # noqa: UP045
+    """A collective not done in this many seconds ends the job (null: wait for ever)."""
+    threads: Optional[int] = None  # noqa: UP045
+    """torch threads per rank (null: the node's cores / its ranks)."""
+    dtype: str = "float32"
+    """float32, or float64 to check a strategy against one process beyond float32 rounding."""
+
+
+@dataclass
+class LauncherConfig:
+    """How P > 1 ranks are started when the runner is not already inside an MPI job."""
+
+    command: Optional[str] = None  # noqa: UP045
+    """The launcher, with its own arguments (null: the mpiexec of the bundled MPICH)."""
+    nproc_flag: str = "-n"
+    """The launcher's flag for the number of ranks."""
+    args: list[str] = field(default_factory=list)
+    """Extra launcher arguments, before the program."""
+
+    @property
+    def argv(self) -> list[str]:
+        """The launcher command as words (empty: the bundled mpiexec)."""
+        return shlex.split(self.command) if self.command else []
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    name: str = "none"
+    """none, or tensorboard (event files under <run dir>/tensorboard/)."""
+
+
+@dataclass
+class DebugConfig:
+    """For tests and measurements: make one rank fail or straggle; time collectives alone."""
+
+    fail_at_step: Optional[int] = None  # noqa: UP045
+    """Make rank `fail_on_rank` fail at this step (null: never)."""
+    fail_on_rank: int = 0
+    """The rank that fails."""
+    fail_mode: str = "raise"
+    """raise (an exception), kill (SIGKILL itself), hang (sleep outside any collective, so the
+    others wait in one), nan (its loss becomes NaN)."""
+    isolate_comm: bool = False
+    """Time each collective alone (a barrier first, no overlap), to check the α–β model."""
+    slow_rank: Optional[int] = None  # noqa: UP045
+    """This rank sleeps `slow_seconds` in every step: a straggler (null: none)."""
+    slow_seconds: float = 0.0
+    """How long the straggler sleeps per step."""
+
+
+@dataclass
+class PlanConfig:
+    """The planner: `python -m runner.plan plan.world=16` (README, "Choosing a grid")."""
+
+    world: int = 4
+    """Plan every factorisation pr × pc of this many ranks."""
+    strategies: list[str] = field(default_factory=lambda: ["data", "model", "grid", "domain"])
+    """The strategies compared."""
+    alpha: Optional[float] = None  # noqa: UP045
+    """Seconds per message (null: the calibrated value, else a default)."""
+    beta: Optional[float] = None  # noqa: UP045
+    """Seconds per byte (null: likewise)."""
+    layers: bool = False
+    """Also print the per-layer breakdown."""
+    out: Optional[str] = None  # noqa: UP045
+    """Also write the plan as JSON to this file."""
+    calibrate: bool = False
+    """Measure this machine's α and β (and local work) instead of planning."""
+
+
+@dataclass
+class ConfigSchema:
+    """The composed config. The plugin groups hold a registered `name` and that plugin's own
+    options."""
+
+    seed: int = 0
+    """Seeds the model's initial weights, the sample order and the synthetic datasets."""
+    grid: GridConfig = field(default_factory=GridConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    model: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)
+    strategy: dict[str, Any] = field(default_factory=dict)
+    optimizer: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -37,48 +170,9 @@ class Plugin:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    steps: int
-    batch_size: int
-    log_every: int = 1
-    eval_every: int | None = None
-    checkpoint_every: int | None = None
-    resume: str | None = None  # None, "auto" or a checkpoint directory
-    threads: int | None = None
-    dtype: str = "float32"
-    comm_timeout_s: float | None = None  # the watchdog: a collective that takes longer ends the job
-    keep_checkpoints: int | None = 3  # the newest complete ones; None: keep all
-
-
-FAILURE_MODES = ("raise", "kill", "hang", "nan")
-LOGGERS = ("none", "tensorboard")
-
-
-@dataclass(frozen=True)
-class LauncherConfig:
-    """How P > 1 ranks are started when the runner is not already inside an MPI job."""
-
-    command: tuple[str, ...] = ()  # empty: the mpiexec of the bundled MPICH
-    nproc_flag: str = "-n"
-    args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class DebugConfig:
-    """For tests and measurements: make one rank fail at one step; time collectives alone."""
-
-    fail_at_step: int | None = None
-    fail_on_rank: int = 0
-    # raise: an exception; kill: SIGKILL itself; hang: sleep forever outside any collective;
-    # nan: its loss becomes NaN (a diverged run)
-    fail_mode: str = "raise"
-    isolate_comm: bool = False  # time each collective alone (barrier first, no overlap)
-    slow_rank: int | None = None  # this rank sleeps slow_seconds in every step (a straggler)
-    slow_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
 class RunConfig:
+    """A parsed run: what every rank trains from."""
+
     seed: int
     grid: GridShape
     trainer: TrainerConfig
@@ -88,222 +182,101 @@ class RunConfig:
     optimizer: Plugin
     launcher: LauncherConfig
     debug: DebugConfig
-    logger: str = "none"  # also write metrics to TensorBoard: "tensorboard"
+    logger: str = "none"
 
 
-def _plugin(cfg: DictConfig, key: str, problems: list[str]) -> Plugin:
-    node = cfg.get(key)
-    if not isinstance(node, Mapping) or "name" not in node:
+def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> Any:
+    """The dataclass `schema` filled from the mapping `value`: unknown keys and wrong types
+    are added to `problems` (the default then stands in, so checking can go on)."""
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        problems.append(f"{key}={value!r}: must be a mapping of {schema.__name__} keys")
+        return schema()
+    hints = _hints(schema)
+    unknown = sorted(k for k in value if k not in hints)
+    if unknown:
+        problems.append(f"{key}: unknown key(s) {', '.join(f'{key}.{k}' for k in unknown)}; "
+                        f"valid: {', '.join(hints)}")
+    values = {}
+    for name, annotation in hints.items():
+        if name not in value:
+            continue
+        if dataclasses.is_dataclass(annotation):
+            values[name] = _section(f"{key}.{name}" if key else name, annotation, value[name],
+                                    problems)
+            continue
+        problem = type_problem(f"{key}.{name}" if key else name, value[name], annotation)
+        if problem:
+            problems.append(problem)
+        else:
+            values[name] = value[name]
+    return schema(**values)
+
+
+def _hints(schema: type[Any]) -> dict[str, Any]:
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def _plugin(key: str, node: Any, problems: list[str]) -> Plugin:
+    if not isinstance(node, Mapping) or not node.get("name"):
         problems.append(f"{key}: missing (choose one with {key}=NAME)")
         return Plugin("")
-    options = {k: v for k, v in node.items() if k != "name"}
-    return Plugin(str(node["name"]), options)
+    return Plugin(str(node["name"]), {k: v for k, v in node.items() if k != "name"})
 
 
-def _int(cfg: DictConfig, key: str, problems: list[str], minimum: int | None = 1,
-         optional: bool = False) -> int | None:
-    value = OmegaConf.select(cfg, key)
-    if value is None:
-        if not optional:
-            problems.append(f"{key}: required")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        problems.append(f"{key}={value!r}: must be an integer")
-        return None
-    if minimum is not None and value < minimum:
-        problems.append(f"{key}={value}: must be >= {minimum}")
-        return None
-    return value
-
-
-def _strings(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return tuple(value.split())
-    return tuple(str(v) for v in value)
-
-
-def _check_options(key: str, factory: Any, options: Mapping[str, Any], reserved: tuple[str, ...],
-                   problems: list[str]) -> None:
-    bad = unknown_options(factory, options, reserved)
-    if bad:
-        valid = ", ".join(accepted_options(factory, reserved)) or "none"
-        problems.append(f"{key}: unknown option(s) {', '.join(f'{key}.{b}' for b in bad)}; "
-                        f"valid: {valid}")
-
-
-def validate(cfg: DictConfig, world_size: int | None = None) -> RunConfig:
-    """Check everything that can be checked without starting a process; raise `ConfigError`.
-
-    `world_size` is the size of the MPI job the run will use when that is already fixed (the user
-    started `mpiexec -n N python -m runner ...`): the grid must match it.
-    """
-    from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
-    from strategies import STRATEGIES
-
-    load_plugins()
-    cfg = copy.deepcopy(cfg)  # resolving below must not change the caller's config
+def plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The config as plain Python values, interpolations resolved; raises `ConfigError` for a
+    missing value (`???`) or an interpolation that does not resolve."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(dict(cfg))
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError([f"missing required value: {', '.join(missing)}"])
     try:
-        OmegaConf.resolve(cfg)
+        container = OmegaConf.to_container(cfg, resolve=True)
     except Exception as exc:  # interpolation errors name the key themselves
         raise ConfigError([f"cannot resolve config: {exc}".splitlines()[0]]) from None
+    assert isinstance(container, dict)
+    return {str(k): v for k, v in container.items()}
 
+
+def parse_with_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[RunConfig, list[str]]:
+    """The typed run config, and every unknown key and wrong type (where a value is wrong, its
+    default stands in, so that later checks can go on and name their problems too)."""
+    values = plain(cfg)
+    values.pop("hydra", None)
     problems: list[str] = []
-    seed = _int(cfg, "seed", problems, minimum=0)
-    pr = _int(cfg, "grid.pr", problems)
-    pc = _int(cfg, "grid.pc", problems)
-    steps = _int(cfg, "trainer.steps", problems)
-    batch = _int(cfg, "trainer.batch_size", problems)
-    log_every = _int(cfg, "trainer.log_every", problems, optional=True) or 1
-    eval_every = _int(cfg, "trainer.eval_every", problems, optional=True)
-    checkpoint_every = _int(cfg, "trainer.checkpoint_every", problems, optional=True)
-    threads = _int(cfg, "trainer.threads", problems, optional=True)
-    dtype = str(OmegaConf.select(cfg, "trainer.dtype", default="float32"))
-    if dtype not in DTYPES:
-        problems.append(f"trainer.dtype={dtype}: must be one of {', '.join(DTYPES)}")
-    keep_checkpoints = _int(cfg, "trainer.keep_checkpoints", problems, optional=True)
-    resume = OmegaConf.select(cfg, "trainer.resume")
-    if resume is not None and (not isinstance(resume, str) or not resume):
-        problems.append(f"trainer.resume={resume!r}: must be null, auto or a checkpoint path")
-    elif resume not in (None, "auto"):
-        from runner.checkpoint import CheckpointError, resolve_resume
+    schema: ConfigSchema = _section("", ConfigSchema, values, problems)
+    plugins = {key: _plugin(key, values.get(key), problems) for key in PLUGIN_GROUPS}
+    run = RunConfig(seed=schema.seed, grid=GridShape(schema.grid.pr, schema.grid.pc),
+                    trainer=schema.trainer, launcher=schema.launcher, debug=schema.debug,
+                    logger=schema.logger.name, **plugins)
+    return run, problems
 
-        try:  # a path names a checkpoint directory, or a run directory with checkpoints
-            resolve_resume(resume, None)
-        except CheckpointError as exc:
-            problems.append(str(exc))
-    comm_timeout = OmegaConf.select(cfg, "trainer.comm_timeout_s")
-    if comm_timeout is not None and (isinstance(comm_timeout, bool)
-                                     or not isinstance(comm_timeout, (int, float))
-                                     or comm_timeout <= 0):
-        problems.append(f"trainer.comm_timeout_s={comm_timeout!r}: must be null or a number of "
-                        f"seconds > 0")
-        comm_timeout = None
-    logger = str(OmegaConf.select(cfg, "logger.name", default="none"))
-    if logger not in LOGGERS:
-        problems.append(f"logger={logger}: must be one of {', '.join(LOGGERS)}")
-    elif logger == "tensorboard":
-        from runner.board import tensorboard_missing
 
-        problems += filter(None, [tensorboard_missing()])
-    model, dataset = _plugin(cfg, "model", problems), _plugin(cfg, "dataset", problems)
-    strategy, optimizer = _plugin(cfg, "strategy", problems), _plugin(cfg, "optimizer", problems)
-
-    launcher_cfg = OmegaConf.select(cfg, "launcher") or {}
-    launcher = LauncherConfig(command=_strings(launcher_cfg.get("command")),
-                              nproc_flag=str(launcher_cfg.get("nproc_flag", "-n")),
-                              args=_strings(launcher_cfg.get("args")))
-    fail_at = _int(cfg, "debug.fail_at_step", problems, optional=True)
-    fail_on = _int(cfg, "debug.fail_on_rank", problems, minimum=0, optional=True) or 0
-    fail_mode = str(OmegaConf.select(cfg, "debug.fail_mode", default="raise"))
-    if fail_mode not in FAILURE_MODES:
-        problems.append(f"debug.fail_mode={fail_mode}: must be one of {', '.join(FAILURE_MODES)}")
-    grid = GridShape(pr, pc) if pr and pc else None
-    if grid and world_size is not None and grid.size != world_size:
-        problems.append(f"grid.pr*grid.pc={grid.size} but the MPI job has {world_size} ranks "
-                        f"(set grid.pr and grid.pc so that their product is {world_size})")
-    if grid and fail_at is not None and fail_on >= grid.size:
-        problems.append(f"debug.fail_on_rank={fail_on} is not a rank of a {grid.size}-rank job")
-    slow_rank = _int(cfg, "debug.slow_rank", problems, minimum=0, optional=True)
-    slow_seconds = OmegaConf.select(cfg, "debug.slow_seconds", default=0.0) or 0.0
-    if not isinstance(slow_seconds, (int, float)) or slow_seconds < 0:
-        problems.append(f"debug.slow_seconds must be a number >= 0, got {slow_seconds}")
-    if grid and slow_rank is not None and slow_rank >= grid.size:
-        problems.append(f"debug.slow_rank={slow_rank} is not a rank of a {grid.size}-rank job")
-
-    # Plugins: known names, known options, and what each can say about the others.
-    spec = meta_model = None
-    if dataset.name:
-        try:
-            dataset_cls = DATASETS.get(dataset.name)
-            _check_options("dataset", dataset_cls, dataset.options, (), problems)
-            spec = dataset_cls(**dataset.options).spec()
-        except UnknownPluginError as exc:
-            problems.append(f"dataset={dataset.name}: {exc}")
-        except (TypeError, ValueError) as exc:
-            problems.append(f"dataset={dataset.name}: {exc}")
-    if model.name:
-        try:
-            factory = MODELS.get(model.name)
-            _check_options("model", factory, model.options,
-                           ("input_shape", "num_classes", "vocab_size", "padding_idx"), problems)
-            if spec is not None:
-                meta_model = _check_model_shapes(model, factory, spec, problems)
-        except UnknownPluginError as exc:
-            problems.append(f"model={model.name}: {exc}")
-    if optimizer.name:
-        try:
-            opt_cls = OPTIMIZERS.get(optimizer.name)
-            reserved = ("model", "grid", "total_steps")
-            before = len(problems)
-            _check_options("optimizer", opt_cls, optimizer.options, reserved, problems)
-            if len(problems) == before:
-                problems += opt_cls.check(**optimizer.options)
-        except UnknownPluginError as exc:
-            problems.append(f"optimizer={optimizer.name}: {exc}")
-    if strategy.name:
-        try:
-            strategy_cls = STRATEGIES.get(strategy.name)
-            before = len(problems)
-            _check_options("strategy", strategy_cls, strategy.options, (), problems)
-            if len(problems) == before:
-                instance = strategy_cls(**strategy.options)
-                if grid and batch:
-                    problems += instance.check(grid, batch)
-                if meta_model is not None and spec is not None and grid:
-                    problems += instance.check_model(meta_model, spec.input_shape, grid)
-        except UnknownPluginError as exc:
-            problems.append(f"strategy={strategy.name}: {exc}")
-    if spec is not None and batch and batch > spec.train_size:
-        problems.append(f"trainer.batch_size={batch} is larger than the {spec.train_size} "
-                        f"training samples of dataset={dataset.name}")
+def parse(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
+    """The typed run config, or `ConfigError` naming every unknown key and wrong type. No
+    plugin is imported: cross-field and plugin checks are `runner.validation.validate`'s."""
+    run, problems = parse_with_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    assert seed is not None and grid and steps and batch
-    return RunConfig(
-        seed=seed, grid=grid,
-        trainer=TrainerConfig(steps, batch, log_every, eval_every, checkpoint_every,
-                              None if resume is None else str(resume), threads, dtype,
-                              None if comm_timeout is None else float(comm_timeout),
-                              keep_checkpoints),
-        model=model, dataset=dataset, strategy=strategy, optimizer=optimizer,
-        launcher=launcher,
-        debug=DebugConfig(fail_at, fail_on, fail_mode,
-                          bool(OmegaConf.select(cfg, "debug.isolate_comm", default=False)),
-                          slow_rank, float(slow_seconds)),
-        logger=logger,
-    )
+    return run
 
 
-def _check_model_shapes(model: Plugin, factory: Any, spec: Any, problems: list[str]) -> Any:
-    """Build the model on the meta device and push a batch through: no memory, no compute.
-    Returns the meta model (for the strategy's own checks), or None when it does not fit."""
-    import torch
+def parse_plan(cfg: DictConfig | Mapping[str, Any]) -> PlanConfig:
+    """The planner's section alone, typed (`ConfigError` as `parse`)."""
+    problems: list[str] = []
+    plan: PlanConfig = _section("plan", PlanConfig, plain(cfg).get("plan"), problems)
+    if problems:
+        raise ConfigError(problems)
+    return plan
 
-    from runner.models import dataset_arguments
 
-    try:
-        extra = dataset_arguments(factory, spec)
-    except ValueError as exc:
-        problems.append(f"model={model.name}: {exc}")
-        return None
-    dtype = torch.long if spec.vocab_size is not None else torch.float32
-    try:
-        with torch.device("meta"):
-            net = factory(spec.input_shape, spec.num_classes, **extra, **model.options)
-            out = net(torch.zeros(2, *spec.input_shape, dtype=dtype))
-    except Exception as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        problems.append(f"model={model.name} does not fit the dataset's inputs of shape "
-                        f"{tuple(spec.input_shape)}: {first}")
-        return None
-    if tuple(out.shape) != (2, spec.num_classes):
-        problems.append(f"model={model.name} gives outputs of shape {tuple(out.shape[1:])}, "
-                        f"the dataset has {spec.num_classes} classes")
-        return None
-    return net
-
+def load_run_config(path: Path) -> RunConfig:
+    """A run directory's `config.yaml`, which the head validated before any rank started: the
+    ranks parse it and trust it."""
+    return parse(OmegaConf.load(path))

@@ -97,8 +97,8 @@ class ElasticAveraging(ReplicaOptimizer):
         self._init_centre(_flatten_into(self.owned, self.flat))
 
     @staticmethod
-    def check(lr: float = 0.2, rho: float | None = None, moving_rate: float | None = None,
-              period: int = 1, momentum: float = 0.0) -> list[str]:
+    def check(lr: float, rho: float | None, moving_rate: float | None, period: int,
+              momentum: float) -> list[str]:
         errors = []
         if not lr > 0:
             errors.append(f"optimizer.lr must be > 0, got {lr}")
@@ -258,11 +258,6 @@ class AsyncMEASGD(SharedCentre):
                  lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
                  period: int = 1, momentum: float = 0.9) -> None:
         super().__init__(model, grid, total_steps, lr, rho, moving_rate, period, momentum)
-
-    @staticmethod
-    def check(lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
-              period: int = 1, momentum: float = 0.9) -> list[str]:
-        return ElasticAveraging.check(lr, rho, moving_rate, period, momentum)
 
 
 @register_optimizer("hogwild_easgd")

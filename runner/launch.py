@@ -2,7 +2,7 @@
 
 - P = 1: train in this process (MPI is never initialised);
 - already inside an MPI job of size P (`mpiexec -n P python -m runner`, `srun`): rank 0 leads,
-  see `runner.worker`;
+  see `runner.rank`;
 - otherwise: start `mpiexec -n P python -m runner.worker RUN_DIR` and relay its output.
 
 In the last case the head watches its job rather than just waiting for it (`runner.mpijob`).
@@ -18,14 +18,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.config import ConfigError, LauncherConfig, RunConfig, validate
+from runner.config import ConfigError, LauncherConfig, RunConfig
 from runner.console import FORCE_TERMINAL_ENV
 from runner.mpijob import JobResult, MPIJob
+from runner.preflight import bundled_mpiexec, machine_problems
 from runner.rundir import RunDir, write_json
-from runner.worker import MPIEnvironment, detect_mpi_environment
-
-__all__ = ["MPIEnvironment", "RunFailed", "RunInterrupted", "detect_mpi_environment",
-           "execute", "run_mpi_job"]
 
 _LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MV2_", "HYDRA_", "MPI_LOCAL")
 
@@ -39,26 +36,10 @@ class RunInterrupted(RuntimeError):
     continue."""
 
 
-def bundled_mpiexec() -> str | None:
-    """The mpiexec installed beside this Python (the `mpich` wheel), else one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
 def mpi_command(launcher: LauncherConfig, nprocs: int, run_dir: Path) -> list[str]:
-    base = list(launcher.command) or [bundled_mpiexec() or "mpiexec"]
+    base = launcher.argv or [bundled_mpiexec() or "mpiexec"]
     return [*base, launcher.nproc_flag, str(nprocs), *launcher.args,
             sys.executable, "-m", "runner.worker", str(run_dir)]
-
-
-def check_launcher(launcher: LauncherConfig) -> list[str]:
-    command = launcher.command[0] if launcher.command else bundled_mpiexec()
-    if command is None:
-        return ["no mpiexec found: install the bundled MPI (pip install mpich) or set "
-                "launcher.command to your site's launcher"]
-    if shutil.which(command) is None:
-        return [f"launcher.command={command}: not found or not executable"]
-    return []
 
 
 def _child_environment() -> dict[str, str]:
@@ -85,23 +66,32 @@ def _failure_message(size: int, code: int, summary: dict[str, Any], logs: Path) 
             f"{f': {error}' if error else ''}; logs: {logs}")
 
 
-def execute(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """The head's whole job for one run: validate, write the run directory, train, summarise.
+def checked_run(cfg: DictConfig, run_dir: Path) -> RunConfig:
+    """`cfg` validated, and the machine checked for it: `ConfigError` names every problem."""
+    from runner.validation import validate
+
+    run = validate(cfg)
+    problems = machine_problems(run, run_dir)
+    if problems:
+        raise ConfigError(problems)
+    return run
+
+
+def execute(cfg: DictConfig, run_dir: Path, run: RunConfig | None = None) -> dict[str, Any]:
+    """The head's whole job for one run: write the run directory, train, summarise. `run` is
+    `cfg` already validated (`checked_run`); without it, it is validated here.
 
     Raises `ConfigError` before anything is started, `RunFailed` when training failed, or
     `RunInterrupted` when it was stopped on request.
     """
-    run = validate(cfg)
-    if run.grid.size > 1:
-        problems = check_launcher(run.launcher)
-        if problems:
-            raise ConfigError(problems)
+    if run is None:
+        run = checked_run(cfg, run_dir)
     directory = RunDir(run_dir)
     directory.create(cfg)
     # An earlier run's outcome in this directory (resumed, or rerun) is not this run's.
     directory.summary.unlink(missing_ok=True)
     if run.grid.size == 1:
-        from runner.worker import run_rank
+        from runner.rank import run_rank
 
         try:
             run_rank(directory.path, mpi_comm=None)

@@ -1,41 +1,18 @@
 """The model zoo: plain sequential PyTorch models (strategies transform them).
 
 A factory takes the dataset's sample shape and number of classes, and, for token datasets, the
-vocabulary size (`vocab_size`), then its own options from the `model` config group.
+vocabulary size (`vocab_size`, given by `runner.assembly`), then its own options from the `model`
+config group.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from torch import nn
 
 from runner.registry import register_model
-
-TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
-
-
-def dataset_arguments(factory: Callable[..., nn.Module], spec: Any) -> dict[str, Any]:
-    """What the dataset (its `DatasetSpec`) tells `factory` besides shapes: the vocabulary of
-    a token dataset and its padding id. Raises ValueError when the model cannot take the
-    dataset's inputs at all."""
-    accepted = inspect.signature(factory).parameters
-    embeds = TOKEN_INPUTS in accepted
-    if spec.vocab_size is not None and not embeds:
-        raise ValueError("the dataset gives token ids, which this model cannot read; choose a "
-                         "model that embeds them (model=bag_classifier)")
-    if spec.vocab_size is None and embeds:
-        raise ValueError("the model embeds token ids; choose a token dataset (dataset=tokens)")
-    if not embeds:
-        return {}
-    extra: dict[str, Any] = {TOKEN_INPUTS: spec.vocab_size}
-    if spec.padding_id is not None and "padding_idx" in accepted:
-        extra["padding_idx"] = spec.padding_id
-    return extra
-
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 

@@ -1,4 +1,4 @@
-"""The head's watch over an MPI job it started: the ranks' supervisors (`runner.worker`)
+"""The head's watch over an MPI job it started: the ranks' supervisors (`runner.supervisor`)
 record each rank's pid and how it ended, so a rank that died without a word (SIGKILL, the OOM
 killer, a segfault) is named with its signal; a job the launcher does not end by itself after a
 rank died is killed; no rank process outlives the job. SIGINT or SIGTERM to the head asks the
@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 from runner.rundir import RunDir
-from runner.worker import RANKS_DIR, read_rank_records
+from runner.supervisor import RANKS_DIR, read_rank_records
 
 POLL_S = 0.1
 # After a rank died, the launcher's own clean-up gets this long before the head kills the job

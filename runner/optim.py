@@ -44,6 +44,8 @@ class ReplicaOptimizer:
 
     @staticmethod
     def check(**options: object) -> list[str]:
+        """Every problem with these options, given whole (the constructor's defaults filled in
+        for the ones the config leaves out: the defaults live in `__init__` alone)."""
         return []
 
     def step(self, step: int) -> None:
@@ -98,9 +100,8 @@ class SynchronousSGD(ReplicaOptimizer):
         self.params = list(model.parameters())
 
     @staticmethod
-    def check(lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
-              nesterov: bool = False, schedule: str = "constant",
-              warmup_steps: int = 0) -> list[str]:
+    def check(lr: float, momentum: float, weight_decay: float, nesterov: bool, schedule: str,
+              warmup_steps: int) -> list[str]:
         errors = []
         if not lr > 0:
             errors.append(f"optimizer.lr must be > 0, got {lr}")

@@ -60,6 +60,14 @@ CASES = {
     "bad_failure_mode": (["debug.fail_mode=explode"], ["debug.fail_mode=explode"]),
     "every_problem_named": (["grid.pc=0", "optimizer.momentum=1.5", "trainer.steps=0"],
                             ["grid.pc=0", "optimizer.momentum", "trainer.steps=0"]),
+    # the schema: wrong types and unknown keys, in the engine's sections and in a plugin's options
+    # (typed by its signature), every one named
+    "wrong_types_and_added_key": (["optimizer.lr=abc", "+trainer.foo=1", "model.hidden=[a]"],
+                                  ["optimizer.lr=abc: must be a number", "trainer.foo",
+                                   "model.hidden=[a]: must be a list of integers"]),
+    "steps_not_an_integer": (["trainer.steps=1.5"], ["trainer.steps=1.5: must be an integer"]),
+    "misspelt_key": (["trainer.stepz=5"], ["trainer.stepz: unknown key",
+                                           "did you mean trainer.steps?"]),
 }
 
 

@@ -7,7 +7,7 @@ import torch
 
 from runner.core import CommCounter, CountedComm, ProcessGrid, balanced_sizes, balanced_slice
 from runner.core.registry import Registry, UnknownPluginError, unknown_options
-from runner.launch import detect_mpi_environment
+from runner.mpienv import detect_mpi_environment
 
 
 @pytest.mark.parametrize("total,parts", [(10, 3), (7, 7), (3, 5), (0, 2), (1024, 4), (13, 1)])

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.app import one_line
+from runner.assembly import OPTIMIZER_INPUTS
+from runner.compose import one_line
 from runner.optim import SynchronousSGD, scheduled_lr
+from runner.options import with_defaults
 from runner.rundir import MetricsWriter
+from runner.sampling import EpochSampler
 from runner.sweep import SweepJob, sweep_failures, sweep_rows
-from runner.train import EpochSampler
 from strategies.buckets import group_by_size
 
 
@@ -46,9 +48,12 @@ def test_learning_rate_schedules() -> None:
 
 
 def test_sgd_names_every_bad_hyper_parameter() -> None:
-    problems = SynchronousSGD.check(lr=0, momentum=1.0, weight_decay=-1, schedule="step")
+    def check(**options: object) -> list[str]:  # as validation calls it: defaults filled in
+        return SynchronousSGD.check(**with_defaults(SynchronousSGD, options, OPTIMIZER_INPUTS))
+
+    problems = check(lr=0, momentum=1.0, weight_decay=-1, schedule="step")
     assert len(problems) == 4
-    assert SynchronousSGD.check(lr=0.1, momentum=0.9) == []
+    assert check(lr=0.1, momentum=0.9) == []
 
 
 def test_buckets_group_consecutive_parameters_under_the_cap() -> None:

@@ -10,31 +10,33 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from runner.config import PlanConfig, Plugin
 from runner.console import make_console, print_error
-from runner.core.registry import UnknownPluginError, accepted_options
+from runner.core.registry import UnknownPluginError
 from runner.plan.planner import Plan
 
 EXIT_BAD_INPUT = 2
 
 
 def main(argv: list[str]) -> int:
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.app import CONF_DIR, one_line
+    from runner.compose import compose, one_line
+    from runner.config import ConfigError, parse_plan
 
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=argv)
+        cfg = compose(argv)
+        plan_cfg = parse_plan(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
         print_error(one_line(exc))
         return EXIT_BAD_INPUT
+    except ConfigError as exc:
+        print_error(str(exc))
+        return EXIT_BAD_INPUT
     console = make_console()
-    plan_cfg = cfg.plan
     if plan_cfg.calibrate:
         from runner.plan.calibration import calibration_path, measure
 
@@ -47,8 +49,8 @@ def main(argv: list[str]) -> int:
         console.print(f"stored in {calibration_path()}: later plans and runs use it")
         return 0
     try:
-        plan = build_plan(cfg)
-    except (ValueError, UnknownPluginError, TypeError) as exc:
+        plan = build_plan(cfg, plan_cfg)
+    except (ValueError, UnknownPluginError, TypeError, ConfigError) as exc:
         print_error(str(exc))
         return EXIT_BAD_INPUT
     from runner.plan.planner import layer_table, plan_json, plan_table
@@ -75,62 +77,45 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def build_plan(cfg: DictConfig) -> Plan:
+def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     """The plan for a composed config (no MPI: the model is built on the meta device)."""
-    from runner.models import dataset_arguments
-    from runner.plan.calibration import load_alpha_beta
+    from runner import assembly
+    from runner.config import parse
+    from runner.machine import load_machine_costs
     from runner.plan.planner import make_plan
-    from runner.registry import DATASETS, MODELS, load_plugins
-    from strategies import STRATEGIES
     from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
 
-    load_plugins()
-    plan_cfg = cfg.plan
-    world, batch = int(plan_cfg.world), int(cfg.trainer.batch_size)
+    run = parse(cfg)
+    world, batch = plan_cfg.world, run.trainer.batch_size
     if world < 1 or batch < 1:
         raise ValueError(f"plan.world={world} and trainer.batch_size={batch} must be >= 1")
-    model_options = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()
-                     if k != "name"}
-    steps_per_epoch = None
-    extra: dict = {}
-    rows_touched = None
-    if "sample_shape" in model_options:  # a model described by its own shapes (alexnet)
-        sample_shape = tuple(int(d) for d in model_options["sample_shape"])
-        classes = int(model_options["classes"])
+    steps_per_epoch = rows_touched = None
+    dtype = assembly.dtype_of(run)
+    if "sample_shape" in run.model.options:  # a model described by its own shapes (alexnet)
+        sample_shape = tuple(int(d) for d in run.model.options["sample_shape"])
+        classes = int(run.model.options["classes"])
+        model = assembly.build_model(run.model, sample_shape, classes, {}, dtype, "meta")
     else:
-        dataset_options = {k: v for k, v in
-                           OmegaConf.to_container(cfg.dataset, resolve=True).items()
-                           if k != "name"}
-        dataset = DATASETS.get(cfg.dataset.name)(**dataset_options)
+        dataset = assembly.build_dataset(run.dataset)
         spec = dataset.spec()
-        sample_shape, classes = tuple(spec.input_shape), spec.num_classes
+        sample_shape = tuple(spec.input_shape)
         steps_per_epoch = spec.train_size // batch
-        extra = dataset_arguments(MODELS.get(cfg.model.name), spec)
-        rows_touched = getattr(dataset, "expected_unique_tokens", None)
-    with torch.device("meta"):
-        model = MODELS.get(cfg.model.name)(sample_shape, classes, **extra, **model_options)
-        model = model.to(getattr(torch, cfg.trainer.dtype))
-    strategy_options = {k: v for k, v in OmegaConf.to_container(cfg.strategy).items()
-                        if k != "name"}
+        rows_touched = assembly.rows_touched(dataset)
+        model = assembly.model_for(run.model, spec, dtype, "meta")
+    costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta)
     strategies = {}
     for name in plan_cfg.strategies:
-        cls = STRATEGIES.get(name)
-        options = strategy_options if name == cfg.strategy.name else {}
-        accepted = accepted_options(cls)
-        strategies[name] = cls(**{k: v for k, v in options.items() if k in accepted})
+        # the configured strategy with its options; the others with their defaults
+        options = run.strategy.options if name == run.strategy.name else {}
+        strategies[name] = assembly.build_strategy(Plugin(name, options), costs, rows_touched)
     if "data" in strategies and sparse_tables(model):
         # one row per sparse exchange mode: the comparison a user of embedding tables wants
-        options = strategy_options if cfg.strategy.name == "data" else {}
+        options = run.strategy.options if run.strategy.name == "data" else {}
         for mode in SPARSE_CHOICES:
-            strategies[f"data sparse={mode}"] = STRATEGIES.get("data")(**{**options,
-                                                                          "sparse": mode})
+            strategies[f"data sparse={mode}"] = assembly.build_strategy(
+                Plugin("data", {**options, "sparse": mode}), costs, rows_touched)
         del strategies["data"]
-    ab = load_alpha_beta(plan_cfg.alpha, plan_cfg.beta)
-    for strategy in strategies.values():
-        strategy.alpha_beta, strategy.rows_touched = (ab.alpha, ab.beta), rows_touched
-        strategy.local_costs = (ab.table_pass, ab.sparse_row)
-    return make_plan(model, sample_shape, batch, world, strategies, ab.alpha, ab.beta,
-                     ab.source, steps_per_epoch)
+    return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch)
 
 
 if __name__ == "__main__":

@@ -4,59 +4,22 @@
 over message sizes from 8 B to 4 MiB. A least-squares fit of t = α + β·n to the ping-pong gives
 the point-to-point values; a fit of the all-reduce times to 2(α⌈log₂ p⌉ + β(p−1)/p·n) gives the
 values the planner uses (training steps are collectives). Both are stored as JSON at
-`calibration_path()` (GRIDRUN_CALIBRATION, or `.calibration/alpha_beta.json` in the project).
+`calibration_path()`, where `runner.machine` finds them for every later plan and run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from runner.core.cost import (
-    DEFAULT_ALPHA,
-    DEFAULT_BETA,
-    DEFAULT_SPARSE_ROW,
-    DEFAULT_TABLE_PASS,
-    MachineCosts,
-)
-from runner.rundir import PROJECT_ROOT, write_json
+from runner.machine import calibration_path
+from runner.rundir import write_json
 
 SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
-
-
-def calibration_path() -> Path:
-    return Path(os.environ.get("GRIDRUN_CALIBRATION",
-                               PROJECT_ROOT / ".calibration" / "alpha_beta.json"))
-
-
-def load_machine_costs(alpha: float | None = None,
-                       beta: float | None = None) -> MachineCosts:
-    """Explicit values first, then the stored calibration, then the defaults."""
-    path = calibration_path()
-    stored, local = None, {}
-    if path.exists():
-        try:
-            everything = json.loads(path.read_text())
-            stored, local = everything["collective"], everything.get("local", {})
-        except (json.JSONDecodeError, KeyError):
-            stored = None
-    costs = {"table_pass": local.get("table_pass", DEFAULT_TABLE_PASS),
-             "sparse_row": local.get("sparse_row", DEFAULT_SPARSE_ROW)}
-    if alpha is not None and beta is not None:
-        return MachineCosts(alpha, beta, source="given", **costs)
-    if stored is not None:
-        return MachineCosts(alpha if alpha is not None else stored["alpha"],
-                            beta if beta is not None else stored["beta"],
-                            source=f"calibrated ({path})", **costs)
-    return MachineCosts(alpha if alpha is not None else DEFAULT_ALPHA,
-                        beta if beta is not None else DEFAULT_BETA,
-                        source="default (not calibrated: python -m runner.plan "
-                               "plan.calibrate=true)", **costs)
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:

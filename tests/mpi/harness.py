@@ -45,9 +45,9 @@ def train_run(config: dict[str, Any], run_dir: Path, grid: Any) -> Path:
     """train() on `grid` with a plain config dict, the directory made by the grid's rank 0."""
     from omegaconf import OmegaConf
 
-    from runner.config import validate
     from runner.rundir import RunDir
     from runner.train import train
+    from runner.validation import validate
 
     cfg = OmegaConf.create(config)
     directory = RunDir(run_dir)

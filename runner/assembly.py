@@ -1,0 +1,123 @@
+"""One assembly: a run's parts built from a parsed config, for every tool that needs them.
+
+dataset → its spec → the plain model (on the CPU, or on the meta device for checks and plans)
+→ the strategy (given the machine's costs at construction) → the replica optimizer's class.
+Training (`runner.train`), validation before any process starts (`runner.validation`), the
+run-directory checks (`runner.preflight`), the planner and the benchmarks all build through
+here, so a change to how a run is put together is made once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.config import Plugin, RunConfig
+from runner.core.cost import DEFAULT_COSTS, MachineCosts
+from runner.datasets import DatasetSpec
+from runner.optim import ReplicaOptimizer
+from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
+from strategies import STRATEGIES, Strategy
+
+TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
+# What a model factory is given besides its config options (not options a user sets).
+MODEL_INPUTS = ("input_shape", "num_classes", "vocab_size", "padding_idx")
+# What a replica optimizer is built with besides its config options.
+OPTIMIZER_INPUTS = ("model", "grid", "total_steps")
+
+
+def dataset_arguments(factory: Callable[..., nn.Module], spec: DatasetSpec) -> dict[str, Any]:
+    """What the dataset (its `DatasetSpec`) tells `factory` besides shapes: the vocabulary of
+    a token dataset and its padding id. Raises ValueError when the model cannot take the
+    dataset's inputs at all."""
+    accepted = inspect.signature(factory).parameters
+    embeds = TOKEN_INPUTS in accepted
+    if spec.vocab_size is not None and not embeds:
+        raise ValueError("the dataset gives token ids, which this model cannot read; choose a "
+                         "model that embeds them (model=bag_classifier)")
+    if spec.vocab_size is None and embeds:
+        raise ValueError("the model embeds token ids; choose a token dataset (dataset=tokens)")
+    if not embeds:
+        return {}
+    extra: dict[str, Any] = {TOKEN_INPUTS: spec.vocab_size}
+    if spec.padding_id is not None and "padding_idx" in accepted:
+        extra["padding_idx"] = spec.padding_id
+    return extra
+
+
+def build_dataset(plugin: Plugin) -> Any:
+    """The dataset plugin (nothing loaded yet: `spec()` is cheap, `load()` reads the data)."""
+    load_plugins()
+    return DATASETS.get(plugin.name)(**plugin.options)
+
+
+def build_model(plugin: Plugin, input_shape: Sequence[int], num_classes: int,
+                extra: Mapping[str, Any], dtype: torch.dtype = torch.float32,
+                device: str | None = None) -> nn.Module:
+    """The plain model, built in float32 from the current seed and then converted (the same
+    initial values in either dtype); `device="meta"`: shapes only, no memory."""
+    load_plugins()
+    factory = MODELS.get(plugin.name)
+    with torch.device(device) if device else contextlib.nullcontext():
+        model = factory(tuple(input_shape), num_classes, **extra, **plugin.options)
+    return model.to(dtype)
+
+
+def model_for(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.float32,
+              device: str | None = None) -> nn.Module:
+    """The plain model for the dataset described by `spec`."""
+    load_plugins()
+    extra = dataset_arguments(MODELS.get(plugin.name), spec)
+    return build_model(plugin, spec.input_shape, spec.num_classes, extra, dtype, device)
+
+
+def build_strategy(plugin: Plugin, costs: MachineCosts = DEFAULT_COSTS,
+                   rows_touched: Callable[[int], float] | None = None) -> Strategy:
+    """The strategy with its options, the machine's costs and what the data says of the rows
+    an embedding table's batch touches."""
+    load_plugins()
+    return STRATEGIES.get(plugin.name)(**plugin.options, costs=costs, rows_touched=rows_touched)
+
+
+def optimizer_class(plugin: Plugin) -> type[ReplicaOptimizer]:
+    load_plugins()
+    return OPTIMIZERS.get(plugin.name)  # type: ignore[no-any-return]
+
+
+def rows_touched(dataset: Any) -> Callable[[int], float] | None:
+    """Distinct rows of an embedding table that a number of samples touch (token datasets)."""
+    return getattr(dataset, "expected_unique_tokens", None)
+
+
+def dtype_of(run: RunConfig) -> torch.dtype:
+    dtype = getattr(torch, run.trainer.dtype)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What a run is made of, before any communication: the same on every rank."""
+
+    dataset: Any
+    spec: DatasetSpec
+    model: nn.Module  # the plain model (this rank's strategy makes the distributed one)
+    strategy: Strategy
+    optimizer_cls: type[ReplicaOptimizer]
+
+
+def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
+             device: str | None = None) -> RunParts:
+    """Every part of `run`. On the CPU the model's weights come from the current torch seed;
+    on `device="meta"` it has shapes only (planning, preflight)."""
+    dataset = build_dataset(run.dataset)
+    spec = dataset.spec()
+    return RunParts(dataset, spec, model_for(run.model, spec, dtype_of(run), device),
+                    build_strategy(run.strategy, costs, rows_touched(dataset)),
+                    optimizer_class(run.optimizer))

@@ -1,0 +1,120 @@
+"""Hydra's side of the config, for the entry points (`runner.app`, `runner.plan`) alone.
+
+The schema (`runner.config`) is registered in Hydra's ConfigStore: the root's typed sections and
+the options of the groups it owns (`grid/default`, `trainer/default`, `launcher/bundled`,
+`launcher/srun`, `logger/none`, `logger/tensorboard`). `conf/` holds the plugin groups and the
+root's defaults list. Hydra's multi-line composition errors become the one line a user needs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from runner.config import (
+    ConfigSchema,
+    GridConfig,
+    LauncherConfig,
+    LoggerConfig,
+    TrainerConfig,
+)
+from runner.options import describe
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+SCHEMA_NAME = "gridrun_schema"
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=ConfigSchema)
+    store.store(group="grid", name="default", node=GridConfig)
+    store.store(group="trainer", name="default", node=TrainerConfig)
+    store.store(group="launcher", name="bundled", node=LauncherConfig)
+    store.store(group="launcher", name="srun", node=LauncherConfig(command="srun"))
+    store.store(group="logger", name="none", node=LoggerConfig)
+    store.store(group="logger", name="tensorboard", node=LoggerConfig(name="tensorboard"))
+    _registered = True
+
+
+def compose(overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    """The config `python -m runner OVERRIDES` would run (Hydra's errors are raised)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides,
+                             return_hydra_config=with_hydra)
+
+
+def _key_problem(exc: BaseException) -> str | None:
+    """OmegaConf's own errors about one key, in the words of the validator."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    key = getattr(cause, "full_key", None)
+    if not key:
+        return None
+    if isinstance(cause, ValidationError):
+        match = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)",
+                          str(cause))
+        if match:
+            wanted = {"Integer": int, "Float": float, "Boolean": bool, "String": str}.get(
+                match.group(2))
+            if wanted is not None:
+                return f"{key}={match.group(1)}: must be {describe(wanted)}"
+        return f"{key}: {str(cause).splitlines()[0]}"
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        parent, _, name = key.rpartition(".")
+        known = _schema_keys(parent)
+        if known is None:
+            return None
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? " if close else ""
+        return f"{key}: unknown key; {hint}valid: {', '.join(known)}"
+    return None
+
+
+def _schema_keys(section: str) -> list[str] | None:
+    import dataclasses
+    import typing
+
+    schema: type = ConfigSchema
+    for part in filter(None, section.split(".")):
+        hints = typing.get_type_hints(schema)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return None
+        schema = hints[part]
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra's multi-line composition errors as the one line a user needs."""
+    text = str(exc)
+    missing = re.search(r"Could not find '(?:(.+)/)?([^'/]+)'", text)
+    if missing:
+        group, name = missing.group(1), missing.group(2)
+        options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], re.MULTILINE)
+        what = f"{group} '{name}'" if group else f"config '{name}'"
+        return f"unknown {what}; available: {', '.join(options) or 'none'}"
+    problem = _key_problem(exc)
+    if problem:
+        return problem
+    lines = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("See https://", "full_key:", "object_type=",
+                                        "reference_type=", "Config search path")):
+            continue
+        lines.append(line.rstrip("."))
+    return "; ".join(lines)

@@ -1,0 +1,78 @@
+"""One training step, the same on every rank for every strategy and optimizer.
+
+Rows: each rank is fed its batch group's rows and scores its own sub-shard of them (the row
+contract in `strategies/base.py`); its loss is (P/B) × the sum over its rows, so the mean over the
+P ranks is the global mean loss for any split of the rows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+from runner.config import DebugConfig
+from runner.core import CountedComm
+from runner.optim import ReplicaOptimizer
+from strategies import ParallelModel
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by `debug.fail_at_step` (tests of failure handling)."""
+
+
+class StepFailure(RuntimeError):
+    """A failure every rank meets at the same step (a non-finite loss, a checkpoint that could
+    not be written): the job ends without any rank having to abort the others."""
+
+
+def inject_failure(mode: str, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+    """`debug.fail_mode` on this rank at this step: what a test of failure handling needs."""
+    if mode == "raise":
+        raise InjectedFailure(f"injected failure on rank {rank} at step {step} "
+                              f"(debug.fail_at_step)")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "hang":  # outside any collective: the other ranks wait in their next one
+        while True:
+            time.sleep(3600)
+    if mode == "nan":
+        return loss * float("nan")
+    return loss
+
+
+def mean_loss(loss: torch.Tensor, comm: CountedComm, stop: bool) -> tuple[float, bool]:
+    """The mean over the rows of the ranks of `comm` (the mean of their (P/B)-scaled sums: over
+    the world the global batch, over a model group that replica's rows), and whether any of
+    them was asked to stop: one all-reduce, so they all stop after the same step."""
+    buffer = torch.tensor([loss.item(), float(stop)], dtype=loss.dtype)
+    comm.allreduce_(buffer, label="loss")
+    return buffer[0].item() / comm.size, bool(buffer[1].item())
+
+
+def forward_backward_step(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
+                          loss_scale: float, step: int, rank: int,
+                          debug: DebugConfig) -> torch.Tensor:
+    """Forward, loss, backward and the gradient exchanges started during backward, completed."""
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y, reduction="sum") * loss_scale
+    if debug.fail_at_step == step and rank == debug.fail_on_rank:
+        loss = inject_failure(debug.fail_mode, rank, step, loss)
+    loss.backward()
+    model.finish_gradient_sync()
+    return loss
+
+
+def train_step(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
+               y: torch.Tensor, step: int, loss_scale: float, loss_comm: CountedComm,
+               stop_requested: bool, rank: int, debug: DebugConfig) -> tuple[float, bool]:
+    """Step `step` (1-based): the gradients, the replica optimizer's update, then one
+    all-reduce for the mean loss over `loss_comm` and whether any rank is stopping."""
+    if debug.slow_rank == rank and debug.slow_seconds:  # a straggler on purpose
+        time.sleep(debug.slow_seconds)
+    loss = forward_backward_step(model, x, y, loss_scale, step, rank, debug)
+    optimizer.step(step - 1)
+    return mean_loss(loss, loss_comm, stop_requested)

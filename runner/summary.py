@@ -1,0 +1,105 @@
+"""What a run leaves in its records: the per-step history, the metrics line, `summary.json`
+(README, "Run directory": every key is part of the contract other tools read)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.checkpoint import resume_command
+from runner.config import RunConfig
+from runner.core import ProcessGrid
+from runner.core.cost import CommOp, MachineCosts, step_bytes, step_time
+from runner.logs import get_logger
+from runner.resume import Start
+from runner.rundir import RunDir, git_commit, versions, write_json
+from strategies import ParallelModel
+
+
+@dataclass
+class StepHistory:
+    """Each step's wall time, and the bytes and seconds of the collectives rank 0 issued."""
+
+    seconds: list[float] = field(default_factory=list)
+    comm_bytes: list[int] = field(default_factory=list)
+    comm_seconds: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float, comm_bytes: int, comm_seconds: float) -> None:
+        self.seconds.append(seconds)
+        self.comm_bytes.append(comm_bytes)
+        self.comm_seconds.append(comm_seconds)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds)
+
+
+def sparse_line(model: ParallelModel) -> dict[str, Any]:
+    """The metrics line's record of the sparse tables' exchange this step (nothing without)."""
+    report = model.exchange_report()
+    if not report:
+        return {}
+    return {"sparse": {name: {k: v for k, v in table.items() if k != "steps_by_mode"}
+                       for name, table in report.items()}}
+
+
+def interrupted_summary(run_dir: RunDir, grid: ProcessGrid, step: int, signal_name: str,
+                        checkpoint: Path | None) -> dict[str, Any]:
+    """The summary of a run stopped by a signal after writing its checkpoint."""
+    command = resume_command(run_dir.path)
+    message = (f"interrupted by {signal_name} after step {step}: checkpoint written to "
+               f"{checkpoint}; to continue: {command}")
+    summary = {"status": "interrupted", "step": step, "signal": signal_name,
+               "checkpoint": str(checkpoint), "resume_command": command, "message": message,
+               "run_dir": str(run_dir.path)}
+    if grid.rank == 0:
+        write_json(run_dir.summary, summary)
+    get_logger().info("%s", message)
+    return summary
+
+
+def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
+                      model: ParallelModel, history: StepHistory, final_loss: float,
+                      evaluation: dict[str, float] | None, rates: list[float], wall: float,
+                      predicted_ops: list[CommOp] | None, costs: MachineCosts, start: Start,
+                      last_checkpoint: Path | None) -> dict[str, Any]:
+    """`summary.json` of a run that trained every step."""
+    median_step = statistics.median(history.seconds)
+    return {
+        "status": "completed",
+        "strategy": run.strategy.name,
+        "optimizer": run.optimizer.name,
+        "grid": {"pr": grid.pr, "pc": grid.pc},
+        "world_size": grid.size,
+        "steps": run.trainer.steps,
+        "final_loss": final_loss,
+        "val_loss": evaluation["loss"] if evaluation else None,
+        "val_accuracy": evaluation["accuracy"] if evaluation else None,
+        # with a centre variable: val_* are the centre's, workers_val_* the replicas' mean
+        "workers_val_loss": evaluation.get("workers_loss") if evaluation else None,
+        "workers_val_accuracy": evaluation.get("workers_accuracy") if evaluation else None,
+        "wall_time_s": wall,
+        "mean_step_time_s": statistics.fmean(history.seconds),
+        "median_step_time_s": median_step,
+        "samples_per_s": run.trainer.batch_size / median_step,
+        "comm_bytes_per_step": statistics.fmean(history.comm_bytes),
+        "predicted_comm_bytes_per_step": (step_bytes(predicted_ops)
+                                          if predicted_ops is not None else None),
+        "comm_time_s_per_step": statistics.fmean(history.comm_seconds),
+        "predicted_comm_time_s_per_step": (step_time(predicted_ops, costs.alpha, costs.beta)
+                                           if predicted_ops is not None else None),
+        "alpha_beta": {"alpha": costs.alpha, "beta": costs.beta, "source": costs.source},
+        "comm_time_share": sum(history.comm_seconds) / history.total_s,
+        "steps_per_s_by_rank": rates,
+        "sparse_exchange": model.exchange_report() or None,
+        "param_bytes_per_rank": model.param_bytes(),
+        "seed": run.seed,
+        "versions": versions(),
+        "git_commit": git_commit() if grid.rank == 0 else None,
+        "run_dir": str(run_dir.path),
+        "resumed_from": ({"checkpoint": str(start.checkpoint_path), "step": start.step}
+                         if start.checkpoint is not None else None),
+        "checkpoint": str(last_checkpoint) if last_checkpoint is not None else None,
+    }

@@ -1,0 +1,113 @@
+"""The supervisor: who names a rank that died without a word (SIGKILL, the OOM killer, a
+segfault).
+
+Under the head, the process the launcher starts forks the rank before MPI is initialised and
+waits for it, writing the rank's pid on start and its exit status at the end into
+`RUN_DIR/.ranks/rank<k>.json` (read by `runner.mpijob`), then ends the way the rank did, so the
+launcher reacts as it would without it. Why not let the head watch pids alone: MPICH ends the
+whole job ~40 ms after one rank is killed, and the other ranks die within milliseconds of it
+(some even before the dead rank's pid is seen to end), too close to tell which was first; the
+PID in MPICH's own message is not the dead rank's either. A parent's `waitpid` is exact.
+
+Light imports only: the supervisor forks before the rank imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.rundir import write_json
+
+RANKS_DIR = ".ranks"  # the supervisors' records, inside the run directory
+# Forwarded by MPICH's mpiexec to every process of each rank's process group: meant for the rank
+# (which stops cleanly, see runner.interrupt), not for its supervisor.
+_RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def rank_record_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / RANKS_DIR / f"rank{rank}.json"
+
+
+def read_rank_records(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The supervisors' records by rank (records being replaced are read whole or not at all)."""
+    records: dict[int, dict[str, Any]] = {}
+    folder = Path(run_dir) / RANKS_DIR
+    try:
+        paths = list(folder.glob("rank*.json"))
+    except OSError:
+        return records
+    for path in paths:
+        try:
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return records
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the rank: be killed if the supervisor goes (Linux), so no rank outlives it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it went before the request was in place
+        os._exit(1)
+
+
+def _exit_like(status: int) -> int:
+    """End the supervisor as the rank ended: MPICH cleans up at once after a rank killed by a
+    signal (a non-zero exit before MPI init, on the other hand, leaves the others waiting)."""
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core of the supervisor
+            except (ImportError, ValueError, OSError):
+                pass
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return 128 + signum  # the signal is ignored or blocked: say it anyway
+    return os.waitstatus_to_exitcode(status)
+
+
+def supervise(run_dir: Path, rank: int) -> int | None:
+    """Fork the rank. Returns None in the rank (go on and train), the exit code in the
+    supervisor after the rank ended."""
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        _die_with_parent(parent)
+        return None
+    for signum in _RANK_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    path = rank_record_path(run_dir, rank)
+    record: dict[str, Any] = {"rank": rank, "pid": child, "supervisor_pid": parent,
+                              "launcher_pid": os.getppid(), "host": socket.gethostname(),
+                              "started": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, record)
+    except OSError:
+        pass  # the head then knows less, nothing more
+    _, status = os.waitpid(child, 0)
+    record["ended"] = time.time()
+    if os.WIFSIGNALED(status):
+        record["signal"] = os.WTERMSIG(status)
+    else:
+        record["exit_code"] = os.waitstatus_to_exitcode(status)
+    with contextlib.suppress(OSError):
+        write_json(path, record)
+    return _exit_like(status)

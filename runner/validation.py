@@ -1,0 +1,202 @@
+"""Everything about a config that can be checked before any process starts, once per run.
+
+`validate()` parses the composed config (`runner.config.parse`: unknown keys, wrong types) and
+then checks what the schema alone cannot: values in range, the grid against the MPI job, the
+plugins (known names, their options typed by their signatures, what each says of the others), and
+the model against the dataset on shapes alone. Every problem is named; the caller prints them on
+one line. The ranks do not repeat any of this: they trust the `config.yaml` the head wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.config import (
+    DTYPES,
+    FAILURE_MODES,
+    LOGGERS,
+    ConfigError,
+    Plugin,
+    RunConfig,
+    parse_with_problems,
+)
+from runner.core.registry import UnknownPluginError
+from runner.options import option_problems, with_defaults
+
+# A model with more parameter bytes than this is checked on the meta device (whose kernels
+# cost about a second to load), a smaller one by a real forward of two samples on uninitialised
+# weights (milliseconds).
+META_CHECK_BYTES = 256 << 20
+
+
+def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
+    problems: list[str] = []
+    trainer, debug, grid = run.trainer, run.debug, run.grid
+
+    def at_least(key: str, value: int | None, minimum: int) -> None:
+        if value is not None and value < minimum:
+            problems.append(f"{key}={value}: must be >= {minimum}")
+
+    at_least("seed", run.seed, 0)
+    at_least("grid.pr", grid.pr, 1)
+    at_least("grid.pc", grid.pc, 1)
+    at_least("trainer.steps", trainer.steps, 1)
+    at_least("trainer.batch_size", trainer.batch_size, 1)
+    at_least("trainer.log_every", trainer.log_every, 1)
+    at_least("trainer.eval_every", trainer.eval_every, 1)
+    at_least("trainer.checkpoint_every", trainer.checkpoint_every, 1)
+    at_least("trainer.keep_checkpoints", trainer.keep_checkpoints, 1)
+    at_least("trainer.threads", trainer.threads, 1)
+    at_least("debug.fail_at_step", debug.fail_at_step, 1)
+    at_least("debug.fail_on_rank", debug.fail_on_rank, 0)
+    at_least("debug.slow_rank", debug.slow_rank, 0)
+    if trainer.dtype not in DTYPES:
+        problems.append(f"trainer.dtype={trainer.dtype}: must be one of {', '.join(DTYPES)}")
+    if trainer.resume is not None and not trainer.resume:
+        problems.append("trainer.resume='': must be null, auto or a checkpoint path")
+    elif trainer.resume not in (None, "auto"):
+        from runner.checkpoint import CheckpointError, resolve_resume
+
+        try:  # a path names a checkpoint directory, or a run directory with checkpoints
+            resolve_resume(trainer.resume, None)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    if trainer.comm_timeout_s is not None and trainer.comm_timeout_s <= 0:
+        problems.append(f"trainer.comm_timeout_s={trainer.comm_timeout_s!r}: must be null or a "
+                        f"number of seconds > 0")
+    if run.logger not in LOGGERS:
+        problems.append(f"logger={run.logger}: must be one of {', '.join(LOGGERS)}")
+    elif run.logger == "tensorboard":
+        from runner.board import tensorboard_missing
+
+        problems += filter(None, [tensorboard_missing()])
+    if debug.fail_mode not in FAILURE_MODES:
+        problems.append(f"debug.fail_mode={debug.fail_mode}: must be one of "
+                        f"{', '.join(FAILURE_MODES)}")
+    if debug.slow_seconds < 0:
+        problems.append(f"debug.slow_seconds must be a number >= 0, got {debug.slow_seconds}")
+    if grid.pr >= 1 and grid.pc >= 1:
+        if world_size is not None and grid.size != world_size:
+            problems.append(f"grid.pr*grid.pc={grid.size} but the MPI job has {world_size} "
+                            f"ranks (set grid.pr and grid.pc so that their product is "
+                            f"{world_size})")
+        if debug.fail_at_step is not None and debug.fail_on_rank >= grid.size:
+            problems.append(f"debug.fail_on_rank={debug.fail_on_rank} is not a rank of a "
+                            f"{grid.size}-rank job")
+        if debug.slow_rank is not None and debug.slow_rank >= grid.size:
+            problems.append(f"debug.slow_rank={debug.slow_rank} is not a rank of a "
+                            f"{grid.size}-rank job")
+    return problems
+
+
+def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
+    """Known names, options that fit the plugins' signatures, and what each plugin can say
+    about the others (the model on the dataset's shapes, the strategy on the model)."""
+    from runner import assembly
+    from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
+    from strategies import STRATEGIES, Strategy
+
+    load_plugins()
+    problems: list[str] = []
+
+    def lookup(registry: Any, key: str, plugin: Plugin) -> Any:
+        try:
+            return registry.get(plugin.name)
+        except UnknownPluginError as exc:
+            problems.append(f"{key}={plugin.name}: {exc}")
+            return None
+
+    dataset_cls = lookup(DATASETS, "dataset", run.dataset)
+    factory = lookup(MODELS, "model", run.model)
+    optimizer_cls = lookup(OPTIMIZERS, "optimizer", run.optimizer)
+    strategy_cls = lookup(STRATEGIES, "strategy", run.strategy)
+
+    spec = meta_model = None
+    if dataset_cls is not None:
+        found = option_problems("dataset", dataset_cls, run.dataset.options)
+        problems += found
+        if not found:
+            try:
+                spec = assembly.build_dataset(run.dataset).spec()
+            except (TypeError, ValueError) as exc:
+                problems.append(f"dataset={run.dataset.name}: {exc}")
+    if factory is not None:
+        found = option_problems("model", factory, run.model.options, assembly.MODEL_INPUTS)
+        problems += found
+        if not found and spec is not None:
+            meta_model = _check_model_shapes(run.model, spec, problems)
+    if optimizer_cls is not None:
+        found = option_problems("optimizer", optimizer_cls, run.optimizer.options,
+                                assembly.OPTIMIZER_INPUTS)
+        problems += found or optimizer_cls.check(**with_defaults(
+            optimizer_cls, run.optimizer.options, assembly.OPTIMIZER_INPUTS))
+    if strategy_cls is not None:
+        found = option_problems("strategy", strategy_cls, run.strategy.options,
+                                Strategy.CONTEXT_ARGUMENTS)
+        problems += found
+        if not found:
+            strategy = assembly.build_strategy(run.strategy)
+            batch = run.trainer.batch_size
+            if grid_ok and batch >= 1:
+                problems += strategy.check(run.grid, batch)
+            if meta_model is not None and spec is not None and grid_ok:
+                problems += strategy.check_model(meta_model, spec.input_shape, run.grid)
+    if spec is not None and run.trainer.batch_size > spec.train_size:
+        problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
+                        f"{spec.train_size} training samples of dataset={run.dataset.name}")
+    return problems
+
+
+def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
+    """Build the model and push two samples through it, on shapes alone where it is large.
+    Returns the model on the meta device (for the strategy's own checks), or None when it does
+    not fit the dataset."""
+    import torch
+
+    from runner import assembly
+
+    try:
+        net = assembly.model_for(plugin, spec, device="meta")
+    except ValueError as exc:  # the dataset's inputs are not what the model reads
+        problems.append(f"model={plugin.name}: {exc}")
+        return None
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        problems.append(f"model={plugin.name} cannot be built for the dataset's inputs of "
+                        f"shape {tuple(spec.input_shape)}: {first}")
+        return None
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    device = "meta" if param_bytes > META_CHECK_BYTES else "cpu"
+    dtype = torch.long if spec.vocab_size is not None else torch.float32
+    try:
+        probe = net if device == "meta" else net.to_empty(device="cpu")
+        with torch.no_grad():
+            out = probe(torch.zeros(2, *spec.input_shape, dtype=dtype, device=device))
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        problems.append(f"model={plugin.name} does not fit the dataset's inputs of shape "
+                        f"{tuple(spec.input_shape)}: {first}")
+        return None
+    if tuple(out.shape) != (2, spec.num_classes):
+        problems.append(f"model={plugin.name} gives outputs of shape {tuple(out.shape[1:])}, "
+                        f"the dataset has {spec.num_classes} classes")
+        return None
+    return net if device == "meta" else net.to("meta")
+
+
+def validate(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None) -> RunConfig:
+    """The run `cfg` describes, or `ConfigError` naming every problem.
+
+    `world_size` is the size of the MPI job the run will use when that is already fixed (the user
+    started `mpiexec -n N python -m runner ...`): the grid must match it.
+    """
+    run, problems = parse_with_problems(cfg)
+    problems += _range_problems(run, world_size)
+    grid_ok = run.grid.pr >= 1 and run.grid.pc >= 1
+    problems += _plugin_problems(run, grid_ok)
+    if problems:
+        raise ConfigError(problems)
+    return run
