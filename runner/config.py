@@ -18,12 +18,14 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.core.grid import GridShape
 from runner.options import type_problem
+
+if TYPE_CHECKING:  # imported when parsing: `--help` and `--cfg` need no torch
+    from runner.core.grid import GridShape
 
 DTYPES = ("float32", "float64")  # float64: to check a strategy's mathematics beyond rounding
 FAILURE_MODES = ("raise", "kill", "hang", "nan")
@@ -247,6 +249,8 @@ def plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
 def parse_with_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[RunConfig, list[str]]:
     """The typed run config, and every unknown key and wrong type (where a value is wrong, its
     default stands in, so that later checks can go on and name their problems too)."""
+    from runner.core.grid import GridShape
+
     values = plain(cfg)
     values.pop("hydra", None)
     problems: list[str] = []

@@ -172,7 +172,7 @@ class Strategy:
 
 
 def gradient_exchange(params: list[nn.Parameter], comm: CountedComm, scale: float,
-                      bucket_cap_bytes: int, first_bucket_bytes: int) -> list[GradientBuckets]:
+                      bucket_cap_bytes: int, first_bucket_bytes: int) -> list[GradientExchange]:
     """Sum `params`' gradients over `comm` and scale them; nothing when there is nothing to do."""
     if not params or (comm.size == 1 and scale == 1.0):
         return []

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from runner.core import CountedComm, PendingOp
+from runner.core.comm import GridGroup
 from runner.core.cost import CommOp
 
 
@@ -67,7 +69,8 @@ class GradientBuckets:
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         dtype = params[0].dtype
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
-        views, offset = [], 0
+        views: list[torch.Tensor] = []
+        offset = 0
         for p in params:
             view = buffer[offset:offset + p.numel()].view_as(p)
             p.grad = view
@@ -79,10 +82,12 @@ class GradientBuckets:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket_index, index = self._slot_of[id(param)]
         bucket = self.buckets[bucket_index]
-        if param.grad is not bucket.views[index]:
+        grad = param.grad
+        assert grad is not None, "the hook runs once the gradient is accumulated into .grad"
+        if grad is not bucket.views[index]:
             # Someone replaced .grad (e.g. set it to None and autograd made a new one): put it
             # back into the bucket so the exchange sees it.
-            bucket.views[index].copy_(param.grad)
+            bucket.views[index].copy_(grad)
             param.grad = bucket.views[index]
         bucket.ready += 1
         self._launch_ready()
@@ -122,7 +127,7 @@ class GradientBuckets:
     def refresh(self) -> None:
         """Every rank's copy is current after each step: nothing to do."""
 
-    def report(self) -> dict[str, dict]:
+    def report(self) -> dict[str, dict[str, Any]]:
         return {}
 
 
@@ -144,8 +149,8 @@ def group_by_size(items: list[tuple[int, torch.dtype]], caps: list[int]) -> list
     return groups
 
 
-def predict_gradient_ops(layers: list[tuple[str, list[tuple[int, torch.dtype]]]], group: str,
-                         group_size: int, bucket_cap_bytes: int,
+def predict_gradient_ops(layers: list[tuple[str, list[tuple[int, torch.dtype]]]],
+                         group: GridGroup, group_size: int, bucket_cap_bytes: int,
                          first_bucket_bytes: int) -> list[CommOp]:
     """The bucket all-reduces `GradientBuckets` issues for parameters given as (layer label,
     [(bytes, dtype) per parameter]) in registration order, on a group of `group_size`."""
@@ -153,7 +158,7 @@ def predict_gradient_ops(layers: list[tuple[str, list[tuple[int, torch.dtype]]]]
         return []
     flat = [(label, item) for label, items in layers for item in items]
     ordered = list(reversed(flat))
-    ops = []
+    ops: list[CommOp] = []
     for bucket in group_by_size([item for _, item in ordered],
                                 [first_bucket_bytes or bucket_cap_bytes, bucket_cap_bytes]):
         labels = sorted({ordered[i][0] for i in bucket})

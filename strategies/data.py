@@ -18,6 +18,7 @@ from runner.core.cost import (
     DEFAULT_COSTS,
     CommOp,
     MachineCosts,
+    SparseMode,
     choose_sparse_mode,
     sparse_exchange_ops,
 )
@@ -25,7 +26,13 @@ from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
 from strategies.registry import register_strategy
 from strategies.sharded import activation_itemsize, feature_sizes
-from strategies.sparse_exchange import SPARSE_CHOICES, SparseGradientExchange, sparse_tables
+from strategies.sparse_exchange import (
+    SPARSE_CHOICES,
+    EmbeddingTable,
+    SparseChoice,
+    SparseGradientExchange,
+    sparse_tables,
+)
 
 
 class DataParallelModel(ParallelModel):
@@ -34,13 +41,14 @@ class DataParallelModel(ParallelModel):
         self.module = module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
+        y: torch.Tensor = self.module(x)
+        return y
 
 
 @register_strategy("data")
 class DataParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 sparse: str = "auto", *, costs: MachineCosts = DEFAULT_COSTS,
+                 sparse: SparseChoice = "auto", *, costs: MachineCosts = DEFAULT_COSTS,
                  rows_touched: Callable[[int], float] | None = None) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched)
         self.sparse = sparse
@@ -57,7 +65,7 @@ class DataParallel(Strategy):
                     f"splits each sample)"]
         return super().check(grid, global_batch)
 
-    def _split(self, model: nn.Module) -> tuple[list[tuple[str, nn.Module]],
+    def _split(self, model: nn.Module) -> tuple[list[tuple[str, EmbeddingTable]],
                                                list[nn.Parameter]]:
         """The embedding tables exchanged sparsely, and the parameters the buckets carry."""
         tables = sparse_tables(model) if self.sparse != "dense" else []
@@ -89,7 +97,7 @@ class DataParallel(Strategy):
                                            global_batch // grid.size)
         return ops
 
-    def predict_sparse_ops(self, name: str, weight: nn.Parameter, p: int,
+    def predict_sparse_ops(self, name: str, weight: torch.Tensor, p: int,
                            samples_per_rank: int) -> list[CommOp]:
         """The exchange of one table, its rows per rank expected from the data (`rows_touched`;
         without it every row is assumed touched). `auto` predicts the mode the cost model
@@ -97,9 +105,8 @@ class DataParallel(Strategy):
         num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
         rows = (num_rows if self.rows_touched is None
                 else min(num_rows, self.rows_touched(samples_per_rank)))
-        mode = self.sparse
-        if mode == "auto":
-            mode = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs)
+        mode: SparseMode = (choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs)
+                            if self.sparse == "auto" else self.sparse)
         return sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, rows, rows * p,
                                    label=name, counts_first=self.sparse == "auto")
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp
+from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
 from runner.core.halo import HaloPlan, Window, halo_window, start_halo_exchange
 from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, gradient_exchange
@@ -44,7 +44,8 @@ from strategies.sharded import (
     whole_param_items,
 )
 
-WINDOWED: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
+Windowed = nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d
+WINDOWED = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)  # left to inference: isinstance narrows
 ROW_LOCAL = tuple(t for t in CHANNEL_LOCAL if t not in (nn.MaxPool2d, nn.AvgPool2d))
 
 
@@ -52,16 +53,22 @@ def _pair(value: int | Sequence[int]) -> tuple[int, int]:
     return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
 
-def height_window(layer: nn.Module) -> Window:
+def _padding(layer: Windowed) -> tuple[int, int]:
+    if isinstance(layer.padding, str):  # Conv2d(padding="same" or "valid")
+        raise ValueError(f"{layer}: padding='{layer.padding}' is not supported, give it in rows")
+    return _pair(layer.padding)
+
+
+def height_window(layer: Windowed) -> Window:
     kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
-    padding, dilation = _pair(layer.padding), _pair(getattr(layer, "dilation", 1))
+    padding, dilation = _padding(layer), _pair(getattr(layer, "dilation", 1))
     return Window(kernel[0], stride[0], padding[0], dilation[0])
 
 
-def _without_height_padding(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _without_height_padding(layer: Windowed) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer's operation with the height padding left out (the window brings its own)."""
     kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
-    pad_w = _pair(layer.padding)[1]
+    pad_w = _padding(layer)[1]
     if isinstance(layer, nn.Conv2d):
         return lambda x: F.conv2d(x, layer.weight, layer.bias, layer.stride, (0, pad_w),
                                   layer.dilation)
@@ -73,7 +80,7 @@ def _without_height_padding(layer: nn.Module) -> Callable[[torch.Tensor], torch.
 class SpatialWindowed(nn.Module):
     """A convolution or pooling layer on this rank's height slab (halo exchange included)."""
 
-    def __init__(self, layer: nn.Module, comm: CountedComm, height: int, overlap: bool) -> None:
+    def __init__(self, layer: Windowed, comm: CountedComm, height: int, overlap: bool) -> None:
         super().__init__()
         self.layer, self.comm, self.overlap = layer, comm, overlap
         self.window = height_window(layer)
@@ -128,7 +135,7 @@ class DomainParallelModel(ParallelModel):
         h = self.spatial(slab)
         if model.size > 1:
             h = all_gather(h, model, 2, self.output_rows_part, label="boundary")
-        y = self.body(h)
+        y: torch.Tensor = self.body(h)
         return y if self.ends_on_own_rows else y[Partition(x.shape[0], model.size).slice(
             model.rank)]
 
@@ -142,8 +149,9 @@ def spatial_end(layers: Sequence[nn.Module]) -> int:
 @register_strategy("domain")
 class DomainParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 overlap: bool = True) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb)
+                 overlap: bool = True, *, costs: MachineCosts = DEFAULT_COSTS,
+                 rows_touched: Callable[[int], float] | None = None) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched)
         self.overlap = overlap
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
@@ -151,6 +159,7 @@ class DomainParallel(Strategy):
         problems = sequential_problems(model, self.name)
         if problems:
             return problems
+        assert isinstance(model, nn.Sequential)  # or there would be problems
         layers = list(model)
         end = spatial_end(layers)
         if end == 0 or len(sample_shape) != 3:
@@ -210,7 +219,7 @@ class DomainParallel(Strategy):
         shapes = output_shapes(layers, sample_shape)
         rows = Partition(global_batch, grid.pc).sizes[0]
         itemsize = activation_itemsize(layers)
-        ops = []
+        ops: list[CommOp] = []
         if grid.pr > 1:
             inputs = [tuple(sample_shape), *shapes[:end]]
             for i, layer in enumerate(layers[:end]):

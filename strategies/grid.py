@@ -56,7 +56,7 @@ class GridParallelModel(ParallelModel):
                 x = all_gather(x, model, 0, rows, label="boundary")
         else:
             x = self.prefix(x)
-        y = self.body(x)
+        y: torch.Tensor = self.body(x)
         return y if self.ends_on_own_rows else y[rows.slice(model.rank)]
 
 
@@ -107,7 +107,7 @@ def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, 
     rows = Partition(global_batch, grid.pc).sizes[0]
     steps = plan_layers(layers, split, grid.pr)
     prefix = whole_param_items(layers[:split])
-    ops = []
+    ops: list[CommOp] = []
     if prefix and grid.pr > 1:  # the boundary gather and its reduce-scatter
         n = rows * feature_sizes(layers[:split], sample_shape)[-1] * activation_itemsize(layers)
         ops += [CommOp("allgather", "model", grid.pr, n, "boundary"),

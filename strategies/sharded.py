@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,26 +30,55 @@ CHANNEL_LOCAL: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity,
     nn.MaxPool2d, nn.AvgPool2d,
 )
-SHARDABLE: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
+SHARDABLE = (nn.Linear, nn.Conv2d)  # left to inference: isinstance then narrows to these
+
+
+# The steps of a sharded stack. `layer` indexes the sequential model; `total` is the whole size of
+# the sharded dim 1; `after` is the index of the layer whose output is moved. Each kind has just
+# the fields it uses, and `step.kind == ...` tells the type checker which step it has.
 
 
 @dataclass(frozen=True)
-class PlanStep:
-    """One step of a sharded stack: `kind` is 'shard', 'local', 'gather' or 'to_rows'.
+class ShardStep:
+    """Layer `layer` split along dim 1 (its outputs) over the group."""
 
-    `layer` indexes the sequential model (shard/local); `total` is the whole size of the sharded
-    dim 1 (shard/gather/to_rows); `after` is the index of the layer whose output is moved.
-    """
+    kind: ClassVar[Literal["shard"]] = "shard"
+    layer: int
+    total: int
 
-    kind: str
-    layer: int | None = None
-    total: int | None = None
-    after: int | None = None
+
+@dataclass(frozen=True)
+class LocalStep:
+    """Layer `layer` run on the shard (or on whole rows) as it is."""
+
+    kind: ClassVar[Literal["local"]] = "local"
+    layer: int
+
+
+@dataclass(frozen=True)
+class GatherStep:
+    """Layer `after`'s sharded output all-gathered along dim 1."""
+
+    kind: ClassVar[Literal["gather"]] = "gather"
+    total: int
+    after: int
+
+
+@dataclass(frozen=True)
+class ToRowsStep:
+    """Layer `after`'s sharded output repartitioned to rows: the stack's end."""
+
+    kind: ClassVar[Literal["to_rows"]] = "to_rows"
+    total: int
+    after: int
+
+
+PlanStep = ShardStep | LocalStep | GatherStep | ToRowsStep
 
 
 def unsupported_layers(layers: Sequence[nn.Module]) -> list[str]:
     """Why these layers cannot be split over a model group (empty: they can)."""
-    problems = []
+    problems: list[str] = []
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Conv2d) and layer.groups != 1:
             problems.append(f"layer {i} ({layer}) is a grouped convolution")
@@ -70,28 +100,30 @@ def plan_layers(layers: Sequence[nn.Module], start: int, group_size: int) -> lis
         layer = layers[i]
         if isinstance(layer, SHARDABLE):
             if sharded is not None:
-                steps.append(PlanStep("gather", total=sharded, after=last))
+                steps.append(GatherStep(total=sharded, after=last))
             sharded = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
-            steps.append(PlanStep("shard", layer=i, total=sharded))
+            steps.append(ShardStep(layer=i, total=sharded))
         elif isinstance(layer, CHANNEL_LOCAL):
-            steps.append(PlanStep("local", layer=i))
+            steps.append(LocalStep(layer=i))
         else:
             if sharded is not None:
-                steps.append(PlanStep("gather", total=sharded, after=last))
+                steps.append(GatherStep(total=sharded, after=last))
                 sharded = None
-            steps.append(PlanStep("local", layer=i))
+            steps.append(LocalStep(layer=i))
         last = i
     if sharded is not None:
-        steps.append(PlanStep("to_rows", total=sharded, after=last))
+        steps.append(ToRowsStep(total=sharded, after=last))
     if group_size == 1:  # nothing to move on a group of one
         steps = [s for s in steps if s.kind in ("shard", "local")]
     return steps
 
 
-def _place(shard: nn.Module, layer: nn.Module, rows: slice) -> None:
+def _place(shard: ShardedLinear | ShardedConv2d, layer: nn.Linear | nn.Conv2d,
+           rows: slice) -> None:
     """Record which rows of the layer's weight and bias the shard holds (for checkpoints)."""
     place_rows(shard.weight, layer.weight, rows)
-    if shard.bias is not None:
+    # The shard has a bias exactly when the layer has one: it is cut from it.
+    if shard.bias is not None and layer.bias is not None:
         place_rows(shard.bias, layer.bias, rows)
 
 
@@ -157,6 +189,7 @@ def build_sharded(layers: Sequence[nn.Module], steps: list[PlanStep], comm: Coun
     for step in steps:
         if step.kind == "shard":
             layer = layers[step.layer]
+            assert isinstance(layer, SHARDABLE), "plan_layers shards only these"
             part = Partition(step.total, comm.size)
             modules.append(ShardedLinear(layer, part, index) if isinstance(layer, nn.Linear)
                            else ShardedConv2d(layer, part, index))
@@ -211,14 +244,15 @@ def activation_ops(layers: Sequence[nn.Module], steps: list[PlanStep],
         return []
     itemsize = activation_itemsize(layers)
     per_sample = feature_sizes(layers, sample_shape)
-    ops = []
+    ops: list[CommOp] = []
     for step in steps:
-        label = layer_label(step.after, layers[step.after]) if step.after is not None else ""
         if step.kind == "gather":
+            label = layer_label(step.after, layers[step.after])
             n = rows * per_sample[step.after] * itemsize
             ops += [CommOp("allgather", "model", group_size, n, label),
                     CommOp("reduce_scatter", "model", group_size, n, label)]
         elif step.kind == "to_rows":
+            label = layer_label(step.after, layers[step.after])
             whole = per_sample[step.after]
             shard = whole // step.total * Partition(step.total, group_size).sizes[0]
             own_rows = Partition(rows, group_size).sizes[0]

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from runner.core import CountedComm
-from runner.core.cost import SPARSE_MODES, MachineCosts, choose_sparse_mode
+from runner.core.cost import SPARSE_MODES, MachineCosts, SparseMode, choose_sparse_mode
 from runner.core.sparse import (
     CyclicRows,
     allgather_sum_rows,
@@ -41,10 +42,14 @@ from runner.core.sparse import (
     push_rows,
 )
 
-SPARSE_CHOICES = ("auto", *SPARSE_MODES)
+# `strategy.sparse`: a mode for every step, or `auto`, the cheapest mode chosen per step.
+SparseChoice = Literal["auto", SparseMode]
+SPARSE_CHOICES: tuple[SparseChoice, ...] = ("auto", *SPARSE_MODES)
+
+EmbeddingTable = nn.Embedding | nn.EmbeddingBag
 
 
-def sparse_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def sparse_tables(model: nn.Module) -> list[tuple[str, EmbeddingTable]]:
     """The embedding modules of `model` whose weight gets a row-sparse gradient."""
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse]
@@ -53,15 +58,15 @@ def sparse_tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
 @dataclass
 class _Table:
     name: str
-    module: nn.Module
+    module: EmbeddingTable
     rows: CyclicRows
     stale: bool = False  # some copies of rows this rank does not own may be out of date
     dense_buffer: torch.Tensor | None = None
-    modes: dict[str, int] = field(default_factory=dict)  # steps exchanged in each mode
+    modes: dict[SparseMode, int] = field(default_factory=dict)  # steps exchanged in each mode
     last: dict[str, float | str] = field(default_factory=dict)
 
     @property
-    def weight(self) -> nn.Parameter:
+    def weight(self) -> torch.Tensor:
         return self.module.weight
 
 
@@ -69,9 +74,9 @@ class SparseGradientExchange:
     """Exchanges the gradients of `tables` over `comm` in `mode` and scales them by `scale`,
     like `GradientBuckets` does for the dense parameters (same `finish`/`zero_` protocol)."""
 
-    def __init__(self, tables: list[tuple[str, nn.Module]], comm: CountedComm, scale: float,
-                 mode: str, costs: MachineCosts) -> None:
-        if mode not in SPARSE_CHOICES:
+    def __init__(self, tables: list[tuple[str, EmbeddingTable]], comm: CountedComm, scale: float,
+                 mode: SparseChoice, costs: MachineCosts) -> None:
+        if mode not in SPARSE_CHOICES:  # a string from a config is not checked against the type
             raise ValueError(f"strategy.sparse must be one of {', '.join(SPARSE_CHOICES)}, "
                              f"got '{mode}'")
         self.comm, self.scale, self.mode = comm, scale, mode
@@ -82,8 +87,8 @@ class SparseGradientExchange:
             for table in self.tables:
                 table.module.register_forward_pre_hook(self._pull_hook(table))
 
-    def _pull_hook(self, table: _Table) -> Callable[[nn.Module, tuple], None]:
-        def pull_before_forward(module: nn.Module, args: tuple) -> None:
+    def _pull_hook(self, table: _Table) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def pull_before_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
             if table.stale:
                 self._pull(table, torch.unique(args[0]))
         return pull_before_forward
@@ -115,12 +120,15 @@ class SparseGradientExchange:
         indices, values = self._local_rows(table)
         touched = len(indices)
         counts = None
-        mode = self.mode
-        if self.comm.size > 1 and mode in ("auto", "allgather"):
+        if self.comm.size > 1 and self.mode in ("auto", "allgather"):
             counts = gather_counts(self.comm, touched, f"{table.name} counts")
-        if mode == "auto":
-            mode = ("dense" if self.comm.size == 1 else
+        mode: SparseMode
+        if self.mode == "auto":
+            # no counts: a group of one, where nothing moves and dense is the plain update
+            mode = ("dense" if counts is None else
                     choose_sparse_mode(self.comm.size, num_rows, row_bytes, counts, self.costs))
+        else:
+            mode = self.mode
         if mode == "dense":
             if table.dense_buffer is None:
                 table.dense_buffer = torch.zeros_like(weight)
@@ -167,6 +175,6 @@ class SparseGradientExchange:
                 weight[torch.cat(owned)] = gathered
             table.stale = False
 
-    def report(self) -> dict[str, dict]:
+    def report(self) -> dict[str, dict[str, Any]]:
         """Per table: the last step's mode, rows and density; the steps spent in each mode."""
         return {t.name: {**t.last, "steps_by_mode": dict(t.modes)} for t in self.tables}

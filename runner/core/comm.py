@@ -19,15 +19,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+# Operation names as records, predictions (`runner.core.cost.CommOp`) and JSON output spell them:
+# measured and predicted operations are matched on these strings.
+# The collectives and point-to-point exchanges, each with an α–β cost (`runner.core.cost`):
+CollectiveOp = Literal["allreduce", "iallreduce", "allgather", "reduce_scatter", "bcast", "reduce",
+                       "alltoall", "alltoallv", "exchange"]
+# One-sided accesses (`runner.core.rma`): recorded, never predicted.
+OneSidedOp = Literal["rma_read", "rma_add", "rma_lock", "rma_turn"]
+RecordedOp = Literal[CollectiveOp, OneSidedOp]
+# Small control messages: watched while in flight, not recorded.
+ControlOp = Literal["allgather_object", "barrier"]
+InFlightOp = Literal[RecordedOp, ControlOp]
+
+# The groups of a process grid (`runner.core.grid`), and a group of one rank alone.
+GridGroup = Literal["world", "model", "batch"]
+GroupName = Literal[GridGroup, "self"]
 
 
 @dataclass(frozen=True)
 class CommRecord:
-    op: str
-    group: str
+    op: RecordedOp
+    group: GroupName
     group_size: int
     nbytes: int
     seconds: float
@@ -42,7 +58,7 @@ class CommTotals:
 
 
 # (operation, group name, group size, label, start time from time.perf_counter())
-InFlight = tuple[str, str, int, str, float]
+InFlight = tuple[InFlightOp, GroupName, int, str, float]
 
 
 @dataclass
@@ -56,7 +72,7 @@ class CommCounter:
     # The blocking operation this rank is in now, if any (read by the watchdog thread).
     in_flight: InFlight | None = None
 
-    def add(self, op: str, group: str, group_size: int, nbytes: int, seconds: float,
+    def add(self, op: RecordedOp, group: GroupName, group_size: int, nbytes: int, seconds: float,
             label: str) -> None:
         totals = self.totals
         totals.calls += 1
@@ -113,7 +129,7 @@ def _require_contiguous(tensor: torch.Tensor) -> None:
 class PendingOp:
     """A non-blocking collective in flight; `wait()` completes it and records it."""
 
-    def __init__(self, owner: CountedComm, op: str, request: Any, nbytes: int, label: str,
+    def __init__(self, owner: CountedComm, op: CollectiveOp, request: Any, nbytes: int, label: str,
                  issue_seconds: float, keepalive: tuple[Any, ...]) -> None:
         self._owner = owner
         self._op = op
@@ -163,7 +179,8 @@ class CountedComm:
     Tensors are handed to mpi4py directly (buffer protocol), never copied through NumPy.
     """
 
-    def __init__(self, mpi_comm: Any | None, counter: CommCounter, name: str = "world") -> None:
+    def __init__(self, mpi_comm: Any | None, counter: CommCounter,
+                 name: GroupName = "world") -> None:
         self.mpi_comm = mpi_comm
         self.counter = counter
         self.name = name
@@ -174,7 +191,15 @@ class CountedComm:
     def __repr__(self) -> str:
         return f"CountedComm({self.name}, rank={self.rank}, size={self.size})"
 
-    def _start(self, op: str, label: str) -> float:
+    @property
+    def communicator(self) -> Any:
+        """The MPI communicator. Only a group of more than one rank needs one: a group of one
+        returns from every operation before reaching MPI."""
+        if self.mpi_comm is None:
+            raise RuntimeError(f"{self!r} has no MPI communicator")
+        return self.mpi_comm
+
+    def _start(self, op: CollectiveOp, label: str) -> float:
         """Mark `op` in flight and return its start time. When the counter isolates operations,
         every rank first waits at an (uncounted, but watched) barrier, so the time is the
         operation's own and not the wait for a late peer: what the α–β model describes."""
@@ -182,11 +207,11 @@ class CountedComm:
         start = time.perf_counter()
         counter.in_flight = (op, self.name, self.size, label, start)
         if counter.isolate and self.size > 1:
-            self.mpi_comm.Barrier()
+            self.communicator.Barrier()
             start = time.perf_counter()
         return start
 
-    def _record(self, op: str, nbytes: int, seconds: float, label: str) -> None:
+    def _record(self, op: CollectiveOp, nbytes: int, seconds: float, label: str) -> None:
         self.counter.in_flight = None
         self.counter.add(op, self.name, self.size, nbytes, seconds, label)
 
@@ -199,7 +224,7 @@ class CountedComm:
         _require_contiguous(tensor)
         MPI = _mpi()
         start = self._start("allreduce", label)
-        self.mpi_comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        self.communicator.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
 
@@ -210,7 +235,7 @@ class CountedComm:
         _require_contiguous(tensor)
         MPI = _mpi()
         start = self._start("allreduce", label)
-        self.mpi_comm.Allreduce(tensor, out, op=MPI.SUM)
+        self.communicator.Allreduce(tensor, out, op=MPI.SUM)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
 
@@ -223,7 +248,8 @@ class CountedComm:
         _require_contiguous(tensor)
         MPI = _mpi()
         start = self._start("reduce", label)
-        self.mpi_comm.Reduce(tensor, out if self.rank == root else None, op=MPI.SUM, root=root)
+        self.communicator.Reduce(tensor, out if self.rank == root else None, op=MPI.SUM,
+                                 root=root)
         self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
 
@@ -234,7 +260,7 @@ class CountedComm:
         _require_contiguous(tensor)
         MPI = _mpi()
         start = self._start("iallreduce", label)
-        request = self.mpi_comm.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        request = self.communicator.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
         self.counter.in_flight = None  # issued: in flight again only while someone waits for it
         pending = PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
                             time.perf_counter() - start, (tensor,))
@@ -250,8 +276,9 @@ class CountedComm:
         if self.size == 1 or (not sends and not recvs):
             return PendingOp(self, "exchange", None, 0, label, 0.0, ())
         start = self._start("exchange", label)
-        requests = [self.mpi_comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
-        requests += [self.mpi_comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
+        mpi_comm = self.communicator
+        requests = [mpi_comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
+        requests += [mpi_comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
         self.counter.in_flight = None
         nbytes = sum(_nbytes(buf) for buf, _ in sends)
         pending = PendingOp(self, "exchange", requests, nbytes, label,
@@ -265,7 +292,7 @@ class CountedComm:
             return tensor
         _require_contiguous(tensor)
         start = self._start("bcast", label)
-        self.mpi_comm.Bcast(tensor, root=root)
+        self.communicator.Bcast(tensor, root=root)
         self._record("bcast", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
 
@@ -275,7 +302,7 @@ class CountedComm:
         _require_contiguous(piece)
         _require_contiguous(out)
         start = self._start("allgather", label)
-        self.mpi_comm.Allgatherv(piece, [out, (counts, _displacements(counts))])
+        self.communicator.Allgatherv(piece, [out, (counts, _displacements(counts))])
         self._record("allgather", _nbytes(out), time.perf_counter() - start, label)
         return out
 
@@ -286,20 +313,21 @@ class CountedComm:
         _require_contiguous(out)
         MPI = _mpi()
         start = self._start("reduce_scatter", label)
-        self.mpi_comm.Reduce_scatter(full, out, counts, op=MPI.SUM)
+        self.communicator.Reduce_scatter(full, out, counts, op=MPI.SUM)
         self._record("reduce_scatter", _nbytes(full), time.perf_counter() - start, label)
         return out
 
     def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
-                   recv_counts: list[int], label: str = "", op: str = "alltoall") -> torch.Tensor:
+                   recv_counts: list[int], label: str = "",
+                   op: Literal["alltoall", "alltoallv"] = "alltoall") -> torch.Tensor:
         """Block k of `send` goes to rank k; block k of `recv` comes from rank k. Recorded as
         `op` with this rank's whole input as payload ("alltoall": equal blocks, self included;
         "alltoallv": irregular blocks whose input holds nothing for this rank itself)."""
         _require_contiguous(send)
         _require_contiguous(recv)
         start = self._start(op, label)
-        self.mpi_comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
-                                [recv, (recv_counts, _displacements(recv_counts))])
+        self.communicator.Alltoallv([send, (send_counts, _displacements(send_counts))],
+                                    [recv, (recv_counts, _displacements(recv_counts))])
         self._record(op, _nbytes(send), time.perf_counter() - start, label)
         return recv
 
@@ -319,7 +347,7 @@ class CountedComm:
             return [obj]
         counter = self.counter
         counter.in_flight = ("allgather_object", self.name, self.size, label, time.perf_counter())
-        gathered = self.mpi_comm.allgather(obj)
+        gathered: list[Any] = self.communicator.allgather(obj)
         counter.in_flight = None
         return gathered
 
@@ -327,5 +355,5 @@ class CountedComm:
         if self.size > 1:
             counter = self.counter
             counter.in_flight = ("barrier", self.name, self.size, label, time.perf_counter())
-            self.mpi_comm.Barrier()
+            self.communicator.Barrier()
             counter.in_flight = None

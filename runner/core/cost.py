@@ -17,7 +17,11 @@ predict which operations a step issues (`CommOp`), and this module prices them.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+from runner.core.comm import CollectiveOp, GridGroup
 
 # Used until `python -m runner.plan plan.calibrate=true` has run: a typical shared-memory MPI.
 DEFAULT_ALPHA, DEFAULT_BETA = 5e-6, 2.5e-10
@@ -27,15 +31,15 @@ DEFAULT_ALPHA, DEFAULT_BETA = 5e-6, 2.5e-10
 class CommOp:
     """One collective rank 0 issues in a training step, as the counted communicator records it."""
 
-    op: str  # allreduce | iallreduce | allgather | reduce_scatter | alltoall | exchange | ...
-    group: str  # world | model | batch
+    op: CollectiveOp
+    group: GridGroup
     group_size: int
     nbytes: int
     layer: str = ""  # what the planner's per-layer breakdown files it under
     messages: int = 1  # point-to-point messages of an exchange
 
     @property
-    def key(self) -> tuple[str, str, int, int]:
+    def key(self) -> tuple[CollectiveOp, GridGroup, int, int]:
         """What a measured record must match."""
         return (self.op, self.group, self.group_size, self.nbytes)
 
@@ -81,11 +85,12 @@ def loss_op(world_size: int, itemsize: int) -> list[CommOp]:
 
 # -- the sparse exchange of an embedding table's gradient (DESIGN.md, "Sparse exchange") ----------
 
-SPARSE_MODES = ("dense", "allgather", "sharded")
+SparseMode = Literal["dense", "allgather", "sharded"]
+SPARSE_MODES: tuple[SparseMode, ...] = get_args(SparseMode)  # in this order: ties go to the first
 INDEX_BYTES = 8  # int64 row ids
 
 
-def sparse_exchange_ops(mode: str, group: str, p: int, num_rows: int, row_bytes: int,
+def sparse_exchange_ops(mode: SparseMode, group: GridGroup, p: int, num_rows: int, row_bytes: int,
                         own_rows: float, all_rows: float, label: str = "",
                         counts_first: bool = False) -> list[CommOp]:
     """The operations one rank issues to exchange the gradient of a (num_rows × row) table of
@@ -104,7 +109,7 @@ def sparse_exchange_ops(mode: str, group: str, p: int, num_rows: int, row_bytes:
     """
     if p <= 1:
         return []
-    ops = []
+    ops: list[CommOp] = []
     if counts_first or mode == "allgather":
         ops.append(CommOp("allgather", group, p, INDEX_BYTES * p, label + " counts"))
     if mode == "dense":
@@ -149,7 +154,7 @@ class MachineCosts:
 DEFAULT_COSTS = MachineCosts()
 
 
-def sparse_local_time(mode: str, num_rows: int, row_bytes: int, own_rows: float,
+def sparse_local_time(mode: SparseMode, num_rows: int, row_bytes: int, own_rows: float,
                       all_rows: float, table_pass: float, sparse_row: float) -> float:
     """Seconds of local work per step: dense passes over the whole table; allgather handles
     every rank's rows (coalesce, update); sharded its own rows twice (coalesce and update at
@@ -161,15 +166,15 @@ def sparse_local_time(mode: str, num_rows: int, row_bytes: int, own_rows: float,
     return sparse_row * 2 * own_rows * row_bytes
 
 
-def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: list[float],
-                       costs: MachineCosts) -> str:
+def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[float],
+                       costs: MachineCosts) -> SparseMode:
     """The mode with the least time for the busiest rank — α–β communication plus local work
     (`sparse_local_time`) — given every rank's row count. A pure function of values every rank
     holds alike, so every rank chooses the same mode (ties go to the earlier mode in
     SPARSE_MODES: dense first)."""
     own, total = max(counts), sum(counts)
 
-    def cost(mode: str) -> float:
+    def cost(mode: SparseMode) -> float:
         ops = sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, own, total)
         return step_time(ops, costs.alpha, costs.beta) + sparse_local_time(
             mode, num_rows, row_bytes, own, total, costs.table_pass, costs.sparse_row)

@@ -15,6 +15,7 @@ the operation that needs only the rank's own rows can run while the halos travel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import Function
@@ -184,13 +185,15 @@ class _HaloWindow(Function):
     """Forward: finish an exchange started on x's values (x itself is the differentiable input);
     backward: the adjoint, accumulating halo gradients into their owners' rows."""
 
+    # `ctx` is autograd's context object, which holds whatever attributes forward gives it.
     @staticmethod
-    def forward(ctx, x, pending, comm, label):
+    def forward(ctx: Any, x: torch.Tensor, pending: PendingHalo, comm: CountedComm,
+                label: str) -> torch.Tensor:
         ctx.args = (comm, pending.dim, pending.plan, label)
         return pending.window()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         comm, dim, plan, label = ctx.args
         return halo_accumulate_op(grad, comm, dim, plan, label), None, None, None
 
@@ -198,7 +201,8 @@ class _HaloWindow(Function):
 def halo_window(x: torch.Tensor, pending: PendingHalo, comm: CountedComm,
                 label: str = "halo") -> torch.Tensor:
     """The window of an exchange started with `start_halo_exchange(x, ...)`, differentiable in x."""
-    return _HaloWindow.apply(x, pending, comm, label)
+    window: torch.Tensor = _HaloWindow.apply(x, pending, comm, label)
+    return window
 
 
 def halo_exchange(x: torch.Tensor, comm: CountedComm, dim: int, plan: HaloPlan,

@@ -55,7 +55,7 @@ def place_whole(model: nn.Module) -> None:
         setattr(param, _ATTRIBUTE, Placement(name, shape, 0, global_rows(shape)))
 
 
-def place_rows(shard: nn.Parameter, source: nn.Parameter, rows: slice) -> None:
+def place_rows(shard: torch.Tensor, source: torch.Tensor, rows: slice) -> None:
     """Tag `shard`, made of `rows` of `source`, with its place in the global tensor."""
     origin = placement_of(source)
     if origin is None:

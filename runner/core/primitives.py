@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch.autograd import Function
@@ -148,21 +149,25 @@ def _operator(name: str, forward: Callable[..., torch.Tensor],
 
     Only `x` is differentiable: the other arguments describe the data movement."""
 
-    def fwd(ctx, x, *args):
+    # `ctx` is autograd's context object, which holds whatever attributes forward gives it.
+    def fwd(ctx: Any, x: torch.Tensor, *args: object) -> torch.Tensor:
         ctx.args = args
         return forward(x, *args)
 
-    def bwd(ctx, grad):
+    def bwd(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (adjoint(grad, *ctx.args), *(None for _ in ctx.args))
 
-    function = type(name, (Function,), {"forward": staticmethod(fwd),
-                                        "backward": staticmethod(bwd)})
+    # Made by `type` rather than a class statement: autograd names the backward node after the
+    # class (`BroadcastBackward`, ...), and a class statement's name is fixed.
+    function = cast(type[Function], type(name, (Function,), {"forward": staticmethod(fwd),
+                                                             "backward": staticmethod(bwd)}))
     signature = inspect.signature(forward)
 
     def call(*args: object, **kwargs: object) -> torch.Tensor:
         bound = signature.bind(*args, **kwargs)  # Function.apply takes positions only
         bound.apply_defaults()
-        return function.apply(*bound.args)
+        out: torch.Tensor = function.apply(*bound.args)
+        return out
 
     call.__name__, call.__doc__ = name, forward.__doc__
     return call

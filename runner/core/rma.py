@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,13 +48,14 @@ class OneSidedVector:
         MPI = _mpi()
         itemsize = initial.element_size()
         own = self.partition.sizes[comm.rank]
-        self._data_window = MPI.Win.Allocate(own * itemsize, itemsize, comm=comm.mpi_comm)
-        self._counter_window = MPI.Win.Allocate(3 * 8, 8, comm=comm.mpi_comm)
+        mpi_comm = comm.communicator
+        self._data_window = MPI.Win.Allocate(own * itemsize, itemsize, comm=mpi_comm)
+        self._counter_window = MPI.Win.Allocate(3 * 8, 8, comm=mpi_comm)
         if own:
             self._window_tensor(self._data_window, self.dtype).copy_(
                 initial[self.partition.slice(comm.rank)])
         self._window_tensor(self._counter_window, torch.int64).zero_()
-        comm.mpi_comm.Barrier()  # every piece initialised before anyone reads it
+        mpi_comm.Barrier()  # every piece initialised before anyone reads it
         self._data_window.Lock_all(MPI.MODE_NOCHECK)
         self._counter_window.Lock_all(MPI.MODE_NOCHECK)
         self._mpi_type = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}[self.dtype]
@@ -155,7 +156,8 @@ class OneSidedVector:
             else:
                 time.sleep(20e-6)
 
-    def _record(self, op: str, tensor: torch.Tensor, start: float) -> None:
+    def _record(self, op: Literal["rma_read", "rma_add"], tensor: torch.Tensor,
+                start: float) -> None:
         self.comm.counter.add(op, self.comm.name, self.comm.size,
                               tensor.numel() * tensor.element_size(),
                               time.perf_counter() - start, self.label)
@@ -166,7 +168,7 @@ class OneSidedVector:
             return
         self._data_window.Unlock_all()
         self._counter_window.Unlock_all()
-        self.comm.mpi_comm.Barrier()
+        self.comm.communicator.Barrier()
         self._data_window.Free()
         self._counter_window.Free()
         self._data_window = self._counter_window = None
