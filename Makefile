@@ -21,12 +21,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m mypy runner/core strategies
+	$(PY) -m mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m mypy runner/core strategies
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) bench/data_parallel.py

@@ -87,7 +87,8 @@ def build_strategy(plugin: Plugin, costs: MachineCosts = DEFAULT_COSTS,
 
 def optimizer_class(plugin: Plugin) -> type[ReplicaOptimizer]:
     load_plugins()
-    return OPTIMIZERS.get(plugin.name)  # type: ignore[no-any-return]
+    optimizer: type[ReplicaOptimizer] = OPTIMIZERS.get(plugin.name)
+    return optimizer
 
 
 def rows_touched(dataset: Any) -> Callable[[int], float] | None:

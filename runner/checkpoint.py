@@ -23,10 +23,10 @@ import os
 import shlex
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -130,7 +130,7 @@ def _placements(model: ParallelModel) -> list[Placement]:
 
 
 def _entries(kind: str, replica: int | None, places: list[Placement],
-             tensors: list[torch.Tensor | None]) -> Iterator[tuple[Entry, torch.Tensor]]:
+             tensors: Sequence[torch.Tensor | None]) -> Iterator[tuple[Entry, torch.Tensor]]:
     for place, tensor in zip(places, tensors, strict=True):
         if tensor is not None:
             entry = Entry(kind, replica, place.name, place.shape, place.start, place.stop)
@@ -168,7 +168,8 @@ class _KeepFirstError:
     a RuntimeError about stream positions."""
 
     def __init__(self, file: Any) -> None:
-        self.file, self.error = file, None
+        self.file = file
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         try:
@@ -186,7 +187,7 @@ def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> None:
     with tmp.open("wb") as f:
         writer = _KeepFirstError(f)
         try:
-            torch.save(payload, writer)
+            torch.save(payload, cast("IO[bytes]", writer))
         except RuntimeError:
             if writer.error is not None:
                 raise writer.error from None
@@ -333,12 +334,12 @@ class Checkpoint:
         return covered > 0
 
     def read_tensors(self, kind: str, replica: int | None,
-                     like: list[torch.Tensor]) -> list[torch.Tensor]:
+                     like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`kind`'s values for tensors shaped and placed like the parameters `like`."""
         return [value for value in self.read_states(kind, replica, like, optional=False)
                 if value is not None]
 
-    def read_states(self, kind: str, replica: int | None, like: list[torch.Tensor],
+    def read_states(self, kind: str, replica: int | None, like: Sequence[torch.Tensor],
                     optional: bool = True) -> list[torch.Tensor | None]:
         """As `read_tensors`; `optional`: None for a parameter the optimizer kept no state for."""
         out: list[torch.Tensor | None] = []

@@ -204,7 +204,7 @@ def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> An
     for name, annotation in hints.items():
         if name not in value:
             continue
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             values[name] = _section(f"{key}.{name}" if key else name, annotation, value[name],
                                     problems)
             continue
@@ -283,4 +283,7 @@ def parse_plan(cfg: DictConfig | Mapping[str, Any]) -> PlanConfig:
 def load_run_config(path: Path) -> RunConfig:
     """A run directory's `config.yaml`, which the head validated before any rank started: the
     ranks parse it and trust it."""
-    return parse(OmegaConf.load(path))
+    loaded = OmegaConf.load(path)
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError([f"{path}: not a mapping of config keys"])
+    return parse(loaded)

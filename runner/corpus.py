@@ -66,11 +66,13 @@ class KingJamesVerses:
     def _verses(self) -> tuple[list[list[str]], list[int]]:
         first_book = {}
         start = 0
-        for section, (_, books) in enumerate(SECTIONS):
-            for book in range(start, start + books):
+        for section, (_, count) in enumerate(SECTIONS):
+            for book in range(start, start + count):
                 first_book[book] = section
-            start += books
-        words, labels, books = [], [], []
+            start += count
+        words: list[list[str]] = []
+        labels: list[int] = []
+        books: list[int] = []
         for line in kjv_file().read_text().splitlines():
             verse = json.loads(line)
             if not books or books[-1] != verse["book"]:

@@ -2,13 +2,17 @@
 images or feature vectors, and token documents with Zipf–Mandelbrot word frequencies.
 
 Every rank loads the same tensors; a strategy picks its samples of each global batch. Nothing is
-downloaded: digits ships inside scikit-learn.
+downloaded: digits ships inside scikit-learn, and is read from its data file without importing
+scikit-learn (whose import pulls in scipy and costs every rank seconds at start-up).
 """
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,20 @@ def _val_size(samples: int, val_fraction: float) -> int:
     return round(samples * val_fraction)
 
 
+def digits_file() -> Path:
+    """scikit-learn's `datasets/data/digits.csv.gz`, found without importing scikit-learn
+    (`find_spec` of a top-level package locates it without running its `__init__`)."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("scikit-learn, whose bundled digits this dataset reads, is not "
+                         "installed: pip install scikit-learn")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    raise ValueError(f"scikit-learn at {spec.origin} has no datasets/data/digits.csv.gz")
+
+
 @register_dataset("digits")
 class Digits:
     """scikit-learn's 1797 handwritten 8×8 digits, scaled to [0, 1], shaped (1, 8, 8)."""
@@ -58,15 +76,22 @@ class Digits:
         self.val_fraction = val_fraction
 
     def spec(self) -> DatasetSpec:
+        digits_file()  # a missing scikit-learn is refused by the head, before any rank starts
         val = _val_size(self.samples, self.val_fraction)
         return DatasetSpec((1, 8, 8), 10, self.samples - val, val)
 
     def load(self) -> ClassificationData:
-        from sklearn.datasets import load_digits
+        # numpy is already loaded by torch; the parse is `sklearn.datasets.load_digits`'s own
+        # (np.loadtxt of the gunzipped text, float64; the last column is the label), so the
+        # tensors are bit-for-bit those built from load_digits() (tests/test_datasets.py).
+        import numpy as np
 
-        digits = load_digits()
-        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-        y = torch.tensor(digits.target, dtype=torch.long)
+        with gzip.open(digits_file(), mode="rt", encoding="utf-8") as text:
+            data = np.loadtxt(text, delimiter=",")
+        images = data[:, :-1].reshape(-1, 8, 8)
+        target = data[:, -1].astype(int, copy=False)
+        x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+        y = torch.tensor(target, dtype=torch.long)
         return _split(x, y, self.spec().val_size)
 
 

@@ -96,13 +96,13 @@ def execute(cfg: DictConfig, run_dir: Path, run: RunConfig | None = None) -> dic
         try:
             run_rank(directory.path, mpi_comm=None)
         except Exception:  # its traceback is printed and its summary written
-            summary = directory.read_summary() or {"status": "failed"}
-            raise RunFailed(_failure_message(1, 1, summary, directory.logs)) from None
-        summary = directory.read_summary()
-        assert summary is not None
-        if summary.get("status") == "interrupted":
-            raise RunInterrupted(summary["message"])
-        return summary
+            failed = directory.read_summary() or {"status": "failed"}
+            raise RunFailed(_failure_message(1, 1, failed, directory.logs)) from None
+        outcome = directory.read_summary()
+        assert outcome is not None
+        if outcome.get("status") == "interrupted":
+            raise RunInterrupted(outcome["message"])
+        return outcome
     result = run_mpi_job(run, directory.path)
     code = result.exit_code
     summary = directory.read_summary()

@@ -67,6 +67,14 @@ def cnn(input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = 
     return nn.Sequential(*layers)
 
 
+def _first(value: object) -> int:
+    """The height entry of a layer's kernel size, stride or padding (an int or a pair)."""
+    if isinstance(value, int):
+        return value
+    assert isinstance(value, tuple), value  # alexnet's layers use numbers, never 'same'
+    return int(value[0])
+
+
 @register_model("alexnet")
 def alexnet(input_shape: Sequence[int], num_classes: int,
             sample_shape: Sequence[int] = (3, 227, 227), classes: int = 1000) -> nn.Sequential:
@@ -87,9 +95,8 @@ def alexnet(input_shape: Sequence[int], num_classes: int,
     height, width = int(input_shape[1]), int(input_shape[2])
     for layer in features:
         if isinstance(layer, (nn.Conv2d, nn.MaxPool2d)):
-            k, st, pd = (layer.kernel_size, layer.stride, layer.padding)
-            k, st, pd = (k if isinstance(k, int) else k[0], st if isinstance(st, int) else st[0],
-                         pd if isinstance(pd, int) else pd[0])
+            k, st, pd = (_first(layer.kernel_size), _first(layer.stride),
+                         _first(layer.padding))
             height, width = (height + 2 * pd - k) // st + 1, (width + 2 * pd - k) // st + 1
     flat = 256 * height * width
     return nn.Sequential(*features, nn.Flatten(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,8 +42,13 @@ class ReplicaOptimizer:
     # Replicas' weights differ (the EASGD family): a checkpoint keeps each replica's own.
     per_replica: ClassVar[bool] = False
 
+    def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
+                 **options: Any) -> None:
+        """Subclasses take their options as keyword arguments with defaults: their signature
+        is their schema (`runner.options`)."""
+
     @staticmethod
-    def check(**options: object) -> list[str]:
+    def check(*args: Any, **options: Any) -> list[str]:
         """Every problem with these options, given whole (the constructor's defaults filled in
         for the ones the config leaves out: the defaults live in `__init__` alone)."""
         return []

@@ -108,7 +108,7 @@ class MetricsWriter:
     def __init__(self, path: Path, continue_after: int | None = None) -> None:
         if continue_after is not None and path.exists():
             kept = [line for line in path.read_text().splitlines()
-                    if _line_step(line) is not None and _line_step(line) <= continue_after]
+                    if (step := _line_step(line)) is not None and step <= continue_after]
             atomic_write_text(path, "".join(f"{line}\n" for line in kept))
             self._file: TextIO = path.open("a", buffering=1)
         else:

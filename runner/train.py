@@ -202,14 +202,14 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             seconds = time.perf_counter() - began
             t.log_step(step, loss, seconds, grid.counter.since(before), progress)
             at_end = step == steps
-            due = bool(every) and step % every == 0 and not at_end
+            due = every is not None and step % every == 0 and not at_end
             if stopping or due or at_end:
                 if t.anyone_stopping(stopping):
                     stopped_by = stop.signal_name or "a signal to another rank"
                     break
                 if due:
                     t.checkpoint(step)
-            if at_end or (eval_every and step % eval_every == 0):
+            if at_end or (eval_every is not None and step % eval_every == 0):
                 t.evaluate(step, at_end, progress)
         if stopped_by is not None or every:
             t.checkpoint(step)

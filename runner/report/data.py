@@ -14,7 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from omegaconf import OmegaConf
 
@@ -241,5 +241,5 @@ def varying_overrides(jobs: list[Job]) -> tuple[list[str], dict[int, str]]:
     return common, labels
 
 
-def finite(value: Any) -> bool:
+def finite(value: Any) -> TypeGuard[float]:
     return _number(value) and math.isfinite(value)
