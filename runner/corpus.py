@@ -72,7 +72,7 @@ class KingJamesVerses:
             start += count
         words: list[list[str]] = []
         labels: list[int] = []
-        books: list[int] = []
+        books: list[str] = []
         for line in kjv_file().read_text().splitlines():
             verse = json.loads(line)
             if not books or books[-1] != verse["book"]:
