@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
+from torch.optim.sgd import sgd
 
 from runner.core import ProcessGrid
 from runner.registry import register_optimizer
@@ -86,7 +87,10 @@ class ReplicaOptimizer:
 
 @register_optimizer("sgd")
 class SynchronousSGD(ReplicaOptimizer):
-    """Synchronous SGD with optional momentum, Nesterov and weight decay (PyTorch's SGD rule)."""
+    """Synchronous SGD with optional momentum, Nesterov and weight decay: PyTorch's SGD rule,
+    through its functional form (`torch.optim.sgd.sgd`). The `torch.optim.SGD` class would add
+    nothing but its wrapper, whose first use imports torch._dynamo and sympy: 1-2 s of every
+    rank's start-up."""
 
     SCHEDULES = ("constant", "cosine")
 
@@ -94,15 +98,15 @@ class SynchronousSGD(ReplicaOptimizer):
                  lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, schedule: str = "constant",
                  warmup_steps: int = 0) -> None:
-        self.base_lr, self.total_steps = lr, total_steps
+        self.base_lr, self.current_lr, self.total_steps = lr, lr, total_steps
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
         self.schedule, self.warmup_steps = schedule, warmup_steps
-        self.torch_optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
-                                               weight_decay=weight_decay, nesterov=nesterov)
+        self.params = list(model.parameters())
+        self.momentum_buffers: list[torch.Tensor | None] = [None] * len(self.params)
         # Momentum and weight decay move every row of an embedding table every step: its
         # row-sparse gradient (after a sparse exchange) is then applied densely. PyTorch's own
         # sparse momentum would concatenate rows without end and slow down step after step.
         self.dense_update = momentum > 0 or weight_decay > 0
-        self.params = list(model.parameters())
 
     @staticmethod
     def check(lr: float, momentum: float, weight_decay: float, nesterov: bool, schedule: str,
@@ -124,30 +128,34 @@ class SynchronousSGD(ReplicaOptimizer):
         return errors
 
     def step(self, step: int) -> None:
-        lr = scheduled_lr(self.base_lr, step, self.total_steps, self.schedule, self.warmup_steps)
-        for group in self.torch_optimizer.param_groups:
-            group["lr"] = lr
-        if self.dense_update:
-            for p in self.params:
-                if p.grad is not None and p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
-        self.torch_optimizer.step()
+        self.current_lr = scheduled_lr(self.base_lr, step, self.total_steps, self.schedule,
+                                       self.warmup_steps)
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = []
+        for i in with_grad:
+            grad = self.params[i].grad
+            assert grad is not None
+            grads.append(grad.to_dense() if self.dense_update and grad.is_sparse else grad)
+        buffers = [self.momentum_buffers[i] for i in with_grad]
+        with torch.no_grad():
+            sgd([self.params[i] for i in with_grad], grads, buffers,
+                has_sparse_grad=any(g.is_sparse for g in grads), foreach=None,
+                weight_decay=self.weight_decay, momentum=self.momentum, lr=self.current_lr,
+                dampening=0.0, nesterov=self.nesterov, maximize=False)
+        for i, buffer in zip(with_grad, buffers, strict=True):
+            self.momentum_buffers[i] = buffer
 
     @property
     def lr(self) -> float:
-        return float(self.torch_optimizer.param_groups[0]["lr"])
+        return float(self.current_lr)
 
     def state_kinds(self) -> tuple[str, ...]:
-        return ("momentum",) if self.torch_optimizer.defaults["momentum"] else ()
+        return ("momentum",) if self.momentum else ()
 
     def param_states(self) -> dict[str, list[torch.Tensor | None]]:
-        if not self.state_kinds():
-            return {}
-        state = self.torch_optimizer.state
-        return {"momentum": [state[p].get("momentum_buffer") if p in state else None
-                             for p in self.params]}
+        return {"momentum": list(self.momentum_buffers)} if self.momentum else {}
 
     def load_param_states(self, states: dict[str, list[torch.Tensor | None]]) -> None:
-        for p, buffer in zip(self.params, states.get("momentum", []), strict=False):
+        for i, buffer in enumerate(states.get("momentum", [])[:len(self.params)]):
             if buffer is not None:
-                self.torch_optimizer.state[p]["momentum_buffer"] = buffer
+                self.momentum_buffers[i] = buffer

@@ -1,13 +1,53 @@
-"""The token datasets: the synthetic Zipf–Mandelbrot documents and the real corpus."""
+"""The datasets: digits read without scikit-learn, the synthetic Zipf–Mandelbrot documents and
+the real corpus."""
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from runner.datasets import ZipfTokens
+from runner.datasets import Digits, ZipfTokens, _split
+
+
+@pytest.mark.parametrize("val_fraction", [0.2, 0.35])
+def test_digits_are_bitwise_those_of_sklearn_load_digits(val_fraction: float) -> None:
+    from sklearn.datasets import load_digits
+
+    # the reference: how the loader built them through scikit-learn before reading the file
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    dataset = Digits(val_fraction)
+    expected, data = _split(x, y, dataset.spec().val_size), dataset.load()
+    for name in ("train_x", "train_y", "val_x", "val_y"):
+        got, want = getattr(data, name), getattr(expected, name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        if got.is_floating_point():  # the bits themselves (torch.equal takes -0.0 for 0.0)
+            got, want = got.contiguous().view(torch.int32), want.contiguous().view(torch.int32)
+        assert torch.equal(got, want), name
+    assert data.train_x.shape == (1797 - dataset.spec().val_size, 1, 8, 8)
+
+
+def test_digits_load_without_importing_sklearn_or_scipy() -> None:
+    # a fresh interpreter: this one may have imported scikit-learn already
+    code = ("import sys; from runner.datasets import Digits; d = Digits(); d.spec(); d.load(); "
+            "print(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_missing_sklearn_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    for call in (Digits().spec, Digits().load):  # the head's check and a rank's load alike
+        with pytest.raises(ValueError, match="pip install scikit-learn"):
+            call()
 
 
 def test_token_dataset_expected_rows_match_its_batches() -> None:

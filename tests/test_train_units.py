@@ -115,3 +115,36 @@ def test_a_resumed_run_continues_its_metrics_after_the_checkpoint(tmp_path: Path
                                                        (5, 1), (6, 60)]
     MetricsWriter(path).close()  # a fresh run starts a new file
     assert path.read_text() == ""
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay", "nesterov"),
+                         [(0.0, 0.0, False), (0.9, 0.0, False), (0.9, 1e-3, True),
+                          (0.5, 0.1, False)])
+def test_sgd_is_pytorchs_sgd_bit_for_bit(momentum: float, weight_decay: float,
+                                         nesterov: bool) -> None:
+    """`sgd` applies PyTorch's rule through its functional form: the same weights as
+    torch.optim.SGD, bit for bit, over a cosine schedule with warm-up."""
+    from runner.core import ProcessGrid
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+    reference, ours = net(), net()
+    torch_sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum,
+                                weight_decay=weight_decay, nesterov=nesterov)
+    sgd = SynchronousSGD(ours, ProcessGrid(1, 1), 30, lr=0.1, momentum=momentum,
+                         weight_decay=weight_decay, nesterov=nesterov, schedule="cosine",
+                         warmup_steps=3)
+    for step in range(30):
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step))
+        for model in (reference, ours):
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+        for group in torch_sgd.param_groups:
+            group["lr"] = scheduled_lr(0.1, step, 30, "cosine", 3)
+        torch_sgd.step()
+        sgd.step(step)
+    assert sgd.lr == torch_sgd.param_groups[0]["lr"]
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), ours.parameters(),
+                                                 strict=True))
