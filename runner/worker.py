@@ -1,7 +1,8 @@
 """`python -m runner.worker RUN_DIR`: one rank of a training job the head started.
 
 The launcher starts this once per rank; it forks the rank under its supervisor
-(`runner.supervisor`) and the rank trains (`runner.rank`).
+(`runner.supervisor`) and the rank trains (`runner.rank`), then ends without the interpreter's
+teardown (`runner.process`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 from runner.mpienv import detect_mpi_environment
+from runner.process import end_process
 from runner.supervisor import supervise
 
 
@@ -28,7 +30,7 @@ def main(argv: list[str]) -> int:
 
     from runner.rank import run_rank
 
-    return run_rank(run_dir, MPI.COMM_WORLD)
+    end_process(run_rank(run_dir, MPI.COMM_WORLD))
 
 
 if __name__ == "__main__":

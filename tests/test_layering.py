@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("config and registries", {"runner.config", "runner.options", "runner.registry"}),
     ("strategies", {"strategies."}),
     ("the distributed-tensor core", {"runner.core."}),
-    ("utilities", {"runner", "runner.rundir", "runner.console", "runner.logs"}),
+    ("utilities", {"runner", "runner.rundir", "runner.console", "runner.logs",
+                   "runner.process"}),
 ]
 
 
