@@ -198,22 +198,26 @@ def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> An
     hints = _hints(schema)
     unknown = sorted(k for k in value if k not in hints)
     if unknown:
-        problems.append(f"{key}: unknown key(s) {', '.join(f'{key}.{k}' for k in unknown)}; "
+        where = f"{key}: " if key else ""
+        problems.append(f"{where}unknown key(s) {', '.join(_join(key, k) for k in unknown)}; "
                         f"valid: {', '.join(hints)}")
     values = {}
     for name, annotation in hints.items():
-        if name not in value:
+        if name not in value or (not key and name in PLUGIN_GROUPS):  # see _plugin
             continue
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-            values[name] = _section(f"{key}.{name}" if key else name, annotation, value[name],
-                                    problems)
+            values[name] = _section(_join(key, name), annotation, value[name], problems)
             continue
-        problem = type_problem(f"{key}.{name}" if key else name, value[name], annotation)
+        problem = type_problem(_join(key, name), value[name], annotation)
         if problem:
             problems.append(problem)
         else:
             values[name] = value[name]
     return schema(**values)
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
 
 
 def _hints(schema: type[Any]) -> dict[str, Any]:

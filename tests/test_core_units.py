@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 import pytest
 import torch
 
 from runner.core import CommCounter, CountedComm, ProcessGrid, balanced_sizes, balanced_slice
-from runner.core.registry import Registry, UnknownPluginError, unknown_options
+from runner.core.registry import Registry, UnknownPluginError
 from runner.mpienv import detect_mpi_environment
+from runner.options import option_problems, with_defaults
+
+Mode = Literal["a", "b"]
 
 
 @pytest.mark.parametrize("total,parts", [(10, 3), (7, 7), (3, 5), (0, 2), (1024, 4), (13, 1)])
@@ -53,12 +59,47 @@ def test_registry_names_the_registered_plugins() -> None:
         registry.register("a")(float)
 
 
-def test_unknown_options_are_found_from_the_signature() -> None:
-    def factory(input_shape, num_classes, hidden=(1,), activation="relu"):
+def test_plugin_options_are_checked_against_the_signature() -> None:
+    def factory(input_shape: tuple[int, ...], num_classes: int, hidden: Sequence[int] = (1,),
+                activation: str = "relu", rate: float | None = None,
+                mode: Mode = "a", untyped=3):
         return None
 
-    assert unknown_options(factory, {"hidden": 1, "depth": 2}, ("input_shape",)) == ["depth"]
-    assert unknown_options(factory, {"input_shape": 1}, ("input_shape",)) == ["input_shape"]
+    reserved = ("input_shape", "num_classes")
+    assert option_problems("model", factory, {"hidden": [4, 5], "rate": 1, "untyped": "x"},
+                           reserved) == []
+    assert option_problems("model", factory, {"depth": 2, "input_shape": 1}, reserved) == [
+        "model: unknown option(s) model.depth, model.input_shape; valid: activation, hidden, "
+        "mode, rate, untyped"]
+    assert option_problems("model", factory, {"hidden": [1.5], "activation": 3, "rate": "x",
+                                              "mode": "c"}, reserved) == [
+        "model.hidden=[1.5]: must be a list of integers",
+        "model.activation=3: must be a string",
+        "model.rate=x: must be null or a number",
+        "model.mode=c: must be one of a, b"]
+    assert with_defaults(factory, {"rate": 0.5}, reserved) == {
+        "hidden": (1,), "activation": "relu", "rate": 0.5, "mode": "a", "untyped": 3}
+
+
+def test_the_schema_names_every_unknown_key_and_wrong_type() -> None:
+    from runner.config import ConfigError, parse
+
+    good = {"model": {"name": "mlp"}, "dataset": {"name": "digits"},
+            "strategy": {"name": "grid"}, "optimizer": {"name": "sgd"}}
+    run = parse({**good, "trainer": {"steps": 7}, "grid": {"pr": 1, "pc": 4}})
+    assert (run.trainer.steps, run.trainer.batch_size, run.grid.size) == (7, 64, 4)
+    with pytest.raises(ConfigError) as refused:
+        parse({**good, "trainer": {"steps": 1.5, "stepz": 2}, "grid": {"pc": "x"},
+               "debug": {"isolate_comm": "yes"}, "optimizer": None, "colour": "red"})
+    assert refused.value.problems == [
+        "unknown key(s) colour; valid: seed, grid, trainer, launcher, logger, debug, plan, "
+        "model, dataset, strategy, optimizer",
+        "grid.pc=x: must be an integer",
+        "trainer: unknown key(s) trainer.stepz; valid: steps, batch_size, log_every, eval_every, "
+        "checkpoint_every, keep_checkpoints, resume, comm_timeout_s, threads, dtype",
+        "trainer.steps=1.5: must be an integer",
+        "debug.isolate_comm=yes: must be true or false",
+        "optimizer: missing (choose one with optimizer=NAME)"]
 
 
 @pytest.mark.parametrize("env,expected", [

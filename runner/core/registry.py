@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -43,19 +42,3 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._plugins
-
-
-def unknown_options(factory: Callable[..., Any], options: Mapping[str, Any],
-                    reserved: tuple[str, ...] = ()) -> list[str]:
-    """Names in `options` that `factory` does not accept as keyword arguments."""
-    params = inspect.signature(factory).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    accepted = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL}
-    accepted -= set(reserved)
-    return sorted(k for k in options if k not in accepted)
-
-
-def accepted_options(factory: Callable[..., Any], reserved: tuple[str, ...] = ()) -> list[str]:
-    params = inspect.signature(factory).parameters
-    return sorted(n for n in params if n not in reserved and n != "self")
