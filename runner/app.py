@@ -51,6 +51,7 @@ def precheck(args: list[str]) -> str | None:
 
     from runner.config import ConfigError
     from runner.preflight import machine_problems
+    from runner.rundir import RunDirInUse, lock_run_dir
     from runner.validation import validate
 
     try:
@@ -67,6 +68,10 @@ def precheck(args: list[str]) -> str | None:
     problems = machine_problems(run, run_dir, inside_mpi_job=_mpi is not None)
     if problems:
         return "; ".join(problems)
+    try:  # before Hydra or the run writes anything into it
+        lock_run_dir(run_dir)
+    except RunDirInUse as exc:
+        return str(exc)
     _checked = run
     return None
 

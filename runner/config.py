@@ -239,13 +239,17 @@ def plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     missing value (`???`) or an interpolation that does not resolve."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(dict(cfg))
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError([f"missing required value: {', '.join(missing)}"])
     try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise ConfigError([f"missing required value: {', '.join(missing)}"])
         container = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:  # interpolation errors name the key themselves
-        raise ConfigError([f"cannot resolve config: {exc}".splitlines()[0]]) from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # an interpolation that does not resolve: name its key
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise ConfigError([f"{where}cannot resolve {str(exc).splitlines()[0]}"]) from None
     assert isinstance(container, dict)
     return {str(k): v for k, v in container.items()}
 

@@ -22,7 +22,7 @@ from runner.config import ConfigError, LauncherConfig, RunConfig
 from runner.console import FORCE_TERMINAL_ENV
 from runner.mpijob import JobResult, MPIJob
 from runner.preflight import bundled_mpiexec, machine_problems
-from runner.rundir import RunDir, write_json
+from runner.rundir import RunDir, RunDirInUse, lock_run_dir, release_run_dir, write_json
 
 _LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MV2_", "HYDRA_", "MPI_LOCAL")
 
@@ -86,7 +86,17 @@ def execute(cfg: DictConfig, run_dir: Path, run: RunConfig | None = None) -> dic
     """
     if run is None:
         run = checked_run(cfg, run_dir)
-    directory = RunDir(run_dir)
+    try:
+        lock_run_dir(run_dir)  # held already when the head's precheck took it
+    except RunDirInUse as exc:
+        raise ConfigError([str(exc)]) from None
+    try:
+        return _execute(cfg, run, RunDir(run_dir))
+    finally:
+        release_run_dir(run_dir)
+
+
+def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, Any]:
     directory.create(cfg)
     # An earlier run's outcome in this directory (resumed, or rerun) is not this run's.
     directory.summary.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ where the constructor declares them. No Hydra, no torch.
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -79,8 +80,32 @@ def shown(value: Any) -> str:
     return str(value)
 
 
+def _accepts(annotation: Any, kind: type) -> bool:
+    if annotation is kind:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_accepts(a, kind) for a in typing.get_args(annotation))
+    return False
+
+
+INT_BITS = 64  # what torch and MPI take: a larger integer overflows where it is used
+
+
 def type_problem(key: str, value: Any, annotation: Any) -> str | None:
-    """`key=value: must be …` when `value` does not fit `annotation`, else None."""
+    """`key=value: must be …` when `value` does not fit `annotation`, else None. Numbers must
+    also be usable: finite (NaN and infinities are refused), integers within 64 bits."""
+    if isinstance(value, float) and not math.isfinite(value) and _accepts(annotation, float):
+        return f"{key}={shown(value)}: must be a finite number"
+    if (isinstance(value, int) and not isinstance(value, bool) and _accepts(annotation, int)
+            and not -(2 ** (INT_BITS - 1)) <= value < 2 ** (INT_BITS - 1)):
+        return f"{key}={value}: must be an integer of at most {INT_BITS} bits"
+    if isinstance(value, (list, tuple)) and _matches(value, annotation):
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        element = args[0] if len(args) == 1 else None
+        for item in value if element is not None else ():
+            problem = type_problem(key, item, element)
+            if problem:
+                return f"{key}={shown(value)}: {problem.split(': ', 1)[1]} (each item)"
     if _matches(value, annotation):
         return None
     return f"{key}={shown(value)}: must be {describe(annotation)}"

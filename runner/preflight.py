@@ -1,6 +1,7 @@
 """What is checked on the machine before a run starts, after the config itself is valid: that
-the launcher exists, that the run directory can be made and written, and that its disk has room
-for the checkpoints the run will keep. A problem is one line, before any MPI job exists."""
+the launcher exists, that the run directory is a directory of its own (not the current one) and
+can be made and written, and that its disk has room for the checkpoints the run will keep. A
+problem is one line, before any MPI job exists."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from runner.checkpoint import checkpoint_bytes, space_problem
 from runner.config import LauncherConfig, RunConfig
-from runner.rundir import unwritable
+from runner.rundir import run_dir_problem, unwritable
 
 MIN_FREE_BYTES = 16 << 20  # logs, metrics and the summary of any run
 
@@ -21,6 +22,11 @@ def bundled_mpiexec() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+# The flag for the number of ranks that launchers gridrun knows take (others: any flag).
+NPROC_FLAGS = {"mpiexec": ("-n", "-np"), "mpirun": ("-n", "-np", "-c"),
+               "mpiexec.hydra": ("-n", "-np"), "srun": ("-n", "--ntasks")}
+
+
 def launcher_problems(launcher: LauncherConfig) -> list[str]:
     argv = launcher.argv
     command = argv[0] if argv else bundled_mpiexec()
@@ -29,7 +35,90 @@ def launcher_problems(launcher: LauncherConfig) -> list[str]:
                 "launcher.command to your site's launcher"]
     if shutil.which(command) is None:
         return [f"launcher.command={command}: not found or not executable"]
+    known = NPROC_FLAGS.get(Path(command).name, ())
+    flag = launcher.nproc_flag
+    if (known and flag not in known) or not flag.startswith("-"):
+        valid = f"one of {', '.join(known)}" if known else "a flag"
+        return [f"launcher.nproc_flag={flag}: {Path(command).name} takes the number of ranks "
+                f"after {valid}"]
     return []
+
+
+GIB = float(1 << 30)
+RUNTIME_BYTES = 300 << 20  # a rank's interpreter, torch and MPI before any tensor (measured)
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can give a new job now (MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def ranks_on_this_machine(run: RunConfig, inside_mpi_job: bool) -> int | None:
+    """How many of the run's ranks this machine hosts (None: not known here, e.g. srun)."""
+    import os
+
+    if run.grid.size == 1:
+        return 1
+    if inside_mpi_job:
+        for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"):
+            if os.environ.get(name, "").isdigit():
+                return int(os.environ[name])
+        return None
+    return run.grid.size if not run.launcher.argv else None
+
+
+def memory_estimate(run: RunConfig) -> dict[str, int]:
+    """Rank 0's bytes, by what holds them: the planner's parameter and activation counts for
+    this strategy and grid, gradients (one copy), optimizer state, the dataset (every rank
+    loads it whole) and the runtime. An estimate: allocator slack and temporaries are not in
+    it."""
+    import math
+    import warnings
+
+    from runner import assembly
+
+    dataset = assembly.build_dataset(run.dataset)
+    spec = dataset.spec()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = assembly.model_for(run.model, spec, assembly.dtype_of(run), device="meta")
+    strategy = assembly.build_strategy(run.strategy)
+    params = strategy.predict_param_bytes(model, spec.input_shape, run.grid)
+    optimizer = assembly.optimizer_class(run.optimizer)
+    momentum = float(run.optimizer.options.get("momentum") or 0) > 0
+    # momentum/velocity: one copy; a centre variable: its flat copy and the differences
+    copies = int(momentum) + (2 if optimizer.has_centre else 0)
+    itemsize = 8 if spec.vocab_size is not None else assembly.dtype_of(run).itemsize
+    return {
+        "parameters": params, "gradients": params, "optimizer state": copies * params,
+        # outputs kept for backward, and their gradients
+        "activations": 2 * strategy.predict_activation_bytes(
+            model, spec.input_shape, run.grid, run.trainer.batch_size),
+        "dataset": (spec.train_size + spec.val_size) * math.prod(spec.input_shape) * itemsize,
+        "runtime": RUNTIME_BYTES}
+
+
+def memory_problem(run: RunConfig, inside_mpi_job: bool) -> str | None:
+    """A run that cannot fit in this machine's memory, refused before its ranks allocate."""
+    ranks, available = ranks_on_this_machine(run, inside_mpi_job), available_memory()
+    if ranks is None or available is None:
+        return None
+    parts = memory_estimate(run)
+    per_rank = sum(parts.values())
+    if per_rank * ranks <= available:
+        return None
+    detail = ", ".join(f"{what} {size / GIB:.1f}" for what, size in parts.items())
+    largest = max(parts, key=lambda what: parts[what])
+    return (f"the run needs about {per_rank * ranks / GIB:.1f} GiB on this machine ({ranks} "
+            f"rank(s) x {per_rank / GIB:.1f} GiB: {detail}), {available / GIB:.1f} GiB are "
+            f"available; the largest part is the {largest} (model={run.model.name}, "
+            f"dataset={run.dataset.name}, trainer.batch_size={run.trainer.batch_size})")
 
 
 def parameter_bytes(run: RunConfig) -> int:
@@ -61,7 +150,10 @@ def checkpoint_space_needed(run: RunConfig) -> tuple[int, str]:
 def machine_problems(run: RunConfig, run_dir: Path, inside_mpi_job: bool = False) -> list[str]:
     """Every reason this machine cannot run `run` into `run_dir` (empty: go)."""
     problems = [] if inside_mpi_job or run.grid.size == 1 else launcher_problems(run.launcher)
-    problem = unwritable(run_dir)
+    memory = memory_problem(run, inside_mpi_job)
+    if memory:
+        problems.append(memory)
+    problem = run_dir_problem(run_dir) or unwritable(run_dir)
     if problem:
         return [*problems, problem]
     needed, what = checkpoint_space_needed(run)

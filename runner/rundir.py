@@ -9,15 +9,21 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -63,6 +69,134 @@ class RunDir:
             return None
 
 
+LOCK_FILE = ".lock"
+
+
+class RunDirInUse(RuntimeError):
+    """Another live run holds the run directory."""
+
+
+class RunDirLock:
+    """A run directory belongs to one run at a time: `RUN_DIR/.lock` holds the owner's pid,
+    host and start time, under an exclusive `flock` that the kernel drops when the owner dies,
+    however it dies (so a lock left by a killed run is stale and is taken over). Where the file
+    system cannot `flock`, the pid is checked instead (on the same host; a lock of another host
+    is honoured until it is removed by hand)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise `RunDirInUse` naming its owner (makes the directory)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunDirInUse(self._in_use_message()) from None
+            except OSError:  # no flock here (some network file systems): judge by pid, host
+                owner = self._owner()
+                if owner and not self._stale(owner):
+                    os.close(fd)
+                    raise RunDirInUse(self._in_use_message()) from None
+            try:  # the owner may have removed the file between our open and our lock
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        owner = self._owner()
+        if owner is not None and owner.get("pid") == os.getpid():
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        os.close(self._fd)  # drops the flock
+        self._fd = None
+
+    def _owner(self) -> dict[str, Any] | None:
+        try:
+            owner = json.loads(self.path.read_text() or "null")
+        except (OSError, ValueError):
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    @staticmethod
+    def _stale(owner: dict[str, Any]) -> bool:
+        if owner.get("host") != socket.gethostname():
+            return False
+        try:
+            os.kill(int(owner.get("pid", 0)), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError, OverflowError):
+            return False
+        return False
+
+    def _in_use_message(self) -> str:
+        owner = self._owner() or {}
+        since = owner.get("since")
+        when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) \
+            if isinstance(since, (int, float)) else ""
+        return (f"the run directory {self.path.parent} is in use by another run (pid "
+                f"{owner.get('pid', '?')} on {owner.get('host', '?')}{when}): choose another "
+                f"hydra.run.dir, or wait for that run to end")
+
+
+_held: dict[Path, RunDirLock] = {}
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold `run_dir` for this process until it exits (idempotent; `RunDirInUse` when another
+    live run holds it)."""
+    key = Path(run_dir).resolve()
+    if key in _held:
+        return
+    lock = RunDirLock(key)
+    lock.acquire()
+    if not _held:
+        atexit.register(release_run_dirs)
+    _held[key] = lock
+
+
+def release_run_dir(run_dir: Path) -> None:
+    lock = _held.pop(Path(run_dir).resolve(), None)
+    if lock is not None:
+        lock.release()
+
+
+def release_run_dirs() -> None:
+    for key in list(_held):
+        release_run_dir(key)
+
+
+def run_dir_problem(run_dir: Path) -> str | None:
+    """Why `run_dir` cannot be a run's own directory (None: it can): the current directory
+    (an empty `hydra.run.dir=`), or a directory that holds something other than a run."""
+    if str(run_dir) in ("", "."):
+        return ("hydra.run.dir is empty: the run would write into the current directory; name "
+                "a directory of its own")
+    resolved = Path(run_dir).resolve()
+    for what, place in (("the current directory", Path.cwd().resolve()),
+                        ("the file system root", Path(resolved.anchor))):
+        if resolved == place:
+            return f"hydra.run.dir={run_dir} is {what}: name a directory of its own for the run"
+    if resolved.is_dir() and any(resolved.iterdir()) and not any(
+            (resolved / name).exists() for name in ("config.yaml", ".hydra", LOCK_FILE)):
+        return (f"hydra.run.dir={run_dir} holds files that are not a run's: name a new or an "
+                f"earlier run's directory")
+    return None
+
+
 def unwritable(path: Path) -> str | None:
     """Why a run directory cannot be made or written at `path` (None: it can): tried for real
     in its nearest existing ancestor, with a file made and removed again."""
@@ -86,13 +220,20 @@ def nearest_existing(path: Path) -> Path:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary name, flush it to disk, then rename: readers never see a
-    half-written file, and a crash never leaves a complete name over incomplete contents."""
+    half-written file, and a crash never leaves a complete name over incomplete contents. A
+    failed write (a full disk) removes its temporary file and raises an `OSError` naming
+    `path`."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -106,19 +247,31 @@ class MetricsWriter:
     after s are dropped: those steps run again)."""
 
     def __init__(self, path: Path, continue_after: int | None = None) -> None:
+        self.path = path
         if continue_after is not None and path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if (step := _line_step(line)) is not None and step <= continue_after]
             atomic_write_text(path, "".join(f"{line}\n" for line in kept))
-            self._file: TextIO = path.open("a", buffering=1)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         else:
-            self._file = path.open("w", buffering=1)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        """One line, whole or not at all: a write the disk cannot take whole is cut back to
+        the end of the last line, and the error names the file."""
+        line = (json.dumps(record) + "\n").encode()
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):  # a short write: the disk filled up mid-line
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
 
 def _line_step(line: str) -> int | None:

@@ -9,6 +9,7 @@ one line. The ranks do not repeat any of this: they trust the `config.yaml` the 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -158,7 +159,9 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
     from runner import assembly
 
     try:
-        net = assembly.model_for(plugin, spec, device="meta")
+        with warnings.catch_warnings():  # torch's own words for what is named below
+            warnings.simplefilter("ignore")
+            net = assembly.model_for(plugin, spec, device="meta")
     except ValueError as exc:  # the dataset's inputs are not what the model reads
         problems.append(f"model={plugin.name}: {exc}")
         return None
@@ -166,6 +169,14 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         problems.append(f"model={plugin.name} cannot be built for the dataset's inputs of "
                         f"shape {tuple(spec.input_shape)}: {first}")
+        return None
+    empty = [(name, tuple(p.shape)) for name, p in net.named_parameters() if p.numel() == 0]
+    if empty:
+        name, shape = empty[0]
+        layer = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
+        problems.append(f"model={plugin.name}: {name} ({type(layer).__name__}) would have shape "
+                        f"{shape}: every width and channel count must be >= 1 (model options: "
+                        f"{', '.join(f'{k}={v}' for k, v in plugin.options.items())})")
         return None
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     device = "meta" if param_bytes > META_CHECK_BYTES else "cpu"
