@@ -73,6 +73,9 @@ def _key_problem(exc: BaseException) -> str | None:
                 match.group(2))
             if wanted is not None:
                 return f"{key}={match.group(1)}: must be {describe(wanted)}"
+        match = re.search(r"Value '(.*)' is not a valid bool", str(cause))
+        if match:
+            return f"{key}={match.group(1)}: must be {describe(bool)}"
         return f"{key}: {str(cause).splitlines()[0]}"
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         parent, _, name = key.rpartition(".")

@@ -1,0 +1,208 @@
+"""Bad values, table-driven: each is refused before any process starts, in one line naming it,
+with no run directory left behind and nothing else printed. In-process through the head's own
+check (`runner.app.precheck`: composition, the schema, validation, the machine), which is what
+`python -m runner` runs before anything else; `tests/test_cli_errors.py` proves the exit code 2
+and the absence of tracebacks and MPI jobs through the real command line for a sample.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.app import precheck
+from runner.rundir import LOCK_FILE, MetricsWriter, atomic_write_text, release_run_dirs
+
+EASGD = ["optimizer=easgd"]
+SYNTH = ["dataset=synthetic"]
+TOKENS = ["model=bag_classifier", "dataset=tokens", "strategy=data", "grid.pr=1", "grid.pc=4"]
+
+# (overrides, a fragment the one line must contain: the key or the value it names)
+BAD: list[tuple[list[str], str]] = [
+    (["seed=-1"], "seed=-1"),
+    (["seed=99999999999999999999"], "seed=99999999999999999999"),
+    (["seed=abc"], "seed=abc"),
+    (["seed=1.5"], "seed=1.5"),
+    (["grid.pr=0"], "grid.pr=0"),
+    (["grid.pc=-2"], "grid.pc=-2"),
+    (["grid.pr=two"], "grid.pr=two"),
+    (["grid.pc=1.5"], "grid.pc=1.5"),
+    (["trainer.steps=0"], "trainer.steps=0"),
+    (["trainer.steps=1.5"], "trainer.steps=1.5"),
+    (["trainer.steps=abc"], "trainer.steps=abc"),
+    (["trainer.batch_size=0"], "trainer.batch_size=0"),
+    (["trainer.batch_size=-8"], "trainer.batch_size=-8"),
+    (["trainer.log_every=0"], "trainer.log_every=0"),
+    (["trainer.eval_every=0"], "trainer.eval_every=0"),
+    (["trainer.checkpoint_every=0"], "trainer.checkpoint_every=0"),
+    (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0"),
+    (["trainer.threads=0"], "trainer.threads=0"),
+    (["trainer.dtype=float16"], "trainer.dtype=float16"),
+    (["trainer.comm_timeout_s=-1"], "trainer.comm_timeout_s=-1"),
+    (["trainer.comm_timeout_s=0"], "trainer.comm_timeout_s=0"),
+    (["trainer.comm_timeout_s=nan"], "trainer.comm_timeout_s=nan"),
+    (["trainer.comm_timeout_s=inf"], "trainer.comm_timeout_s=inf"),
+    (["trainer.resume=/no/such/checkpoint"], "trainer.resume=/no/such/checkpoint"),
+    (["trainer.stepz=5"], "trainer.stepz"),
+    (["+trainer.foo=1"], "trainer.foo"),
+    (["+grid.pz=2"], "grid.pz"),
+    (["+colour=red"], "colour"),
+    (["trainer.steps=???"], "trainer.steps"),
+    (["trainer.steps=${nothere}"], "trainer.steps"),
+    (["debug.fail_mode=explode"], "debug.fail_mode=explode"),
+    (["debug.fail_at_step=0"], "debug.fail_at_step=0"),
+    (["debug.fail_at_step=1", "debug.fail_on_rank=7"], "debug.fail_on_rank=7"),
+    (["debug.slow_rank=9", "debug.slow_seconds=0.1"], "debug.slow_rank=9"),
+    (["debug.slow_seconds=-1"], "debug.slow_seconds"),
+    (["debug.slow_seconds=inf"], "debug.slow_seconds=inf"),
+    (["debug.slow_seconds=nan"], "debug.slow_seconds=nan"),
+    (["debug.isolate_comm=maybe"], "debug.isolate_comm=maybe"),
+    (["logger=wandb"], "wandb"),
+    (["launcher.nproc_flag=--bogus"], "launcher.nproc_flag=--bogus"),
+    (["launcher.command=/nonexistent/mpiexec"], "launcher.command=/nonexistent/mpiexec"),
+    (["hydra.run.dir="], "hydra.run.dir"),
+    (["optimizer.lr=abc"], "optimizer.lr=abc"),
+    (["optimizer.lr=nan"], "optimizer.lr=nan"),
+    (["optimizer.lr=inf"], "optimizer.lr=inf"),
+    (["optimizer.lr=0"], "optimizer.lr"),
+    (["optimizer.lr=-0.1"], "optimizer.lr"),
+    (["optimizer.momentum=fast"], "optimizer.momentum=fast"),
+    (["optimizer.momentum=1.5"], "optimizer.momentum"),
+    (["optimizer.weight_decay=nan"], "optimizer.weight_decay=nan"),
+    (["optimizer.weight_decay=-1"], "optimizer.weight_decay"),
+    (["optimizer.nesterov=maybe"], "optimizer.nesterov=maybe"),
+    (["optimizer.schedule=step"], "optimizer.schedule"),
+    (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps"),
+    (["optimizer.warmup_steps=1.5"], "optimizer.warmup_steps=1.5"),
+    ([*EASGD, "optimizer.rho=nan"], "optimizer.rho=nan"),
+    ([*EASGD, "optimizer.rho=-0.5"], "optimizer.rho"),
+    ([*EASGD, "optimizer.period=0"], "optimizer.period"),
+    ([*EASGD, "optimizer.moving_rate=1.5"], "optimizer.moving_rate"),
+    (["strategy.bucket_cap_mb=big"], "strategy.bucket_cap_mb=big"),
+    (["strategy.bucket_cap_mb=0"], "strategy.bucket_cap_mb"),
+    (["strategy.bucket_cap_mb=nan"], "strategy.bucket_cap_mb=nan"),
+    ([*TOKENS, "strategy.sparse=compressed"], "strategy.sparse=compressed"),
+    (["model.hidden=[0]"], "hidden=[0]"),
+    (["model.hidden=[a]"], "model.hidden=[a]"),
+    (["model.hidden=5"], "model.hidden=5"),
+    (["model.hidden=[100000000]"], "GiB"),
+    (["model.activation=swish"], "swish"),
+    (["model=cnn", "model.channels=[0]"], "channels=[0]"),
+    (["model=cnn", "model.kernel_size=0"], "kernel_size=0"),
+    (["+model.depth=3"], "model.depth"),
+    (["model=transformer9"], "transformer9"),
+    (["strategy=pipeline"], "pipeline"),
+    (["optimizer=adamw"], "adamw"),
+    (["strategy=data", "grid.pr=3"], "grid.pr=3"),
+    (["dataset.val_fraction=2"], "val_fraction"),
+    (["dataset.val_fraction=nan"], "dataset.val_fraction=nan"),
+    ([*SYNTH, "dataset.samples=1e11"], "dataset.samples"),
+    ([*SYNTH, "dataset.samples=100000000000"], "GiB"),
+    ([*SYNTH, "dataset.samples=0"], "samples"),
+    ([*SYNTH, "dataset.noise=nan"], "dataset.noise=nan"),
+    ([*SYNTH, "dataset.classes=0"], "classes"),
+    ([*SYNTH, "dataset.shape=[0]"], "shape"),
+]
+
+
+def test_the_table_is_large_enough() -> None:
+    assert len(BAD) >= 60
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), BAD,
+                         ids=[" ".join(o) for o, _ in BAD])
+def test_a_bad_value_is_one_line_naming_it(overrides: list[str], fragment: str, tmp_path: Path,
+                                           capfd: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    args = overrides if any(o.startswith("hydra.run.dir=") for o in overrides) else \
+        [*overrides, f"hydra.run.dir={run_dir}"]
+    try:
+        problem = precheck(args)
+    finally:
+        release_run_dirs()  # a value this table wrongly lets through must not hold its lock
+    assert problem, f"{overrides} was accepted"
+    assert "\n" not in problem and fragment in problem, problem
+    assert not run_dir.exists(), "a refused config must not leave a run directory"
+    printed = capfd.readouterr()
+    assert printed.out == "" and printed.err == "", printed  # e.g. no torch warning above it
+
+
+def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from runner.rundir import lock_run_dir; "
+         f"lock_run_dir({str(run_dir)!r}); print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        problem = precheck([f"hydra.run.dir={run_dir}"])
+        assert problem is not None and "in use by another run" in problem
+        assert f"pid {holder.pid}" in problem
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without releasing: its lock file stays, its flock went with it
+    assert (run_dir / LOCK_FILE).exists()
+    try:
+        assert precheck([f"hydra.run.dir={run_dir}"]) is None
+        owner = json.loads((run_dir / LOCK_FILE).read_text())
+        assert owner["pid"] == os.getpid()
+    finally:
+        release_run_dirs()
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_metrics_lines_are_whole_or_absent(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write({"step": 1, "loss": 1.0})
+    real_write = os.write
+
+    def half_then_full(fd: int, data: bytes) -> int:  # the disk fills up mid-line
+        return real_write(fd, data[:len(data) // 2])
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OSError) as failed:
+        writer.write({"step": 2, "loss": 0.5, "padding": "x" * 100})
+    monkeypatch.undo()
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(path)
+    assert "No space left on device" in str(failed.value)
+    writer.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_full_disk_names_the_file() -> None:
+    writer = MetricsWriter(Path("/dev/full"))
+    with pytest.raises(OSError) as failed:
+        writer.write({"step": 1})
+    writer.close()
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == "/dev/full"
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as failed:
+        atomic_write_text(tmp_path / "summary.json", "{}")
+    assert failed.value.filename == str(tmp_path / "summary.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checking_a_bad_value_is_quick() -> None:
+    """The head refuses without the heavy parts: a type error costs no model at all."""
+    started = time.perf_counter()
+    for _ in range(5):
+        assert precheck(["optimizer.lr=abc", "hydra.run.dir=/nonexistent/x"])
+    assert (time.perf_counter() - started) / 5 < 2.0
