@@ -68,6 +68,12 @@ CASES = {
     "steps_not_an_integer": (["trainer.steps=1.5"], ["trainer.steps=1.5: must be an integer"]),
     "misspelt_key": (["trainer.stepz=5"], ["trainer.stepz: unknown key",
                                            "did you mean trainer.steps?"]),
+    # once a traceback, a torch warning above the line, an accepted NaN and seed
+    "unresolved_interpolation": (["trainer.steps=${nothere}"], ["trainer.steps",
+                                                                 "nothere"]),
+    "zero_channels": (["model=cnn", "model.channels=[0]"], ["model=cnn", "channels=[0]"]),
+    "nan_learning_rate": (["optimizer.lr=nan", "seed=99999999999999999999"],
+                          ["optimizer.lr=nan: must be a finite number", "seed="]),
 }
 
 
