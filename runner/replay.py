@@ -1,28 +1,66 @@
 """`python -m runner.replay RUN_DIR [--run-dir NEW]`: run a run again from its `config.yaml`.
 
-The replay starts from scratch (`trainer.resume` is cleared) in `RUN_DIR/replays/<time>/` unless
-`--run-dir` says otherwise, then compares its per-step training losses with the original's:
-exit 0 when they are identical, 1 when they differ (naming the first step that does), 2 for bad
-input. Runs of an asynchronous optimizer are not deterministic: their difference is reported,
-and the exit code is 0. No Hydra here: the saved config is already resolved.
+The replay starts from scratch in `RUN_DIR/replays/<time>/` unless `--run-dir` says otherwise,
+then compares its per-step training losses with the original's: exit 0 when they are identical,
+1 when they differ (naming the first step that does), 2 for bad input. Runs of an asynchronous
+optimizer are not deterministic: their difference is reported, and the exit code is 0. No Hydra
+here: the saved config is already resolved.
+
+A run directory is data, not a program: it may have been copied from anyone, so the replay takes
+from it what the training computes (seed, grid, trainer, model, dataset, strategy, optimizer,
+logger, debug.isolate_comm) and nothing that names a program to run or a place outside the new
+run directory:
+
+- `launcher` (the whole section: command, nproc_flag, args) comes from this invocation: the
+  bundled mpiexec, or `--launcher-command CMD` (`--launcher-nproc-flag`). `--trust-launcher`
+  takes the run's own; a replay without it names the run's launcher in a note, so it can be seen
+  before it is trusted. A list `command` (older files) is joined into the schema's string.
+- `hydra` (a config.yaml gridrun wrote has none; no Hydra runs here) is dropped, and `plan` (the
+  planner's, whose `out` is a file it writes) is reset to the defaults.
+- `trainer.resume` is cleared: a replay starts from scratch, and a path there would have the
+  validator and the ranks read a checkpoint from anywhere.
+- `debug.fail_*` and `debug.slow_*` are reset unless `--keep-debug`: a copied run could kill
+  itself, hang (for ever with `trainer.comm_timeout_s: null`) or sleep in every step. Only the
+  steps both runs logged are compared, so a replay without the original's failure still
+  compares the steps before it (a `nan` failure then differs from its step).
+- `.hydra/`: only `overrides.yaml` is carried over, less the overrides of the keys above, so the
+  resume command an interrupted replay prints repeats no launcher and no debug failure.
+- Interpolations: gridrun writes config.yaml resolved and never writes `${...}` itself, so a run
+  file (config.yaml, .hydra/overrides.yaml) holding one was not written by it as it stands, and
+  resolving it (`${oc.env:NAME}`) would copy this machine's environment into the new run's
+  files: it is refused, naming the key. Nothing in the run's files is resolved.
+
+Before anything runs, the replay prints the run directory it writes and the launcher command line
+it starts (or that one rank trains in this process).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+import yaml
+from omegaconf import DictConfig, OmegaConf
 
-from runner.config import ConfigError
+from runner.config import ConfigError, DebugConfig, LauncherConfig, PlanConfig, RunConfig
 from runner.console import print_error
-from runner.launch import RunFailed, RunInterrupted, execute
+from runner.launch import RunFailed, RunInterrupted, checked_run, execute, mpi_command
 from runner.report.data import read_metrics
 
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
+DEBUG_KNOBS = ("fail_at_step", "fail_on_rank", "fail_mode", "slow_rank", "slow_seconds")
+NOT_FROM_THE_RUN = ("launcher", "hydra", "plan", "trainer.resume")
+
+
+class Refused(ValueError):
+    """A run file the replay will not run from; the message is the one line the user sees."""
 
 
 def training_losses(run_dir: Path) -> dict[int, float]:
@@ -55,6 +93,150 @@ def uncompared(original: dict[int, float], replay: dict[int, float]) -> str | No
     return f"not compared: {'; '.join(parts)}" if parts else None
 
 
+def interpolated(value: Any) -> tuple[str, str] | None:
+    """The first key (dotted, `[i]` for a list item) whose text holds an interpolation (`${`),
+    in file order, and that text; None when none does. YAML anchors, shared or recursive, are
+    walked once."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    seen: set[int] = set()
+    while stack:
+        key, item = stack.pop()
+        if isinstance(item, str):
+            if "${" in item:
+                return key or "the whole file", item
+        elif isinstance(item, (dict, list)) and id(item) not in seen:
+            seen.add(id(item))
+            if isinstance(item, dict):
+                children = [(f"{key}.{k}" if key else str(k), v) for k, v in item.items()]
+            else:
+                children = [(f"{key}[{i}]", v) for i, v in enumerate(item)]
+            stack.extend(reversed(children))
+    return None
+
+
+def _read_yaml(path: Path) -> Any:
+    """A run file as plain values, nothing resolved; `Refused` when it is no YAML or holds an
+    interpolation."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise Refused(f"{path}: cannot be read: {str(exc).splitlines()[0]}") from None
+    found = interpolated(loaded)
+    if found is not None:
+        key, text = found[0].replace("\n", "\\n"), found[1]
+        shown = text if len(text) <= 60 else f"{text[:57]}..."
+        raise Refused(f"{path}: {key} holds an interpolation ({shown!r}); gridrun writes run "
+                      "files resolved, so this one is not as gridrun wrote it: refused")
+    return loaded
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A run's `config.yaml` as plain values, read as the ranks read it (OmegaConf's YAML) but
+    never resolved: `Refused` for a file with an interpolation, or no mapping."""
+    _read_yaml(path)  # the interpolation check, on the text as written
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as exc:  # OmegaConf's own errors, or a recursion in YAML anchors
+        raise Refused(f"{path}: cannot be read: {str(exc).splitlines()[0]}") from None
+    if not isinstance(loaded, DictConfig):
+        raise Refused(f"{path}: not a mapping of config keys")
+    values = OmegaConf.to_container(loaded, resolve=False)
+    assert isinstance(values, dict)
+    return {str(k): v for k, v in values.items()}
+
+
+def read_overrides(run_dir: Path) -> list[str] | None:
+    """The run's `.hydra/overrides.yaml` as written (None: the run has none); `Refused` for one
+    that is not a list of overrides or that holds an interpolation."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    loaded = _read_yaml(path) or []
+    if not isinstance(loaded, list) or not all(isinstance(o, str) for o in loaded):
+        raise Refused(f"{path}: not a list of overrides")
+    return loaded
+
+
+def kept_override(override: str, keep_debug: bool = False) -> bool:
+    """Whether the replay's `.hydra/overrides.yaml` repeats `override`: not for the keys the
+    replay does not take from the run (`+`, `++` and `~` forms alike)."""
+    key = override.split("=", 1)[0].strip().lstrip("+~")
+    dropped = [*NOT_FROM_THE_RUN, *([] if keep_debug else [f"debug.{k}" for k in DEBUG_KNOBS])]
+    if not keep_debug and key == "debug":  # the whole section at once
+        return False
+    return not any(key == d or key.startswith((f"{d}.", f"{d}/")) for d in dropped)
+
+
+def launcher_section(own: Any, command: str | None = None, nproc_flag: str | None = None,
+                     trust: bool = False) -> Any:
+    """The replay's whole `launcher` section. Trusted: the run's own (a list `command`, as older
+    files hold, joined into the schema's string; anything else is the validator's to refuse).
+    Otherwise this invocation's: `command` (None: the bundled mpiexec) and `nproc_flag`."""
+    if not trust:
+        return dataclasses.asdict(LauncherConfig(command=command, nproc_flag=nproc_flag or "-n"))
+    if own is None:
+        return dataclasses.asdict(LauncherConfig())
+    if isinstance(own, dict) and isinstance(own.get("command"), list):
+        return {**own, "command": shlex.join(str(word) for word in own["command"])}
+    return own
+
+
+def _unused_launcher(own: Any, used: dict[str, Any]) -> str | None:
+    """The run's launcher settings that neither the defaults nor this replay's launcher hold."""
+    if own is None:
+        return None
+    if not isinstance(own, dict):
+        return f"launcher={own!r}"
+    defaults = dataclasses.asdict(LauncherConfig())
+    parts = [f"launcher.{k}={v!r}" for k, v in own.items()
+             if (k not in defaults or v != defaults[k]) and v != used.get(k)]
+    return " ".join(parts) or None
+
+
+def replay_config(values: dict[str, Any], *, launcher_command: str | None = None,
+                  nproc_flag: str | None = None, trust_launcher: bool = False,
+                  keep_debug: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """The config the replay runs, from a run's (see the module docstring for what is taken
+    from where), and the notes that say what was left out."""
+    cfg = copy.deepcopy(values)
+    notes: list[str] = []
+    if cfg.pop("hydra", None) is not None:
+        notes.append("the run's config.yaml has a hydra section (gridrun writes none): dropped")
+    if "plan" in cfg:
+        cfg["plan"] = dataclasses.asdict(PlanConfig())
+    own = cfg.get("launcher")
+    used = launcher_section(own, launcher_command, nproc_flag, trust_launcher)
+    cfg["launcher"] = used
+    unused = None if trust_launcher else _unused_launcher(own, used)
+    if unused:
+        whose = "--launcher-command's" if launcher_command else "the bundled mpiexec"
+        notes.append(f"the run's own launcher is not used ({unused}); this replay runs {whose} "
+                     "(--trust-launcher runs the run's own)")
+    trainer = cfg.get("trainer")
+    if isinstance(trainer, dict) and trainer.get("resume") is not None:
+        notes.append(f"the original ran with trainer.resume={trainer['resume']}; the replay "
+                     "starts from scratch (a resume from another directory's checkpoint logs no "
+                     "early steps: only the steps both runs logged are compared)")
+        trainer["resume"] = None
+    debug = cfg.get("debug")
+    if isinstance(debug, dict) and not keep_debug:
+        defaults = DebugConfig()
+        changed = [f"debug.{k}={debug[k]!r}" for k in DEBUG_KNOBS
+                   if k in debug and debug[k] != getattr(defaults, k)]
+        debug.update({k: getattr(defaults, k) for k in DEBUG_KNOBS if k in debug})
+        if changed:
+            notes.append(f"the run's {' '.join(changed)} not replayed: no rank is made to fail "
+                         "or straggle (--keep-debug keeps them)")
+    return cfg, notes
+
+
+def launch_line(run: RunConfig, run_dir: Path) -> str:
+    """What the replay starts: the launcher's command line, or that one rank trains here."""
+    if run.grid.size == 1:
+        return "none: 1 rank, trained in this process"
+    return shlex.join(mpi_command(run.launcher, run.grid.size, run_dir))
+
+
 def _asynchronous(optimizer: str) -> bool:
     """Whether the optimizer's replicas meet in an order no config fixes."""
     from runner.registry import OPTIMIZERS, load_plugins
@@ -71,35 +253,44 @@ def _holds_a_run(path: Path) -> bool:
                                                      "summary.json"))
 
 
-def replay(run_dir: Path, new_dir: Path | None = None) -> int:
+def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str | None = None,
+           nproc_flag: str | None = None, trust_launcher: bool = False,
+           keep_debug: bool = False) -> int:
+    """Run `run_dir`'s config again into `new_dir` and compare the losses; the exit code."""
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         print_error(f"{run_dir}: not a run directory (no config.yaml)")
         return EXIT_BAD_INPUT
     try:
-        cfg = OmegaConf.load(config_path)
-    except Exception as exc:  # malformed YAML raises yaml's or OmegaConf's errors alike
-        print_error(f"{config_path}: cannot be read: {str(exc).splitlines()[0]}")
+        values = read_config(config_path)
+        overrides = read_overrides(run_dir)
+    except Refused as exc:
+        print_error(str(exc))
         return EXIT_BAD_INPUT
-    if not isinstance(cfg, DictConfig):
-        print_error(f"{config_path}: not a mapping of config keys")
-        return EXIT_BAD_INPUT
-    if OmegaConf.select(cfg, "trainer.resume") is not None:
-        print(f"note: the original ran with trainer.resume={cfg.trainer.resume}; the replay "
-              "starts from scratch (a resume from another directory's checkpoint logs no early "
-              "steps: only the steps both runs logged are compared)", file=sys.stderr)
-        with open_dict(cfg):
-            cfg.trainer.resume = None
+    values, notes = replay_config(values, launcher_command=launcher_command,
+                                  nproc_flag=nproc_flag, trust_launcher=trust_launcher,
+                                  keep_debug=keep_debug)
     new_dir = new_dir or run_dir / "replays" / time.strftime("%Y%m%d-%H%M%S")
     if _holds_a_run(new_dir):  # the original itself, say: its losses would be overwritten
         print_error(f"{new_dir} already holds a run: choose another --run-dir")
         return EXIT_BAD_INPUT
     made = not new_dir.exists()
-    if (run_dir / ".hydra").is_dir():  # the overrides a resume command repeats
-        shutil.copytree(run_dir / ".hydra", new_dir / ".hydra", dirs_exist_ok=True)
-    print(f"replaying {run_dir} in {new_dir}")
+    cfg = OmegaConf.create(values)
     try:
-        execute(cfg, new_dir)
+        run = checked_run(cfg, new_dir)
+    except ConfigError as exc:
+        print_error(str(exc))
+        return EXIT_BAD_INPUT
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr)
+    print(f"replaying {run_dir} in {new_dir}")
+    print(f"launcher: {launch_line(run, new_dir)}", flush=True)
+    if overrides is not None:  # the overrides a resume command repeats
+        (new_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        kept = [o for o in overrides if kept_override(o, keep_debug)]
+        (new_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(kept))
+    try:
+        execute(cfg, new_dir, run)
     except ConfigError as exc:
         if made:  # nothing ran: leave nothing behind
             shutil.rmtree(new_dir, ignore_errors=True)
@@ -120,7 +311,7 @@ def replay(run_dir: Path, new_dir: Path | None = None) -> int:
         common = len(set(original) & set(again))
         print(f"identical: the {common} training losses of {run_dir} repeated exactly")
         return 0
-    if _asynchronous(str(OmegaConf.select(cfg, "optimizer.name"))):
+    if _asynchronous(run.optimizer.name):
         print(f"{difference} — expected: asynchronous replicas meet in an order no config fixes")
         return 0
     print_error(difference)
@@ -128,14 +319,33 @@ def replay(run_dir: Path, new_dir: Path | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.replay",
-                                     description="Run a run again from its config.yaml and "
-                                                 "compare the losses.")
+    """The command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.replay",
+        description="Run a run again from its config.yaml and compare the losses. The launcher "
+                    "is this command's, never the run's unless --trust-launcher.")
     parser.add_argument("run_dir", type=Path, help="the run directory to replay")
     parser.add_argument("--run-dir", dest="new_dir", type=Path, default=None,
                         help="where the replay goes (default: RUN_DIR/replays/<time>/)")
+    launcher = parser.add_mutually_exclusive_group()
+    launcher.add_argument("--launcher-command", metavar="CMD", default=None,
+                          help="the launcher of P > 1 ranks, with its own arguments, as "
+                               "launcher.command (default: the bundled mpiexec)")
+    launcher.add_argument("--trust-launcher", action="store_true",
+                          help="run the run's own launcher section (a replay without this flag "
+                               "names it)")
+    parser.add_argument("--launcher-nproc-flag", metavar="FLAG", default=None,
+                        help="with --launcher-command: its flag for the number of ranks "
+                             "(default: -n)")
+    parser.add_argument("--keep-debug", action="store_true",
+                        help="keep the run's debug.fail_* and debug.slow_* (a rank made to "
+                             "fail, hang or straggle); reset by default")
     args = parser.parse_args(argv)
-    return replay(args.run_dir, args.new_dir)
+    if args.launcher_nproc_flag is not None and args.launcher_command is None:
+        parser.error("--launcher-nproc-flag goes with --launcher-command")
+    return replay(args.run_dir, args.new_dir, launcher_command=args.launcher_command,
+                  nproc_flag=args.launcher_nproc_flag, trust_launcher=args.trust_launcher,
+                  keep_debug=args.keep_debug)
 
 
 if __name__ == "__main__":

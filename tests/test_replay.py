@@ -1,25 +1,38 @@
 """`python -m runner.replay`: a run again from its saved config, losses compared.
 
-One real 1-rank run per module; replays of it (and of an edited copy) run through the real
-command line. Bad input is checked in-process: it never gets as far as training.
+One real 1-rank run and one 2-rank run per module; replays of them (and of edited copies) run
+through the real command line. Bad input is checked in-process: it never gets as far as training.
+A run's files are data: its launcher is shown, not run, unless the replay is told to.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from runner.replay import compare, main, uncompared
-from tests.conftest import ROOT, assert_ok, read_metrics, run_cli, train_losses
+from runner.replay import compare, kept_override, main, replay_config, uncompared
+from tests.conftest import (
+    MPIEXEC,
+    ROOT,
+    assert_ok,
+    read_metrics,
+    read_summary,
+    run_cli,
+    train_losses,
+)
 
 RUN = ["strategy=data", "grid.pr=1", "grid.pc=1", "trainer.steps=8", "trainer.eval_every=null",
        "trainer.batch_size=32", "seed=5"]
+RUN_2_RANKS = ["strategy=data", "grid.pr=1", "grid.pc=2", "trainer.steps=4",
+               "trainer.eval_every=null", "trainer.batch_size=32", "seed=5"]
 
 
 def replay(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,6 +45,31 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("replay") / "original"
     assert_ok(run_cli(*RUN, f"hydra.run.dir={path}"))
     return path
+
+
+@pytest.fixture(scope="module")
+def original_2_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run whose replay starts a launcher (P > 1)."""
+    path = tmp_path_factory.mktemp("replay") / "two_ranks"
+    assert_ok(run_cli(*RUN_2_RANKS, f"hydra.run.dir={path}"))
+    return path
+
+
+def marker_launcher(marker: Path) -> list[str]:
+    """A launcher that leaves `marker` behind, then starts the ranks with the bundled mpiexec:
+    whether it ran shows in the file system, and the replay trains either way."""
+    return ["sh", "-c", f'touch {shlex.quote(str(marker))} && exec "$0" "$@"', MPIEXEC]
+
+
+def edit_config(run_dir: Path, **sections: Any) -> None:
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config.update(sections)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def default_launch(run_dir: Path, ranks: int) -> str:
+    return "launcher: " + shlex.join([MPIEXEC, "-n", str(ranks), sys.executable, "-m",
+                                      "runner.worker", str(run_dir)])
 
 
 def test_a_run_replays_to_the_same_losses(original: Path, tmp_path: Path) -> None:
@@ -97,3 +135,142 @@ def test_bad_input_is_one_line(original: Path, tmp_path: Path,
     (broken / "config.yaml").write_text("grid: {pr: 0, pc: 1}\n")  # refused by the validator
     assert main([str(broken), "--run-dir", str(tmp_path / "never")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_run_s_own_launcher_is_shown_not_run(original_2_ranks: Path, tmp_path: Path) -> None:
+    """A copied run names a launcher (as a list, the form older files hold): the replay shows
+    it and trains with the bundled mpiexec; --trust-launcher runs it."""
+    source, marker = tmp_path / "source", tmp_path / "marker"
+    shutil.copytree(original_2_ranks, source)
+    edit_config(source, launcher={"command": marker_launcher(marker), "nproc_flag": "-n",
+                                  "args": []})
+    overrides = source / ".hydra" / "overrides.yaml"
+    saved = yaml.safe_load(overrides.read_text())
+    overrides.write_text(yaml.safe_dump([*saved, "launcher.command=sh", "+hydra.job.chdir=true"]))
+    again = tmp_path / "again"
+    result = replay(str(source), "--run-dir", str(again))
+    assert_ok(result)
+    assert not marker.exists()
+    assert f"replaying {source} in {again}\n{default_launch(again, 2)}\n" in result.stdout
+    assert "identical: the 4 training losses" in result.stdout
+    assert read_summary(again)["status"] == "completed" and (again / "logs/rank1.log").exists()
+    assert "note: the run's own launcher is not used (launcher.command=['sh', '-c'" in \
+        result.stderr and "(--trust-launcher runs the run's own)" in result.stderr
+    # the resume command of the replay repeats none of the run's launcher or Hydra overrides
+    assert yaml.safe_load((again / ".hydra" / "overrides.yaml").read_text()) == saved
+    assert yaml.safe_load((again / "config.yaml").read_text())["launcher"] == {
+        "command": None, "nproc_flag": "-n", "args": []}
+
+    trusted = tmp_path / "trusted"
+    result = replay(str(source), "--run-dir", str(trusted), "--trust-launcher")
+    assert_ok(result)
+    assert marker.exists()
+    assert f"launcher: {shlex.join(marker_launcher(marker))} -n 2 " in result.stdout
+    assert "identical: the 4 training losses" in result.stdout
+
+
+def test_an_explicit_launcher_is_used(original_2_ranks: Path, tmp_path: Path) -> None:
+    source, marker = tmp_path / "source", tmp_path / "marker"
+    shutil.copytree(original_2_ranks, source)
+    command = shlex.join(marker_launcher(marker))
+    again = tmp_path / "again"
+    result = replay(str(source), "--run-dir", str(again), "--launcher-command", command)
+    assert_ok(result)
+    assert marker.exists()
+    assert f"launcher: {command} -n 2 {shlex.quote(sys.executable)} -m runner.worker " \
+           f"{again}\n" in result.stdout
+    assert "identical: the 4 training losses" in result.stdout
+    assert "not used" not in result.stderr  # the run's launcher was the default one
+
+
+def test_a_run_s_debug_failure_is_not_replayed(original: Path, tmp_path: Path) -> None:
+    """A copied run that would hang its only rank for ever replays to completion."""
+    source = tmp_path / "source"
+    shutil.copytree(original, source)
+    config = yaml.safe_load((source / "config.yaml").read_text())
+    edit_config(source, debug={**config["debug"], "fail_at_step": 3, "fail_mode": "hang"})
+    again = tmp_path / "again"
+    result = replay(str(source), "--run-dir", str(again))
+    assert_ok(result)
+    assert "note: the run's debug.fail_at_step=3 debug.fail_mode='hang' not replayed" in \
+        result.stderr
+    assert "launcher: none: 1 rank, trained in this process\n" in result.stdout
+    assert "identical: the 8 training losses" in result.stdout
+
+
+def test_the_replay_takes_no_program_or_outside_path_from_the_run() -> None:
+    values: dict[str, Any] = {
+        "seed": 1,
+        "launcher": {"command": "sh -c 'id > /tmp/x'", "nproc_flag": "-np", "args": ["--evil"]},
+        "hydra": {"run": {"dir": "/etc"}},
+        "plan": {"world": 8, "out": "/tmp/plan.json"},
+        "trainer": {"steps": 3, "resume": "/elsewhere/checkpoints/step_2"},
+        "debug": {"fail_at_step": 2, "fail_on_rank": 1, "fail_mode": "kill", "slow_rank": 0,
+                  "slow_seconds": 1e9, "isolate_comm": True},
+    }
+    before = json.dumps(values)
+    cfg, notes = replay_config(values)
+    assert json.dumps(values) == before  # the run's values are not edited in place
+    assert cfg["launcher"] == {"command": None, "nproc_flag": "-n", "args": []}
+    assert "hydra" not in cfg and cfg["plan"]["out"] is None and cfg["plan"]["world"] == 4
+    assert cfg["trainer"] == {"steps": 3, "resume": None}
+    assert cfg["debug"] == {"fail_at_step": None, "fail_on_rank": 0, "fail_mode": "raise",
+                            "slow_rank": None, "slow_seconds": 0.0, "isolate_comm": True}
+    assert notes[1] == ("the run's own launcher is not used (launcher.command=\"sh -c 'id > "
+                        "/tmp/x'\" launcher.nproc_flag='-np' launcher.args=['--evil']); this "
+                        "replay runs the bundled mpiexec (--trust-launcher runs the run's own)")
+    assert len(notes) == 4 and "hydra" in notes[0] and "resume" in notes[2]
+
+    cfg, _ = replay_config(values, launcher_command="srun --mpi=pmix", nproc_flag="--ntasks")
+    assert cfg["launcher"] == {"command": "srun --mpi=pmix", "nproc_flag": "--ntasks", "args": []}
+    cfg, notes = replay_config(values, trust_launcher=True, keep_debug=True)
+    assert cfg["launcher"] == values["launcher"] and cfg["debug"] == values["debug"]
+    assert not any("launcher" in note or "debug" in note for note in notes)
+    listed = {**values, "launcher": {"command": ["sh", "-c", "id > /tmp/x"]}}
+    cfg, _ = replay_config(listed, trust_launcher=True)
+    assert cfg["launcher"] == {"command": "sh -c 'id > /tmp/x'"}  # the schema's string
+
+    overrides = ["strategy=data", "launcher.command=sh", "+launcher.args=[a]", "hydra.run.dir=/x",
+                 "hydra/launcher=basic", "plan.out=/x", "trainer.resume=auto", "trainer.steps=3",
+                 "debug.fail_mode=kill", "~debug.slow_rank", "debug.isolate_comm=true"]
+    assert [o for o in overrides if kept_override(o)] == [
+        "strategy=data", "trainer.steps=3", "debug.isolate_comm=true"]
+    assert [o for o in overrides if kept_override(o, keep_debug=True)] == [
+        "strategy=data", "trainer.steps=3", "debug.fail_mode=kill", "~debug.slow_rank",
+        "debug.isolate_comm=true"]
+
+
+def test_interpolations_in_run_files_are_refused(original: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRIDRUN_SECRET", "hunter2")
+    source = tmp_path / "source"
+    shutil.copytree(original, source)
+    config = yaml.safe_load((source / "config.yaml").read_text())
+    edit_config(source, model={**config["model"], "name": "${oc.env:GRIDRUN_SECRET}"})
+    never = tmp_path / "never"
+    assert main([str(source), "--run-dir", str(never)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: {source / 'config.yaml'}: model.name holds an interpolation "
+                            "('${oc.env:GRIDRUN_SECRET}'); gridrun writes run files resolved, so "
+                            "this one is not as gridrun wrote it: refused\n")
+    assert "hunter2" not in captured.out + captured.err and not never.exists()
+
+    shutil.copy(original / "config.yaml", source / "config.yaml")
+    overrides = source / ".hydra" / "overrides.yaml"
+    saved = yaml.safe_load(overrides.read_text())
+    overrides.write_text(yaml.safe_dump([*saved, "+x=${oc.env:GRIDRUN_SECRET}"]))
+    assert main([str(source), "--run-dir", str(never)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {overrides}: [{len(saved)}] holds an interpolation "
+                          "('+x=${oc.env:GRIDRUN_SECRET}')") and err.count("\n") == 1
+    assert not never.exists()
+
+
+def test_the_launcher_flags_are_checked(original: Path) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([str(original), "--trust-launcher", "--launcher-command", "srun"])
+    assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        main([str(original), "--launcher-nproc-flag", "-np"])
+    assert exit_.value.code == 2

@@ -1,13 +1,15 @@
 """`python -m runner.report`: figures and report.md for a run and for a sweep.
 
 One real sweep per module (a 1-rank job, a 2-rank job, and a job the validator refuses), whose
-job directories also serve as the run directories: each launch pays torch's start-up.
+job directories also serve as the run directories: each launch pays torch's start-up. A run's
+files are data: their text is reported as written, no interpolation resolved.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,17 +18,20 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+import yaml
 
 from tests.conftest import ROOT, assert_ok, read_summary, run_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SECRET = "hunter2-not-for-reports"
 RUN = ["strategy=data", "grid.pr=1", "trainer.steps=12", "trainer.eval_every=4",
        "trainer.batch_size=32"]
 
 
-def report(*args: str) -> subprocess.CompletedProcess[str]:
+def report(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "runner.report", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
 
 
 def assert_images(markdown: Path) -> list[Path]:
@@ -160,3 +165,40 @@ def test_metrics_json_is_what_the_report_reads(sweep: Path) -> None:
     lines = [json.loads(x) for x in (sweep / "1" / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "time_s", "loss", "step_time_s", "comm_time_s", "comm_bytes"} <= set(lines[0])
     assert {"step", "split", "time_s", "loss", "accuracy"} <= set(lines[4])
+
+
+def test_a_run_s_text_is_reported_as_written(sweep: Path, tmp_path: Path) -> None:
+    """An interpolation in config.yaml is shown, not resolved (the secret stays in the
+    environment), and a name that reads as mathtext is drawn as text, not typeset."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(sweep / "1", run_dir, ignore=shutil.ignore_patterns("report"))
+    (run_dir / "summary.json").unlink()  # the names and steps then come from config.yaml
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["strategy"]["name"] = "$\\foo{$"  # an unknown TeX command: a parse error if typeset
+    config["trainer"]["steps"] = "${oc.env:GRIDRUN_SECRET}"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    result = report(str(run_dir), env={"GRIDRUN_SECRET": SECRET})
+    assert_ok(result)
+    text = (run_dir / "report" / "report.md").read_text()
+    assert SECRET not in text + result.stdout + result.stderr
+    assert "| steps | 12 logged of ${oc.env:GRIDRUN_SECRET} |" in text
+    assert "# Run report: $\\foo{$ · grid 1×2 · sgd" in text
+    assert {p.name for p in assert_images(run_dir / "report" / "report.md")} == {
+        "loss.png", "accuracy.png", "communication.png"}
+
+
+def test_a_sweep_s_overrides_are_reported_as_written(sweep: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.report import write_report
+
+    monkeypatch.setenv("GRIDRUN_SECRET", SECRET)
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("report"))
+    overrides = copy / "0" / ".hydra" / "overrides.yaml"
+    saved = yaml.safe_load(overrides.read_text())
+    overrides.write_text(yaml.safe_dump([*saved, "+note=${oc.env:GRIDRUN_SECRET}"]))
+    markdown, *_ = write_report(copy)
+    text = markdown.read_text()
+    assert SECRET not in text
+    assert re.search(r"^\| 0 \| grid\.pc=1 \+note=\$\{oc\.env:GRIDRUN_SECRET\} \| completed \|",
+                     text, re.MULTILINE), text

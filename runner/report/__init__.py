@@ -2,7 +2,9 @@
 
 Reads only the run-directory contract (DESIGN.md, "Run directory"): `metrics.jsonl`,
 `summary.json`, `config.yaml`, and a sweep's `sweep_summary.csv`, so it works on a run copied
-off a cluster, on one still going and on one that failed. No Hydra, no torch, no MPI.
+off a cluster, on one still going and on one that failed. No Hydra, no torch, no MPI, and no
+OmegaConf: a run's files are data, shown as written, and no interpolation in them (such as
+`${oc.env:NAME}`) is ever resolved.
 """
 
 from __future__ import annotations

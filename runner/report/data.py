@@ -4,6 +4,10 @@ Tolerant on purpose: a report is most wanted for a run that is still going or we
 missing `summary.json`, a half-written last line of `metrics.jsonl` or a sweep job without a run
 directory is noted in the report, never fatal. Only input that is no run or sweep at all is
 refused (`ReportError`).
+
+A run's files are data from wherever the run was copied, so they are read as plain YAML and JSON
+and shown as written: no OmegaConf, hence no interpolation is ever resolved (`${oc.env:NAME}` in
+a config.yaml or an override appears in the report as that text, never as this machine's value).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from omegaconf import OmegaConf
+import yaml
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 SWEEP_CSV = "sweep_summary.csv"
@@ -46,16 +50,28 @@ class Run:
         return "in progress or interrupted" if self.train else "not started"
 
     def setting(self, summary_key: str, config_key: str) -> Any:
-        """A value from summary.json, else from config.yaml (a run still going has no summary)."""
+        """A value from summary.json, else from config.yaml (a run still going has no summary),
+        as written there: the dotted `config_key` is looked up, nothing is resolved."""
         if self.summary and self.summary.get(summary_key) is not None:
             return self.summary[summary_key]
-        return OmegaConf.select(OmegaConf.create(self.config or {}), config_key)
+        value: Any = self.config or {}
+        for part in config_key.split("."):
+            if not isinstance(value, dict):
+                return None
+            value = value.get(part)
+        return value
+
+    def grid_text(self, times: str = "×") -> str:
+        """'1×2' from the grid's pr and pc; a grid that is no mapping, as written."""
+        grid = self.setting("grid", "grid")
+        if grid is not None and not isinstance(grid, dict):
+            return str(grid)
+        grid = grid or {}
+        return f"{grid.get('pr', '?')}{times}{grid.get('pc', '?')}"
 
     def describe(self) -> str:
         """'data · grid 1×2 · sgd', the run's identity for titles."""
-        grid = self.setting("grid", "grid") or {}
-        return (f"{self.setting('strategy', 'strategy.name') or '?'} · grid "
-                f"{grid.get('pr', '?')}×{grid.get('pc', '?')} · "
+        return (f"{self.setting('strategy', 'strategy.name') or '?'} · grid {self.grid_text()} · "
                 f"{self.setting('optimizer', 'optimizer.name') or '?'}")
 
     def stats(self) -> Record:
@@ -154,10 +170,11 @@ def read_metrics(path: Path) -> tuple[list[Record], list[Record], list[str]]:
 
 
 def _load_yaml(path: Path) -> Any:
-    """The file as plain Python, or None when it cannot be read (a report only notes that)."""
+    """The file as plain Python values, exactly as written (safe YAML: no tags, no
+    interpolation), or None when it cannot be read (a report only notes that)."""
     try:
-        return OmegaConf.to_container(OmegaConf.load(path))
-    except Exception:  # malformed YAML raises yaml's or OmegaConf's errors alike
+        return yaml.safe_load(path.read_text(errors="replace"))
+    except (OSError, yaml.YAMLError):
         return None
 
 

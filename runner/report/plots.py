@@ -4,6 +4,10 @@ test can inspect before they are saved.
 
 The time axis is the metrics' `time_s`: rank 0's cumulative training time (the sum of its step
 times, evaluations excluded), the time the run spent training rather than starting up.
+
+Text taken from a run's files (names in titles, overrides in legends and ticks) is drawn with
+`parse_math=False`: as written, never read as mathtext (a `$...$` in a copied run's config would
+otherwise be typeset, or stop the report with a parse error).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def loss_figure(run: Run) -> Figure:
             ax.plot(*series(run.val, x, "workers_loss"), "s--", ms=3,
                     label="validation loss, replicas' mean")
         _finish(ax, xlabel, "cross-entropy loss")
-    fig.suptitle(f"Loss: {run.describe()}")
+    fig.suptitle(f"Loss: {run.describe()}", parse_math=False)
     return fig
 
 
@@ -76,7 +80,7 @@ def accuracy_figure(run: Run) -> Figure:
                     label="replicas' mean")
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         _finish(ax, xlabel, "validation accuracy")
-    fig.suptitle(f"Validation accuracy: {run.describe()}")
+    fig.suptitle(f"Validation accuracy: {run.describe()}", parse_math=False)
     return fig
 
 
@@ -101,7 +105,7 @@ def comm_figure(run: Run) -> Figure:
                         label=f"communication time (predicted, {predicted * 1e3:.3f} ms)")
     time_ax.set_ylim(bottom=0)
     _finish(time_ax, "step", "time per step (ms)")
-    fig.suptitle(f"Communication: {run.describe()}")
+    fig.suptitle(f"Communication: {run.describe()}", parse_math=False)
     return fig
 
 
@@ -140,8 +144,10 @@ def sweep_curves_figure(jobs: list[Job]) -> Figure:
     accuracy.yaxis.set_major_formatter(PercentFormatter(1.0))
     _finish(accuracy, "step", "validation accuracy", legend=False)
     if shown:
-        fig.legend(loc="outside lower center", ncols=min(len(shown), 4), fontsize="small",
-                   title="job: overrides")
+        legend = fig.legend(loc="outside lower center", ncols=min(len(shown), 4),
+                            fontsize="small", title="job: overrides")
+        for text in legend.get_texts():
+            text.set_parse_math(False)
     fig.suptitle(f"Sweep: {len(shown)} of {len(jobs)} jobs plotted")
     return fig
 
@@ -158,7 +164,7 @@ def _bars(ax: Axes, groups: list[list[float | None]], names: list[str], ticks: l
             else:
                 ax.text(i + offset, 0, "n/a", ha="center", va="bottom", fontsize="x-small",
                         rotation=90)
-    ax.set_xticks(range(len(ticks)), ticks, fontsize="small")
+    ax.set_xticks(range(len(ticks)), ticks, fontsize="small", parse_math=False)
     # one legend entry per series, whichever job first had a value for it
     handles, seen = [], set()
     for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):

@@ -1,7 +1,8 @@
 """The report's `report.md`: the numbers of summary.json as tables, and the figures beside it.
 
 Numbers are formatted as the console's result and sweep tables show them (loss and accuracy to
-4 decimals, times in ms), so a report and a terminal can be read side by side.
+4 decimals, times in ms), so a report and a terminal can be read side by side. Text from a run's
+files (names, overrides, errors) is shown as written: table cells escape only `|` and newlines.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ def _notes(notes: Sequence[str]) -> list[str]:
 
 def run_markdown(run: Run, pngs: Sequence[Path]) -> str:
     s = run.stats()
-    grid = run.setting("grid", "grid") or {}
     world = s.get("world_size")
     ranks = f" ({world} ranks)" if world else ""
     status = run.status
@@ -75,7 +75,7 @@ def run_markdown(run: Run, pngs: Sequence[Path]) -> str:
     rows = [
         ("status", status),
         ("strategy", run.setting("strategy", "strategy.name")),
-        ("grid (pr × pc)", f"{grid.get('pr', '?')} × {grid.get('pc', '?')}{ranks}"),
+        ("grid (pr × pc)", f"{run.grid_text(' × ')}{ranks}"),
         ("optimizer", run.setting("optimizer", "optimizer.name")),
         ("steps", steps),
         ("final training loss", fmt(s.get("final_loss"), ".4f")),
