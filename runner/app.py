@@ -65,9 +65,12 @@ def precheck(args: list[str]) -> str | None:
         run = validate(cfg, world_size=None if _mpi is None else _mpi.size)
     except ConfigError as exc:
         return str(exc)
-    problems = machine_problems(run, run_dir, inside_mpi_job=_mpi is not None)
+    notes: list[str] = []
+    problems = machine_problems(run, run_dir, inside_mpi_job=_mpi is not None, notes=notes)
     if problems:
         return "; ".join(problems)
+    for note in notes:  # e.g. damaged checkpoints that trainer.resume=auto passes over
+        print(f"note: {note}", file=sys.stderr, flush=True)
     try:  # before Hydra or the run writes anything into it
         lock_run_dir(run_dir)
     except RunDirInUse as exc:

@@ -1,4 +1,5 @@
-"""Sharded checkpoints, written atomically, loadable onto any grid and strategy.
+"""Sharded checkpoints, written atomically, loadable onto any grid and strategy, and checked
+before anything is loaded from them.
 
     checkpoints/step-00000020/
         rank-00000.pt …   each rank's tensors (a flat dict of tensors, loaded `weights_only`)
@@ -14,16 +15,30 @@ Saving is collective over the world: the ranks first agree on who writes what, t
 its file (temporary name, fsync, rename), then they share what went wrong, and rank 0 writes the
 manifest only when every file is in place. A failed write leaves no manifest, so the previous
 checkpoint stays the latest.
+
+A checkpoint proves itself (format 2): the manifest records each shard's size and the sha256 of
+the bytes written (hashed as they are written, not re-read). A shard is named `rank-NNNNN.pt`
+inside the checkpoint directory and nothing else, is opened without following a symlink, must be
+a regular file, and is hashed from the very bytes that are then unpickled (`weights_only`).
+Damage is one line naming the checkpoint, the file and the reason (`DamagedCheckpoint`).
+`verify_resume` is the head's full check before any rank starts; `resume=auto` skips damaged
+checkpoints for the newest one that verifies. Format 1 (before hashes) still loads, with a note
+that its contents were not verified: every other check applies to it.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import json
 import os
+import re
 import shlex
 import shutil
+import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
@@ -31,18 +46,38 @@ from typing import IO, Any, cast
 import torch
 
 from runner.core import ProcessGrid
-from runner.core.placement import Placement, as_rows, placement_of
+from runner.core.placement import Placement, as_rows, global_rows, placement_of
 from runner.optim import ReplicaOptimizer
 from runner.rundir import atomic_write_text, nearest_existing
 from strategies import ParallelModel
 
-FORMAT = 1
+FORMAT = 2  # 2: shard sizes and sha256 in the manifest
+READABLE_FORMATS = (1, 2)  # 1: no hashes; loaded with a note that nothing was verified
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
+SHARD_NAME = re.compile(r"rank-([0-9]{5,})\.pt")  # the only names a manifest may give a shard
+WHOLE_KINDS = ("model", "centre")  # every parameter is in these (other kinds may lack some)
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0))
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that could not be written or does not fit the model."""
+    """A checkpoint that could not be written, is damaged, or does not fit the model."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files are not what its manifest says (or whose manifest is not one):
+    one line naming the checkpoint, the file and the reason. `resume=auto` skips it."""
+
+    def __init__(self, path: Path, file: str, reason: str) -> None:
+        self.path, self.file, self.reason = path, file, reason
+        super().__init__(f"checkpoint {path}: {file}: {reason}")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """An exception's text as one line (a hostile file chooses what ends up in messages)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def step_dir(checkpoints: Path, step: int) -> Path:
@@ -54,7 +89,8 @@ def shard_file(rank: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    return (path / MANIFEST).is_file()
+    """A manifest was written (whatever it is: `Checkpoint` checks it is a regular file)."""
+    return os.path.lexists(path / MANIFEST)
 
 
 def complete_checkpoints(checkpoints: Path) -> list[Path]:
@@ -107,6 +143,11 @@ class Entry:
     def key(self) -> str:
         replica = "-" if self.replica is None else str(self.replica)
         return f"{self.kind}/{replica}/{self.name}/{self.start}:{self.stop}"
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of its tensor in the shard: its rows of the global tensor."""
+        return (self.stop - self.start, *self.shape[1:]) if self.shape else ()
 
     def to_json(self) -> list[Any]:
         return [self.kind, self.replica, self.name, list(self.shape), self.start, self.stop]
@@ -163,29 +204,48 @@ class TrainingProgress:
     sampler: dict[str, Any]  # EpochSampler.state(): epoch, position, generator, order
 
 
-class _KeepFirstError:
-    """A file whose first write error survives torch.save, which reports any failed write as
-    a RuntimeError about stream positions."""
+@dataclass(frozen=True)
+class ShardRecord:
+    """What the manifest keeps of a shard file to recognise it: its size and content hash."""
+
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes": self.size, "sha256": self.sha256}
+
+
+class _HashingWriter:
+    """The shard file as torch.save writes it (sequentially: it never seeks): hashes and counts
+    the bytes written, and keeps the first write error, which torch.save would report as a
+    RuntimeError about stream positions."""
 
     def __init__(self, file: Any) -> None:
         self.file = file
         self.error: OSError | None = None
+        self.sha256 = hashlib.sha256()
+        self.size = 0
 
     def write(self, data: bytes) -> int:
         try:
-            return self.file.write(data)
+            written = self.file.write(data)
         except OSError as exc:
             self.error = self.error or exc
             raise
+        accepted = memoryview(data).cast("B")[:written]  # all of it, for a buffered file
+        self.sha256.update(accepted)
+        self.size += len(accepted)
+        return int(written)
 
     def flush(self) -> None:
         self.file.flush()
 
 
-def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> None:
+def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> ShardRecord:
+    """Write `payload` to `path` atomically; its record hashes the bytes as written."""
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("wb") as f:
-        writer = _KeepFirstError(f)
+        writer = _HashingWriter(f)
         try:
             torch.save(payload, cast("IO[bytes]", writer))
         except RuntimeError:
@@ -195,6 +255,7 @@ def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return ShardRecord(writer.size, writer.sha256.hexdigest())
 
 
 def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: ParallelModel,
@@ -225,8 +286,10 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
     if grid.rank == 0:
         payload["sampler/generator"] = progress.sampler["generator"]
         payload["sampler/order"] = progress.sampler["order"]
-    error = _attempt(lambda: _write_shard(path / shard_file(grid.rank), payload))
-    _raise_first(grid.world.allgather_object(error), step, path if grid.rank == 0 else None)
+    records: list[ShardRecord] = []
+    error = _attempt(lambda: records.append(_write_shard(path / shard_file(grid.rank), payload)))
+    written = grid.world.allgather_object((error, records[0] if records else None))
+    _raise_first([e for e, _ in written], step, path if grid.rank == 0 else None)
     if grid.rank == 0:
         manifest = {
             "format": FORMAT, "step": step, "time_s": progress.time_s,
@@ -236,7 +299,9 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
                         "position": progress.sampler["position"]},
             "written": time.strftime("%Y-%m-%dT%H:%M:%S"), **run_info,
             "files": {shard_file(rank): [e.to_json() for e in entries if writer[e.key] == rank]
-                      for rank, (entries, _) in enumerate(everyone)}}
+                      for rank, (entries, _) in enumerate(everyone)},
+            "shards": {shard_file(rank): record.to_json()
+                       for rank, (_, record) in enumerate(written) if record is not None}}
         error = _attempt(lambda: atomic_write_text(path / MANIFEST,
                                                    json.dumps(manifest, indent=1) + "\n"))
     _raise_first(grid.world.allgather_object(error), step, path if grid.rank == 0 else None)
@@ -273,65 +338,367 @@ def _raise_first(errors: list[str | None], step: int, incomplete: Path | None = 
                           f"{failure[1]}")
 
 
+# -- reading what a manifest names ----------------------------------------------------------
+
+class _Refused(Exception):
+    """Why a file of a checkpoint is not read (the caller names the checkpoint and the file)."""
+
+
+def _not_regular(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    kind = next((name for test, name in kinds if test(mode)), "of an unknown type")
+    return f"not a regular file ({kind}): refused"
+
+
+def _read_regular(path: Path, size: int | None = None) -> bytes:
+    """The bytes of the regular file `path`, opened without following a symlink and without
+    waiting (a FIFO or a device in its place is refused at once, never read). `size`: the size
+    the manifest records (a file of another size is refused before it is read)."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise _Refused("missing") from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # Linux, the BSDs: the last part links
+            raise _Refused("a symbolic link: refused (only regular files inside the "
+                           "checkpoint directory are read)") from None
+        if exc.errno == errno.ENXIO:
+            raise _Refused("not a regular file (a socket): refused") from None
+        raise _Refused(f"cannot be opened ({exc.strerror})") from None
+    with open(fd, "rb", closefd=True) as file:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise _Refused(_not_regular(status.st_mode))
+        if size is not None and status.st_size < size:
+            raise _Refused(f"truncated: {status.st_size} of {size} bytes")
+        if size is not None and status.st_size > size:
+            raise _Refused(f"{status.st_size} bytes where {size} were written: altered")
+        data = file.read() if size is None else file.read(size + 1)
+    if size is not None and len(data) != size:
+        raise _Refused(f"{len(data)} bytes read where {size} were written: changed while read")
+    return data
+
+
+def _load_problem(exc: Exception) -> str:
+    """torch.load's multi-paragraph errors as the one reason that matters."""
+    text = str(exc)
+    if "Weights only load failed" in text:
+        detail = (text.rsplit("WeightsUnpickler error:", 1)[-1]
+                  if "WeightsUnpickler error:" in text else text.split("\n\n", 1)[-1])
+        line = next((x.strip() for x in detail.splitlines() if x.strip()), "")
+        return f"refused by weights_only loading: {line.split('. ')[0].rstrip('.')}"
+    first = text.strip().split(". ")[0] or type(exc).__name__
+    return f"not a readable shard ({type(exc).__name__}: {first})"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shard_rank(name: Any) -> int | None:
+    """The rank whose shard `name` is, when it is exactly `rank-NNNNN.pt` (no directory, no
+    `..`, no other spelling); None otherwise."""
+    match = SHARD_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        return None
+    rank = int(match.group(1))
+    return rank if shard_file(rank) == name else None
+
+
+def _entry_problem(item: Any, replicas: int) -> str | None:
+    if not (isinstance(item, list) and len(item) == 6):
+        return f"entry {item!r} is not [kind, replica, name, shape, start, stop]"
+    kind, replica, name, shape, start, stop = item
+    if not (isinstance(kind, str) and kind and isinstance(name, str) and name):
+        return f"entry {item!r}: kind and name must be non-empty strings"
+    if replica is not None and not (_is_int(replica) and 0 <= replica < replicas):
+        return f"entry {name}: replica {replica!r} is not one of the {replicas} replicas"
+    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+        return f"entry {name}: shape {shape!r} is not a list of sizes"
+    rows = global_rows(tuple(shape))
+    if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= rows):
+        return f"entry {name}: rows {start!r}:{stop!r} outside its {rows} rows"
+    return None
+
+
+def _shards_problem(shards: Any, files: dict[str, Any]) -> str | None:
+    if not (isinstance(shards, dict) and set(shards) == set(files)):
+        return "'shards' does not record every file of 'files'"
+    for name, record in shards.items():
+        if not (isinstance(record, dict) and _is_int(record.get("bytes"))
+                and record["bytes"] >= 0 and isinstance(record.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", record["sha256"])):
+            return f"'shards' record of {name} is not {{bytes, sha256}}"
+    return None
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What makes `manifest` not a manifest this version can trust its files to (None: fine)."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    if manifest.get("format") not in READABLE_FORMATS or not _is_int(manifest["format"]):
+        return (f"format {manifest.get('format')!r}: this version reads formats "
+                f"{', '.join(map(str, READABLE_FORMATS))}")
+    checks = (("step", lambda v: _is_int(v) and v >= 0, "a step"),
+              ("time_s", lambda v: _is_int(v) or isinstance(v, float), "a number"),
+              ("world_size", lambda v: _is_int(v) and v >= 1, "a number of ranks"),
+              ("per_replica", lambda v: isinstance(v, bool), "true or false"))
+    for key, valid, what in checks:
+        if not valid(manifest.get(key)):
+            return f"'{key}' is {manifest.get(key)!r}, not {what}"
+    size, grid, sampler = manifest["world_size"], manifest.get("grid"), manifest.get("sampler")
+    if not (isinstance(grid, dict) and all(_is_int(grid.get(k)) and grid[k] >= 1
+                                           for k in ("pr", "pc"))
+            and grid["pr"] * grid["pc"] == size):
+        return f"'grid' is {grid!r}, not pr x pc = {size} ranks"
+    if not (isinstance(sampler, dict) and all(_is_int(sampler.get(k)) and sampler[k] >= 0
+                                              for k in ("epoch", "position"))):
+        return f"'sampler' is {sampler!r}, not an epoch and a position"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "'files' is not a mapping of shard names to tensors"
+    for name in files:
+        if shard_rank(name) is None:
+            return (f"shard name {name!r} refused: a shard is rank-NNNNN.pt inside the "
+                    f"checkpoint directory")
+    if len(files) != size or any(cast(int, shard_rank(name)) >= size for name in files):
+        return f"'files' does not name one shard per rank of {size}: {sorted(files)}"
+    for name, items in files.items():
+        if not isinstance(items, list):
+            return f"'files' of {name} is not a list of entries"
+        problem = next(filter(None, (_entry_problem(i, grid["pc"]) for i in items)), None)
+        if problem is not None:
+            return f"{name}: {problem}"
+    if manifest["format"] >= 2:
+        return _shards_problem(manifest.get("shards"), files)
+    return None
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(_read_regular(path / MANIFEST))
+    except _Refused as exc:
+        raise DamagedCheckpoint(path, MANIFEST, str(exc)) from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise DamagedCheckpoint(path, MANIFEST, f"not JSON ({exc})") from None
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise DamagedCheckpoint(path, MANIFEST, problem)
+    return cast("dict[str, Any]", manifest)
+
+
+def _short(path: Path) -> str:
+    """`checkpoints/step-00000040`: enough to tell a run's checkpoints apart in a note."""
+    return f"{path.parent.name}/{path.name}"
+
+
 # -- loading ---------------------------------------------------------------------------------
 
 class Checkpoint:
-    """A complete checkpoint, read lazily: shard files are memory-mapped when first needed and
-    only the rows a rank asks for are copied."""
+    """A complete checkpoint whose manifest has been checked (its format, shard names confined
+    to the directory, entries within their tensors' extents). Shard files are read when first
+    needed, each verified as it is read (`read_shard`), and only the rows a rank asks for are
+    copied out of them. Raises `DamagedCheckpoint` for a manifest that is not one."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self.manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: not a complete checkpoint ({exc})") from None
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: checkpoint format {self.manifest.get('format')}, "
-                                  f"this version reads {FORMAT}")
-        self.entries = [(file, Entry.from_json(item))
-                        for file, items in self.manifest["files"].items() for item in items]
+        self.manifest: dict[str, Any] = _read_manifest(path)
+        self.files: dict[str, list[Entry]] = {
+            name: [Entry.from_json(item) for item in items]
+            for name, items in self.manifest["files"].items()}
+        self.entries = [(file, entry) for file, entries in self.files.items()
+                        for entry in entries]
+        self.records: dict[str, ShardRecord] = {
+            name: ShardRecord(record["bytes"], record["sha256"])
+            for name, record in self.manifest.get("shards", {}).items()}
         self._open: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    @property
+    def hashed(self) -> bool:
+        """Its manifest records its shards' sizes and hashes (format 2 onwards)."""
+        return int(self.manifest["format"]) >= 2
+
+    @property
+    def notes(self) -> list[str]:
+        """What a resume from it should say besides where it starts."""
+        if self.hashed:
+            return []
+        return [f"{_short(self.path)}: format {self.manifest['format']} (written before shard "
+                f"hashes): no hashes, its contents are not verified"]
+
+    def _damaged(self, file: str, reason: str) -> DamagedCheckpoint:
+        return DamagedCheckpoint(self.path, file, reason)
+
+    def look_at_shards(self) -> None:
+        """Cheap: every shard is there as a regular file of its recorded size (nothing read).
+        Raises `DamagedCheckpoint`."""
+        for name in self.files:
+            record = self.records.get(name)
+            try:
+                status = os.lstat(self.path / name)
+            except FileNotFoundError:
+                raise self._damaged(name, "missing") from None
+            except OSError as exc:
+                raise self._damaged(name, f"cannot be examined ({exc.strerror})") from None
+            if stat.S_ISLNK(status.st_mode):
+                raise self._damaged(name, "a symbolic link: refused (only regular files "
+                                          "inside the checkpoint directory are read)")
+            if not stat.S_ISREG(status.st_mode):
+                raise self._damaged(name, _not_regular(status.st_mode))
+            if record is not None and status.st_size != record.size:
+                how = "truncated: " if status.st_size < record.size else ""
+                raise self._damaged(name, f"{how}{status.st_size} of {record.size} bytes")
+
+    def read_shard(self, name: str) -> dict[str, torch.Tensor]:
+        """One shard, verified: read whole (a regular file, no symlink), its bytes hashed
+        against the manifest, unpickled from those same bytes with `weights_only` (tensors
+        and plain containers, never arbitrary objects), and its tensors checked against the
+        manifest's entries. Not kept (`_file` keeps what a rank loads from)."""
+        if name not in self.files:
+            raise self._damaged(name, "not a shard of this checkpoint")
+        record = self.records.get(name)
+        try:
+            data = _read_regular(self.path / name, record.size if record else None)
+        except _Refused as exc:
+            raise self._damaged(name, str(exc)) from None
+        if record is not None and hashlib.sha256(data).hexdigest() != record.sha256:
+            raise self._damaged(name, "sha256 mismatch (damaged or altered since written)")
+        try:
+            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises anything from pickle, zip and its own checks
+            raise self._damaged(name, _load_problem(exc)) from None
+        problem = self._payload_problem(name, payload)
+        if problem is not None:
+            raise self._damaged(name, problem)
+        return cast("dict[str, torch.Tensor]", payload)
+
+    def _payload_problem(self, name: str, payload: Any) -> str | None:
+        if not isinstance(payload, dict):
+            return f"holds a {type(payload).__name__}, not a dict of tensors"
+        for key, value in payload.items():
+            if not (isinstance(key, str) and isinstance(value, torch.Tensor)
+                    and value.layout == torch.strided):
+                return f"item {key!r} is not a dense tensor"
+        needed = ["rng", *(["sampler/generator", "sampler/order"]
+                           if name == shard_file(0) else [])]
+        for key in needed:
+            if key not in payload:
+                return f"no {key!r} tensor"
+        rng = payload["rng"]
+        if rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+            return "its 'rng' is not a random state of this PyTorch"
+        for entry in self.files[name]:
+            tensor = payload.get(entry.key)
+            if tensor is None:
+                return f"no tensor {entry.key}, which the manifest lists"
+            if tuple(tensor.shape) != entry.stored_shape:
+                return (f"tensor {entry.key} has shape {list(tensor.shape)}, the manifest "
+                        f"says {list(entry.stored_shape)}")
+        return None
+
+    def verify(self) -> None:
+        """Every shard read and verified (`read_shard`), nothing kept. Raises
+        `DamagedCheckpoint`."""
+        for name in self.files:
+            self.read_shard(name)
+
+    def model_problem(self, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        """Why this checkpoint is not one of the model whose parameters have `shapes` (by
+        `state_dict` name): a tensor that is not a parameter, or of another shape, or rows
+        that do not tile the parameter exactly (weights and centre: every parameter)."""
+        spans: dict[tuple[str, int | None, str], list[tuple[int, int]]] = {}
+        for _, entry in self.entries:
+            shape = shapes.get(entry.name)
+            if shape is None:
+                return f"its {entry.kind} tensor {entry.name!r} is not a parameter of this model"
+            if entry.shape != shape:
+                return (f"{entry.name} has shape {list(entry.shape)} in the checkpoint and "
+                        f"{list(shape)} in this model")
+            spans.setdefault((entry.kind, entry.replica, entry.name), []).append(
+                (entry.start, entry.stop))
+        for (kind, _, name), rows in spans.items():
+            reached = 0
+            for start, stop in sorted(rows):
+                if start != reached:
+                    what = "overlap" if start < reached else "leave a gap"
+                    return f"its {kind} rows of {name} {what} at row {min(start, reached)}"
+                reached = stop
+            if reached != global_rows(shapes[name]):
+                return (f"its {kind} rows of {name} stop at {reached} of "
+                        f"{global_rows(shapes[name])}")
+        whole = {(kind, replica) for kind, replica, _ in spans if kind in WHOLE_KINDS}
+        if not any(kind == "model" for kind, _ in whole):
+            return "it holds no model weights"
+        for kind, replica in sorted(whole, key=str):
+            missing = [name for name in shapes if (kind, replica, name) not in spans]
+            if missing:
+                return f"it has no {kind} tensor for {missing[0]}"
+        return None
+
     def _file(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self._open:
-            # weights_only: tensors and plain containers, never arbitrary pickled objects
-            self._open[name] = torch.load(self.path / name, map_location="cpu", mmap=True,
-                                          weights_only=True)
+            self._open[name] = self.read_shard(name)
         return self._open[name]
+
+    def load_shards(self, names: Sequence[str]) -> None:
+        """Read, verify and keep these shards for the reads that follow."""
+        for name in names:
+            self._file(name)
+
+    def release(self) -> None:
+        """Forget the shards read so far (a rank keeps none once it has loaded)."""
+        self._open.clear()
 
     def has(self, kind: str) -> bool:
         return any(entry.kind == kind for _, entry in self.entries)
 
-    def read_into(self, kind: str, replica: int | None, place: Placement,
-                  out: torch.Tensor, optional: bool = False) -> bool:
-        """Copy rows [place.start, place.stop) of `kind`'s tensor `place.name` into `out`;
-        `optional`: False instead of an error when the checkpoint has none of it."""
-        covered = 0
-        target = as_rows(out)
+    def _covering(self, kind: str, replica: int | None, place: Placement,
+                  optional: bool) -> list[tuple[str, Entry, tuple[int, int]]]:
+        """The entries holding rows of `place` for `kind` and `replica`, with the rows each
+        holds; an error when they do not cover it (`optional`: unless none does)."""
+        found = []
         for file, entry in self.entries:
             if entry.kind != kind or entry.replica != replica or entry.name != place.name:
                 continue
             if entry.shape != place.shape:
                 raise CheckpointError(
-                    f"{self.path.name}: {place.name} has shape {list(entry.shape)} in the "
-                    f"checkpoint and {list(place.shape)} in this model (a different model or "
-                    f"dataset?)")
+                    f"checkpoint {self.path}: {place.name} has shape {list(entry.shape)} in "
+                    f"the checkpoint and {list(place.shape)} in this model (a different model "
+                    f"or dataset?)")
             rows = Placement(entry.name, entry.shape, entry.start, entry.stop).overlap(
                 place.start, place.stop)
-            if rows is None:
-                continue
-            source = as_rows(self._file(file)[entry.key])
-            target[rows[0] - place.start:rows[1] - place.start].copy_(
-                source[rows[0] - entry.start:rows[1] - entry.start])
-            covered += rows[1] - rows[0]
+            if rows is not None:
+                found.append((file, entry, rows))
+        covered = sum(high - low for _, _, (low, high) in found)
         if covered != place.rows and not (optional and covered == 0):
-            raise CheckpointError(f"{self.path.name}: no {kind} rows {place.start}:{place.stop} "
-                                  f"of {place.name} (a different model?)")
-        return covered > 0
+            raise CheckpointError(f"checkpoint {self.path}: no {kind} rows "
+                                  f"{place.start}:{place.stop} of {place.name} (a different "
+                                  f"model?)")
+        return found
+
+    def files_for(self, kind: str, replica: int | None, places: Sequence[Placement],
+                  optional: bool = False) -> set[str]:
+        """The shards that `read_into` would read for these placements."""
+        return {file for place in places
+                for file, _, _ in self._covering(kind, replica, place, optional)}
+
+    def read_into(self, kind: str, replica: int | None, place: Placement,
+                  out: torch.Tensor, optional: bool = False) -> bool:
+        """Copy rows [place.start, place.stop) of `kind`'s tensor `place.name` into `out`;
+        `optional`: False instead of an error when the checkpoint has none of it."""
+        target = as_rows(out)
+        found = self._covering(kind, replica, place, optional)
+        for file, entry, (low, high) in found:
+            source = as_rows(self._file(file)[entry.key])
+            target[low - place.start:high - place.start].copy_(
+                source[low - entry.start:high - entry.start])
+        return bool(found)
 
     def read_tensors(self, kind: str, replica: int | None,
                      like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -423,10 +790,105 @@ def sampler_state(checkpoint: Checkpoint) -> dict[str, Any]:
             "order": rank0["sampler/order"]}
 
 
+def prepare_resume(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelModel,
+                   grid: ProcessGrid) -> None:
+    """Read and verify every shard this rank's resume will read, and check that they cover
+    its parameters, before anything collective happens: a damaged shard or another model's
+    checkpoint is then a `CheckpointError` every rank can share (one line, no rank left
+    waiting). Only these shards are hashed here (the head verified the whole checkpoint): the
+    bytes hashed are the bytes loaded, so a file changed since the head's check is caught."""
+    places = _placements(model)
+    files = checkpoint.files_for(*plan.weights, places)
+    if plan.centre is not None:
+        files |= checkpoint.files_for(*plan.centre, places)
+    if plan.same_replicas:  # the optimizer's state: read only for the same replicas
+        for kind in {entry.kind for _, entry in checkpoint.entries} - set(WHOLE_KINDS):
+            files |= checkpoint.files_for(kind, plan.states_replica, places, optional=True)
+    same_grid = checkpoint.manifest["grid"] == {"pr": grid.pr, "pc": grid.pc}
+    files |= {shard_file(0), shard_file(grid.rank if same_grid else 0)}  # sampler, RNG
+    checkpoint.load_shards(sorted(files))
+
+
+# -- before a resume: which checkpoint, verified ---------------------------------------------
+
+def find_resume_checkpoint(resume: str | None, checkpoints: Path | None,
+                           read_named: bool = True) -> tuple[Path | None, list[str]]:
+    """The checkpoint `trainer.resume` names, verified, and notes on what was skipped or could
+    not be verified.
+
+    `auto`: the newest complete checkpoint under `checkpoints` whose every shard verifies
+    (read, hashed, unpickled, checked: `Checkpoint.verify`), skipping damaged ones with a note
+    each; None when none verifies (a fresh start). A path: that checkpoint, or a run
+    directory's newest; a damaged one raises `DamagedCheckpoint` (it was named: no fallback).
+    `read_named=False` only looks at a named checkpoint's shards (there, regular files of the
+    recorded sizes): for the ranks, which hash what they load. `auto` always reads, so that
+    every caller picks the same checkpoint."""
+    if resume is None:
+        return None, []
+    if resume == "auto":
+        notes: list[str] = []
+        for candidate in reversed(complete_checkpoints(checkpoints) if checkpoints else []):
+            try:
+                checkpoint = Checkpoint(candidate)
+                checkpoint.verify()
+            except DamagedCheckpoint as exc:
+                notes.append(f"skipped {_short(candidate)}: {exc.file}: {exc.reason}")
+                continue
+            return candidate, notes + checkpoint.notes
+        return None, notes
+    path = resolve_resume(resume, None)
+    assert path is not None
+    checkpoint = Checkpoint(path)
+    if read_named:
+        checkpoint.verify()
+    else:
+        checkpoint.look_at_shards()
+    return path, checkpoint.notes
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The sequential model's parameters by `state_dict` name: what a checkpoint's entries
+    name (`runner.core.placement.place_whole`)."""
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def verify_resume(resume: str | None, checkpoints: Path, model: torch.nn.Module
+                  ) -> tuple[Path | None, list[str]]:
+    """The head's check before any rank starts: the checkpoint `trainer.resume` names (None,
+    `auto` under the run directory's `checkpoints`, or a path), fully verified
+    (`find_resume_checkpoint`) and checked against the sequential `model` (it may live on the
+    meta device: only names and shapes are used). Returns the checkpoint to resume from (None:
+    a fresh start) and notes (checkpoints skipped and why; no hashes to verify). Raises
+    `CheckpointError`, one line naming the checkpoint, the file and the reason, for a damaged
+    named checkpoint or one of another model (also under `auto`: that is not damage, and an
+    older checkpoint of the same run would not fit either)."""
+    path, notes = find_resume_checkpoint(resume, checkpoints)
+    if path is not None:
+        problem = Checkpoint(path).model_problem(parameter_shapes(model))
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST}: not a checkpoint of this "
+                                  f"model: {problem} (another model or dataset?)")
+    return path, notes
+
+
 # -- after an interruption -------------------------------------------------------------------
 
+def hydra_quoted(value: str) -> str:
+    """`value` as a double-quoted Hydra override value that reads back as exactly `value`.
+    Unquoted, Hydra's grammar gives `( ) [ ] { } , = '` spaces and more a meaning, and reads
+    `null`, `1` or `true` as other types. Inside the quotes a `"` is escaped `\\"`, and the
+    backslashes before a quote (or before the closing one) are doubled. OmegaConf resolves
+    `${...}` even in quoted values: escaped `\\${` (the backslashes before it doubled)."""
+    literal = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    inner = re.sub(r'(\\*)("|\Z)',
+                   lambda m: m.group(1) * 2 + ('\\"' if m.group(2) else ""), literal)
+    return f'"{inner}"'
+
+
 def resume_command(run_dir: Path) -> str:
-    """The command that continues this run: its own overrides, its directory, resume=auto."""
+    """The command that continues this run: its own overrides, its directory, resume=auto.
+    It pastes into a POSIX shell whatever the directory is called (quoted for Hydra, then for
+    the shell)."""
     overrides: list[str] = []
     try:
         import yaml
@@ -436,7 +898,7 @@ def resume_command(run_dir: Path) -> str:
                      if not str(o).startswith(("trainer.resume=", "hydra.run.dir="))]
     except (OSError, ImportError, ValueError):
         pass
-    words = [*overrides, f"hydra.run.dir={run_dir}", "trainer.resume=auto"]
+    words = [*overrides, f"hydra.run.dir={hydra_quoted(str(run_dir))}", "trainer.resume=auto"]
     return " ".join(["python -m runner", *map(shlex.quote, words)])
 
 

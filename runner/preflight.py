@@ -147,12 +147,38 @@ def checkpoint_space_needed(run: RunConfig) -> tuple[int, str]:
             f"{kept} checkpoints of {one / (1 << 20):,.1f} MiB and the logs")
 
 
-def machine_problems(run: RunConfig, run_dir: Path, inside_mpi_job: bool = False) -> list[str]:
-    """Every reason this machine cannot run `run` into `run_dir` (empty: go)."""
+def resume_problems(run: RunConfig, run_dir: Path, notes: list[str]) -> list[str]:
+    """The checkpoint `trainer.resume` names (or, for `auto`, the newest one that verifies),
+    verified whole against the model before any rank starts: hashes, names, file types, the
+    model's parameter names and shapes. What `auto` skipped goes to `notes`."""
+    if run.trainer.resume is None:
+        return []
+    import warnings
+
+    from runner import assembly
+    from runner.checkpoint import CheckpointError, verify_resume
+
+    spec = assembly.build_dataset(run.dataset).spec()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = assembly.model_for(run.model, spec, assembly.dtype_of(run), device="meta")
+    try:
+        _, skipped = verify_resume(run.trainer.resume, Path(run_dir) / "checkpoints", model)
+    except CheckpointError as exc:
+        return [f"trainer.resume={run.trainer.resume}: {exc}"]
+    notes += skipped
+    return []
+
+
+def machine_problems(run: RunConfig, run_dir: Path, inside_mpi_job: bool = False,
+                     notes: list[str] | None = None) -> list[str]:
+    """Every reason this machine cannot run `run` into `run_dir` (empty: go); what is worth
+    saying but no problem goes to `notes`."""
     problems = [] if inside_mpi_job or run.grid.size == 1 else launcher_problems(run.launcher)
     memory = memory_problem(run, inside_mpi_job)
     if memory:
         problems.append(memory)
+    problems += resume_problems(run, run_dir, notes if notes is not None else [])
     problem = run_dir_problem(run_dir) or unwritable(run_dir)
     if problem:
         return [*problems, problem]

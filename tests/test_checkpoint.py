@@ -7,9 +7,12 @@ must continue from the same global weights, so its losses agree to float64 round
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint import Checkpoint, CheckpointError, latest_checkpoint
+from runner.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, verify_resume
 from runner.core.placement import Placement
 from tests.conftest import ROOT, TIMEOUT_S, assert_ok, read_metrics, read_summary, run_cli
 
@@ -179,8 +182,9 @@ def test_an_unwritable_run_directory_is_refused_before_anything_starts(tmp: Path
 
 
 def test_checkpoints_load_weights_only(tmp: Path, reference: Path) -> None:
-    """A shard that smuggles in an arbitrary object is refused, and the object's code never
-    runs."""
+    """A shard that smuggles in an arbitrary object is refused in one line, and the object's
+    code never runs: caught by its size or hash, and, when the forger rewrites the manifest's
+    record too, by the weights-only unpickler."""
     source = reference / "checkpoints" / "step-00000020"
     forged = tmp / "forged"
     forged.mkdir()
@@ -190,8 +194,18 @@ def test_checkpoints_load_weights_only(tmp: Path, reference: Path) -> None:
     payload = torch.load(source / "rank-00000.pt", weights_only=True)
     payload["rng"] = _Smuggled(str(marker))
     torch.save(payload, forged / "rank-00000.pt")
-    with pytest.raises(Exception, match=r"[Ww]eights only load failed|Unsupported global"):
+    with pytest.raises(CheckpointError, match=r"rank-00000.pt: (truncated|sha256 mismatch)"):
         Checkpoint(forged).rank_state(0)
+    data = (forged / "rank-00000.pt").read_bytes()
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest["shards"]["rank-00000.pt"] = {"bytes": len(data),
+                                           "sha256": hashlib.sha256(data).hexdigest()}
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as caught:
+        Checkpoint(forged).rank_state(0)
+    assert str(caught.value) == (f"checkpoint {forged}: rank-00000.pt: refused by weights_only "
+                                 f"loading: Trying to load unsupported GLOBAL posix.system "
+                                 f"whose module posix is blocked")
     assert not marker.exists()
 
 
@@ -208,3 +222,61 @@ def test_a_checkpoint_of_another_model_is_refused(reference: Path) -> None:
     out = torch.empty(3, 64, dtype=torch.float64)
     with pytest.raises(CheckpointError, match=r"1.weight has shape \[128, 64\]"):
         checkpoint.read_into("model", None, Placement("1.weight", (256, 64), 0, 3), out)
+
+
+def _meta_model(*overrides: str) -> torch.nn.Module:
+    from runner import assembly
+    from runner.compose import compose
+    from runner.validation import validate
+
+    run = validate(compose([*GRID, *overrides]), world_size=4)
+    spec = assembly.build_dataset(run.dataset).spec()
+    return assembly.model_for(run.model, spec, assembly.dtype_of(run), device="meta")
+
+
+def test_the_head_verifies_a_2x2_grid_checkpoint(reference: Path) -> None:
+    """Rows written by 4 ranks in Pr blocks tile every parameter; another model is refused."""
+    newest = reference / "checkpoints" / "step-00000040"
+    assert verify_resume(str(reference), reference / "checkpoints", _meta_model()) == (newest,
+                                                                                      [])
+    with pytest.raises(CheckpointError, match=r"not a checkpoint of this model: 1.weight has "
+                                              r"shape \[128, 64\] in the checkpoint and "
+                                              r"\[256, 64\]"):
+        verify_resume("auto", reference / "checkpoints", _meta_model("model.hidden=[256,128]"))
+
+
+def test_a_damaged_checkpoint_is_refused_before_any_rank_starts(tmp: Path,
+                                                                 reference: Path) -> None:
+    """Through the command line: the head verifies the checkpoint `trainer.resume` names (every
+    shard's hash) and refuses rank 2's shard with a flipped bit in one line, exit 2, before any
+    rank starts (a shard damaged after that check is caught where a rank loads it:
+    tests/test_checkpoint_integrity.py)."""
+    damaged = tmp / "damaged"
+    shutil.copytree(reference / "checkpoints" / "step-00000020", damaged)
+    shard = bytearray((damaged / "rank-00002.pt").read_bytes())
+    shard[len(shard) // 2] ^= 0x01
+    (damaged / "rank-00002.pt").write_bytes(shard)
+    result = run_cli(*GRID, "trainer.steps=40", f"trainer.resume={damaged}",
+                     f"hydra.run.dir={tmp / 'from_damaged'}")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"checkpoint {damaged}: rank-00002.pt: sha256 mismatch" in lines[0]
+    assert not (tmp / "from_damaged").exists()
+
+
+def test_auto_resumes_past_a_damaged_newest_checkpoint(tmp: Path, reference: Path) -> None:
+    """resume=auto passes over the newest checkpoint when it does not verify, says so, and
+    resumes from the one before: the losses after it are the uninterrupted run's."""
+    run_dir = tmp / "auto_fallback"
+    shutil.copytree(reference, run_dir)
+    newest = run_dir / "checkpoints" / "step-00000040"
+    (newest / "rank-00001.pt").write_bytes((newest / "rank-00001.pt").read_bytes()[:100])
+    result = run_cli(*GRID, "trainer.steps=40", "trainer.resume=auto",
+                     f"hydra.run.dir={run_dir}")
+    assert_ok(result)
+    assert "note: skipped checkpoints/step-00000040: rank-00001.pt: truncated" in result.stderr
+    summary = read_summary(run_dir)
+    assert summary["resumed_from"]["step"] == 20
+    assert losses(run_dir) == losses(reference)
