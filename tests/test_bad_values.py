@@ -206,3 +206,32 @@ def test_checking_a_bad_value_is_quick() -> None:
     for _ in range(5):
         assert precheck(["optimizer.lr=abc", "hydra.run.dir=/nonexistent/x"])
     assert (time.perf_counter() - started) / 5 < 2.0
+
+
+def test_two_runs_into_one_directory_through_the_command_line(tmp_path: Path) -> None:
+    """The second run is refused in one line while the first trains on, undisturbed: its
+    summary is its own seed's, and its lock is gone when it ends."""
+    from tests.conftest import ROOT, read_summary, run_cli
+
+    run_dir = tmp_path / "shared"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "runner", "grid.pr=1", "grid.pc=2", "trainer.steps=200",
+         "debug.slow_rank=0", "debug.slow_seconds=0.05",  # long enough to be in the way
+         "seed=1", f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "config.yaml").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = run_cli("grid.pr=1", "grid.pc=2", "trainer.steps=5", "seed=2",
+                         f"hydra.run.dir={run_dir}", timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.strip().splitlines() == [
+            line for line in second.stderr.strip().splitlines() if "in use by another run" in line]
+        assert f"pid {first.pid}" in second.stderr
+    finally:
+        _, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err
+    summary = read_summary(run_dir)
+    assert summary["seed"] == 1 and summary["steps"] == 200
+    assert not (run_dir / LOCK_FILE).exists()
