@@ -10,6 +10,7 @@ In the last case the head watches its job rather than just waiting for it (`runn
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -105,8 +106,12 @@ def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, An
 
         try:
             run_rank(directory.path, mpi_comm=None)
-        except Exception:  # its traceback is printed and its summary written
-            failed = directory.read_summary() or {"status": "failed"}
+        except Exception as exc:  # its traceback is printed and its summary written
+            from runner.rank import describe_error
+
+            # on a full disk no summary could be written: the error says it all
+            failed = directory.read_summary() or {"status": "failed", "failed_rank": 0,
+                                                  "error": describe_error(exc)}
             raise RunFailed(_failure_message(1, 1, failed, directory.logs)) from None
         outcome = directory.read_summary()
         assert outcome is not None
@@ -126,9 +131,10 @@ def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, An
         how = result.killed or f"ended by {result.stop_signal} before its ranks could stop cleanly"
         message = (f"the {run.grid.size}-rank job was {how}: no checkpoint was written for this "
                    f"stop; logs: {directory.logs}")
-        write_json(directory.summary, {"status": "interrupted", "message": message,
-                                       "checkpoint": None, "resume_command": None,
-                                       "exit_code": code, "run_dir": str(directory.path)})
+        with contextlib.suppress(OSError):  # a full disk: the message still says it all
+            write_json(directory.summary, {"status": "interrupted", "message": message,
+                                           "checkpoint": None, "resume_command": None,
+                                           "exit_code": code, "run_dir": str(directory.path)})
         raise RunInterrupted(message)
     if summary is None or summary.get("status") != "failed":
         # No rank could say what happened (or rank 0 had finished, and one died after it):
@@ -138,6 +144,7 @@ def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, An
         if result.killed:
             failed["error"] = f"{failed.get('error', 'a rank failed')}; {result.killed}"
         if summary is None:
-            write_json(directory.summary, failed)
+            with contextlib.suppress(OSError):  # a full disk: the message still says it all
+                write_json(directory.summary, failed)
         summary = failed
     raise RunFailed(_failure_message(run.grid.size, code, summary, directory.logs))

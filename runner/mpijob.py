@@ -3,11 +3,17 @@ record each rank's pid and how it ended, so a rank that died without a word (SIG
 killer, a segfault) is named with its signal; a job the launcher does not end by itself after a
 rank died is killed; no rank process outlives the job. SIGINT or SIGTERM to the head asks the
 ranks to stop cleanly (they checkpoint); a second one kills them. No Hydra here.
+
+The head forwards SIGTERM whatever it got: every launcher passes SIGTERM on to the ranks, SIGINT
+not always (Slurm's srun only reports the job's state at a first Ctrl-C; MPICH's mpiexec passes it
+on, with lines of its own). So that the ranks still say which signal the user sent, the head first
+writes its name to `RUN_DIR/.ranks/stop-signal` (read by `runner.interrupt`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -22,8 +28,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from runner.rundir import RunDir
-from runner.supervisor import RANKS_DIR, read_rank_records
+from runner.rundir import RunDir, atomic_write_text
+from runner.supervisor import (
+    RANKS_DIR,
+    read_failure_reports,
+    read_rank_records,
+    stop_signal_path,
+)
 
 POLL_S = 0.1
 # After a rank died, the launcher's own clean-up gets this long before the head kills the job
@@ -204,9 +215,16 @@ class MPIJob:
         return bool(self.vanished)
 
     def _diagnose(self) -> dict[str, Any] | None:
-        """The rank that ended first without finishing, in the words of a summary."""
+        """The rank that ended first without finishing, in the words of a summary: the first
+        rank that reported how it failed, in its own words, unless another rank died before
+        (the head needs those words when that rank could not write `summary.json`: a full
+        disk)."""
         ended = sorted((r for r in self.records.values() if _abnormal(r)),
                        key=lambda r: r["ended"])
+        reports = sorted(read_failure_reports(self.run_dir).values(),
+                         key=lambda r: float(r.get("at", 0.0)))
+        if reports and (not ended or float(reports[0].get("at", 0.0)) <= ended[0]["ended"]):
+            return {k: v for k, v in reports[0].items() if k != "at"}
         if not ended and len(self.vanished) > 1:
             ranks = sorted(int(r["rank"]) for r in self.vanished)
             return {"failed_ranks": ranks, "error": (
@@ -246,7 +264,18 @@ class MPIJob:
         self.stop_signal = _signal_name(signum)
         print(STOP_MESSAGE, file=sys.stderr, flush=True)
         if self.process is not None and self.process.poll() is None:
+            self._tell_ranks(self.stop_signal)
             self.process.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank
+
+    def _tell_ranks(self, name: str) -> None:
+        """The signal the head got, for the ranks that get SIGTERM in its place (written before
+        the SIGTERM is sent: a rank that gets it finds the file)."""
+        path = stop_signal_path(self.run_dir)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({"signal": name, "time": time.time()}) + "\n")
+        except OSError:
+            pass  # the ranks then name the SIGTERM they got
 
     def _rank_pids(self) -> list[int]:
         """This job's rank processes on this host, supervisors first (so that none of them

@@ -6,6 +6,13 @@ failure in `summary.json`, and aborts the whole MPI job: the other ranks never w
 collective. A rank blocked in a collective for longer than `trainer.comm_timeout_s` (a peer hung)
 does the same from its watchdog thread.
 
+The rank that times out is the one that waited: to name the one that did not arrive, each rank's
+watchdog records this rank's progress in `RUN_DIR/.ranks/progress-<rank>.json` about once a
+second, and reads the others' when it times out (no MPI traffic; the run directory is shared by
+the ranks already). Under the head, a failure is also reported in room the rank reserved in
+`.ranks/` at its start (`runner.supervisor.report_failure`): on a full disk `summary.json` cannot
+be written, and the head still names the rank, the file and the reason.
+
 In a job the user started (`mpiexec -n P python -m runner ...`), rank 0 composes the config and
 makes the run directory, then tells the others where it is (`announce_run_dir`/`follow_rank0`).
 """
@@ -13,6 +20,9 @@ makes the run directory, then tells the others where it is (`announce_run_dir`/`
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
+import json
 import os
 import sys
 import time
@@ -20,11 +30,20 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.interrupt import relay_stop_signal_from
 from runner.logs import setup_rank_logging
 from runner.rundir import RunDir, write_json
+from runner.supervisor import (
+    RANKS_DIR,
+    report_failure,
+    reserve_failure_report,
+    stop_signal_path,
+    supervised,
+)
 
 if TYPE_CHECKING:
     from runner.core import CommWatchdog, ProcessGrid
+    from runner.core.watchdog import CommProgress
 
 _announced = False
 ABORT_GRACE_S = 1.0
@@ -43,8 +62,11 @@ def _set_threads(configured: int | None, mpi_comm: Any) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
 
 
-def _write_failure(directory: RunDir, failure: dict[str, Any]) -> None:
-    """The first failure recorded stays: a later one is usually a consequence of it."""
+def _write_failure(directory: RunDir, rank: int, failure: dict[str, Any]) -> None:
+    """The first failure recorded stays: a later one is usually a consequence of it. It is
+    reported to the head too, where `summary.json` cannot be written (a full disk)."""
+    if supervised():
+        report_failure(directory.path, rank, failure)
     try:
         if not directory.summary.exists():
             write_json(directory.summary, {"status": "failed", **failure,
@@ -53,11 +75,69 @@ def _write_failure(directory: RunDir, failure: dict[str, Any]) -> None:
         pass
 
 
+# Errors of a write that found no room or no permission to grow: "cannot write FILE".
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def describe_error(exc: BaseException) -> str:
+    """The failure in one line, for `summary.json` and so the head's last line (the traceback
+    is in the rank's log): an `OSError` that names its file says the file and the system's
+    words, e.g. "cannot write /runs/a/metrics.jsonl: No space left on device (ENOSPC)"."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        target = str(exc.filename)
+        if exc.filename2 is not None:
+            target += f" -> {exc.filename2}"
+        code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else ""
+        if exc.errno in _WRITE_ERRNOS:
+            return f"cannot write {target}: {exc.strerror} ({code})"
+        return f"{target}: {exc.strerror} ({type(exc).__name__}{f', {code}' if code else ''})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _record_failure(directory: RunDir, rank: int, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(exc))
     sys.stderr.write(f"\n[rank {rank}] failed:\n{text}")
     sys.stderr.flush()
-    _write_failure(directory, {"failed_rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+    _write_failure(directory, rank, {"failed_rank": rank, "error": describe_error(exc)})
+
+
+# -- progress for the watchdogs: which rank did not arrive --------------------------------------
+
+def progress_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / RANKS_DIR / f"progress-{rank}.json"
+
+
+def _write_progress(path: Path, progress: CommProgress) -> None:
+    """Replaced by a rename (a reader sees a whole record), not synced: it only matters while
+    the job runs. A failed write (a full disk) leaves the last one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(progress.to_json()))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _read_progress(path: Path) -> CommProgress | None:
+    from runner.core.watchdog import CommProgress
+
+    try:
+        return CommProgress.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def group_members(grid: ProcessGrid, group: str) -> list[int]:
+    """The world ranks of this rank's group `group` (world rank = batch index × Pr + model
+    index: a model group is a block of consecutive ranks, a batch group a stride of Pr)."""
+    if group == "world":
+        return list(range(grid.size))
+    if group == "model":
+        return [grid.batch_index * grid.pr + m for m in range(grid.pr)]
+    if group == "batch":
+        return [b * grid.pr + grid.model_index for b in range(grid.pc)]
+    return [grid.rank]
 
 
 def _start_watchdog(timeout_s: float | None, grid: ProcessGrid, directory: RunDir,
@@ -68,17 +148,37 @@ def _start_watchdog(timeout_s: float | None, grid: ProcessGrid, directory: RunDi
     from runner.core import CommWatchdog
 
     rank = grid.rank
+    mine = progress_path(directory.path, rank)
+    with contextlib.suppress(OSError):
+        mine.parent.mkdir(parents=True, exist_ok=True)
+
+    def peers(in_flight: tuple[str, str, int, str, float]) -> dict[int, CommProgress | None]:
+        return {r: _read_progress(progress_path(directory.path, r))
+                for r in group_members(grid, in_flight[1]) if r != rank}
 
     def on_timeout(message: str, in_flight: tuple[str, str, int, str, float]) -> None:
         op, group, size, label, _ = in_flight
-        _write_failure(directory, {"error": message, "timed_out": {
+        _write_failure(directory, rank, {"error": message, "timed_out": {
             "rank": rank, "op": op, "label": label, "group": group, "group_size": size,
-            "timeout_s": timeout_s}})
+            "timeout_s": timeout_s, "missing_ranks": [a.rank for a in watchdog.absent]}})
         time.sleep(ABORT_GRACE_S)  # let the message through the launcher's pipes first
         mpi_comm.Abort(1)  # from this thread: the main thread is blocked in the collective
 
-    return CommWatchdog(grid.counter, timeout_s, rank, on_timeout,
-                        setting="trainer.comm_timeout_s").start()
+    watchdog = CommWatchdog(grid.counter, timeout_s, rank, on_timeout,
+                            setting="trainer.comm_timeout_s",
+                            publish=lambda progress: _write_progress(mine, progress),
+                            peers=peers)
+    return watchdog.start()
+
+
+def _forget_progress(directory: RunDir, rank: int) -> None:
+    """This rank's progress record, gone (with `.ranks` when it is empty: a job the user
+    started has no head to remove it)."""
+    with contextlib.suppress(OSError):
+        progress_path(directory.path, rank).unlink(missing_ok=True)
+    if not supervised():
+        with contextlib.suppress(OSError):
+            (directory.path / RANKS_DIR).rmdir()
 
 
 def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
@@ -91,9 +191,15 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
     rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
     directory = RunDir(Path(run_dir))
     log = setup_rank_logging(directory.rank_log(rank), rank)
+    if supervised():  # a job the head started: it reads `.ranks/` (and removes it)
+        relay_stop_signal_from(stop_signal_path(directory.path))
+        reserve_failure_report(directory.path, rank)
     try:
         run = load_run_config(directory.config)
         _set_threads(run.trainer.threads, mpi_comm)
+        # An earlier run's record is not this rank's progress (the grid's set-up below is
+        # collective: no peer reads before every rank has removed its own).
+        _forget_progress(directory, rank)
         grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm)
         watchdog = _start_watchdog(run.trainer.comm_timeout_s, grid, directory, mpi_comm)
         try:
@@ -101,13 +207,14 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
         finally:
             if watchdog is not None:
                 watchdog.stop()
+                _forget_progress(directory, rank)
         return 0
     except StepFailure as exc:
         # Every rank met it at the same step: one line, no traceback, and no rank has to
         # abort the others.
         log.error("%s", exc)
         if rank == 0:
-            _write_failure(directory, {"error": str(exc)})
+            _write_failure(directory, rank, {"error": str(exc)})
         if mpi_comm is None or mpi_comm.Get_size() == 1:
             raise
         return 1

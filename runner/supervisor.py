@@ -9,6 +9,12 @@ whole job ~40 ms after one rank is killed, and the other ranks die within millis
 (some even before the dead rank's pid is seen to end), too close to tell which was first; the
 PID in MPICH's own message is not the dead rank's either. A parent's `waitpid` is exact.
 
+A rank that fails says how in `RUN_DIR/.ranks/failure-<k>.json` too (`report_failure`), in room
+it reserved at its start: on a full disk it cannot write `summary.json`, and its supervisor may be
+killed by the launcher before it records anything (MPI_Abort), but the report overwrites bytes
+already on disk, so the head still names the rank and the reason. The head also writes there the
+signal it got before it forwards SIGTERM (`stop_signal_path`, read by `runner.interrupt`).
+
 Light imports only: the supervisor forks before the rank imports torch.
 """
 
@@ -26,9 +32,77 @@ from typing import Any
 from runner.rundir import write_json
 
 RANKS_DIR = ".ranks"  # the supervisors' records, inside the run directory
+STOP_SIGNAL_FILE = "stop-signal"  # the signal the head got, written before it forwards SIGTERM
+REPORT_BYTES = 4096  # the room a rank reserves for its failure report
+ERROR_CHARS = 2000  # a reported error is cut to this, to fit in that room
 # Forwarded by MPICH's mpiexec to every process of each rank's process group: meant for the rank
 # (which stops cleanly, see runner.interrupt), not for its supervisor.
 _RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_supervised = False  # in the rank: forked by a supervisor (a job the head started)
+_reported = False
+
+
+def supervised() -> bool:
+    """Whether this process is a rank under a supervisor, in a job the head started (which
+    reads `.ranks/` and removes it at the end)."""
+    return _supervised
+
+
+def stop_signal_path(run_dir: Path) -> Path:
+    return Path(run_dir) / RANKS_DIR / STOP_SIGNAL_FILE
+
+
+def failure_report_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / RANKS_DIR / f"failure-{rank}.json"
+
+
+def reserve_failure_report(run_dir: Path, rank: int) -> None:
+    """In the rank, at its start: room for its failure report (blank: no report), taken while
+    the disk has some."""
+    path = failure_report_path(run_dir, rank)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b" " * (REPORT_BYTES - 1) + b"\n")
+
+
+def report_failure(run_dir: Path, rank: int, failure: dict[str, Any]) -> None:
+    """In the rank: how it failed, written over the room reserved for it (no new block needed
+    where that room was taken); the first report stays."""
+    global _reported
+    if _reported:
+        return
+    _reported = True
+    report = {"at": time.time(), **failure}
+    if len(str(report.get("error", ""))) > ERROR_CHARS:
+        report["error"] = str(report["error"])[:ERROR_CHARS - 1] + "…"
+    if len(json.dumps(report)) >= REPORT_BYTES:  # e.g. a long list of ranks: the words suffice
+        report = {k: report[k] for k in ("at", "failed_rank", "error") if k in report}
+    while len(json.dumps(report)) >= REPORT_BYTES:  # escaped characters take up to 6 bytes
+        error = str(report["error"])
+        report["error"] = error[:len(error) // 2] + "…"
+    data = json.dumps(report).encode().ljust(REPORT_BYTES - 1) + b"\n"
+    with contextlib.suppress(OSError):
+        fd = os.open(failure_report_path(run_dir, rank), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+
+
+def read_failure_reports(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The ranks' failure reports by rank (blank reservations and torn reads are skipped)."""
+    reports: dict[int, dict[str, Any]] = {}
+    try:
+        paths = list((Path(run_dir) / RANKS_DIR).glob("failure-*.json"))
+    except OSError:
+        return reports
+    for path in paths:
+        try:
+            report = json.loads(path.read_text())
+            reports[int(path.stem.split("-", 1)[1])] = report
+        except (OSError, ValueError, IndexError):
+            continue
+    return {rank: r for rank, r in reports.items() if isinstance(r, dict)}
 
 
 def rank_record_path(run_dir: Path, rank: int) -> Path:
@@ -86,9 +160,11 @@ def _exit_like(status: int) -> int:
 def supervise(run_dir: Path, rank: int) -> int | None:
     """Fork the rank. Returns None in the rank (go on and train), the exit code in the
     supervisor after the rank ended."""
+    global _supervised
     parent = os.getpid()
     child = os.fork()
     if child == 0:
+        _supervised = True
         _die_with_parent(parent)
         return None
     for signum in _RANK_SIGNALS:

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from runner.core import CommCounter, CommWatchdog, CountedComm
 from tests.conftest import ROOT, TIMEOUT_S, read_summary
 
@@ -104,17 +106,22 @@ def test_a_hung_rank_ends_the_job_through_the_watchdog(tmp_path: Path) -> None:
     assert job.returncode not in (0, 2), f"exit {job.returncode}\n{out}\n{err}"
     assert ended - seen < timeout + KILL_DEADLINE_S, f"{ended - seen:.1f} s after step 2\n{err}"
     # A rank that waited names the operation, its group and the setting; the hung rank 2
-    # waits in no collective, so it is not the one that reports.
+    # waits in no collective, so it is not the one that reports: it is named as the one that
+    # did not arrive, from the progress its watchdog recorded.
     summary = read_summary(run_dir)
     assert summary["status"] == "failed", summary
     timed_out = summary["timed_out"]
     assert timed_out["rank"] in (0, 1, 3) and timed_out["group"] == "world", timed_out
+    assert timed_out["missing_ranks"] == [2], timed_out
     expected = (f"rank {timed_out['rank']}: {timed_out['op']} '{timed_out['label']}' on group "
                 f"world (4 ranks) did not complete within {timeout} s "
-                f"(trainer.comm_timeout_s); a peer may have hung or died")
-    assert summary["error"] == expected
+                f"(trainer.comm_timeout_s); a peer may have hung or died; rank 2 did not "
+                f"arrive: its last collective was #")
+    assert summary["error"].startswith(expected), summary["error"]
+    assert summary["error"].endswith("s ago; it is not in a collective"), summary["error"]
+    assert "rank 0 did not" not in summary["error"] and "rank 3 did not" not in summary["error"]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: the 4-rank job failed") and expected in last, last
+    assert last.startswith("error: the 4-rank job failed") and summary["error"] in last, last
     log = (run_dir / "logs" / f"rank{timed_out['rank']}.log").read_text()
     assert "did not complete within" in log
     assert not job_processes(run_dir)  # the hung rank too
@@ -139,6 +146,27 @@ def test_a_second_signal_kills_the_job_at_once(tmp_path: Path) -> None:
     assert summary["status"] == "interrupted" and summary["checkpoint"] is None, summary
     assert "killed at a second SIGINT" in summary["message"]
     assert not job_processes(run_dir)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_names_the_signal_the_head_got(tmp_path: Path, signum: signal.Signals) -> None:
+    """The head forwards SIGTERM to the job whatever it got; the ranks still name the signal
+    the user sent (Ctrl-C is SIGINT), in the summary and the message."""
+    run_dir = tmp_path / f"stopped_{signum.name}"
+    job = start_cli(*DATA2, "trainer.steps=200", "debug.slow_rank=0", "debug.slow_seconds=0.3",
+                    f"hydra.run.dir={run_dir}")
+    wait_for_step(job, run_dir, 1)
+    assert job.poll() is None, job.communicate()
+    job.send_signal(signum)
+    out, err, _ = finish(job, run_dir)
+    assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["signal"] == signum.name, summary
+    assert summary["message"].startswith(f"interrupted by {signum.name} after step "), summary
+    assert summary["message"] in err
+    assert "Sending Ctrl-C" not in err  # MPICH's own lines: the head forwarded SIGTERM
+    assert not job_processes(run_dir)
+    assert not (run_dir / ".ranks").exists()
 
 
 # -- the watchdog alone (no MPI) ----------------------------------------------------------------
