@@ -36,14 +36,16 @@ _HYDRA_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--version",
                 "--experimental-rerun"}
 
 _mpi: MPIEnvironment | None = None
-# The single run's config as `precheck` validated it: the run is not validated twice.
+# The single run's config as `precheck` validated it (the run is not validated twice), and the
+# run directory it checked and locked.
 _checked: RunConfig | None = None
+_checked_dir: Path | None = None
 
 
 def precheck(args: list[str]) -> str | None:
     """Compose and validate a single run's overrides before Hydra makes a run directory, so bad
     input costs one line and leaves nothing behind."""
-    global _checked
+    global _checked, _checked_dir
     if any(a in _HYDRA_FLAGS or a.split("=")[0] in _HYDRA_FLAGS for a in args):
         return None
     from hydra.errors import HydraException
@@ -75,8 +77,17 @@ def precheck(args: list[str]) -> str | None:
         lock_run_dir(run_dir)
     except RunDirInUse as exc:
         return str(exc)
-    _checked = run
+    _checked, _checked_dir = run, run_dir
     return None
+
+
+def _same_run_dir(args: list[str], run_dir: Path) -> list[str]:
+    """`args` with the run directory `precheck` checked and locked: Hydra composes again, and
+    a `${now:...}` in `hydra.run.dir` would otherwise name a directory seconds later."""
+    from runner.checkpoint import hydra_quoted
+
+    kept = [a for a in args if not a.lstrip("+").startswith("hydra.run.dir=")]
+    return [*kept, f"hydra.run.dir={hydra_quoted(str(run_dir))}"]
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -146,5 +157,7 @@ def main() -> None:
     if problem:
         print_error(problem)
         sys.exit(EXIT_BAD_INPUT)
+    if _checked_dir is not None:
+        sys.argv[1:] = _same_run_dir(sys.argv[1:], _checked_dir)
     register_configs()
     hydra_task()

@@ -235,3 +235,16 @@ def test_two_runs_into_one_directory_through_the_command_line(tmp_path: Path) ->
     summary = read_summary(run_dir)
     assert summary["seed"] == 1 and summary["steps"] == 200
     assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_the_run_directory_checked_and_locked_is_the_one_the_run_uses(tmp_path: Path) -> None:
+    """The default `outputs/<date>/<time>` is resolved once: Hydra's second composition, seconds
+    after the head's check, must not name (and leave) another, empty directory."""
+    from tests.conftest import ROOT
+
+    result = subprocess.run([sys.executable, "-m", "runner", "grid.pr=1", "grid.pc=1",
+                             "trainer.steps=2"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    made = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(made) == 1 and (made[0] / "summary.json").exists(), made
