@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,26 @@ def model_for(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.floa
     load_plugins()
     extra = dataset_arguments(MODELS.get(plugin.name), spec)
     return build_model(plugin, spec.input_shape, spec.num_classes, extra, dtype, device)
+
+
+# A model with more parameter bytes than this is probed for shapes on the meta device, whose
+# kernels cost 1-2 s to load the first time (they import torch._dynamo and sympy); a smaller
+# one is built on the CPU, where a forward of a sample costs milliseconds.
+SMALL_MODEL_BYTES = 256 << 20
+
+
+def probe_model(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.float32
+                ) -> nn.Module:
+    """The plain model for working out shapes (a forward of a sample, the planner's counts):
+    real on the CPU when it is small, on the meta device when it is large. Built from a forked
+    RNG: the caller's random state is left as it was."""
+    with warnings.catch_warnings():  # torch's words for zero-size layers: validation names them
+        warnings.simplefilter("ignore")
+        meta = model_for(plugin, spec, dtype, device="meta")
+        if sum(p.numel() * p.element_size() for p in meta.parameters()) > SMALL_MODEL_BYTES:
+            return meta
+        with torch.random.fork_rng(devices=[]):
+            return model_for(plugin, spec, dtype)
 
 
 def build_strategy(plugin: Plugin, costs: MachineCosts = DEFAULT_COSTS,

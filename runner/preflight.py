@@ -79,15 +79,12 @@ def memory_estimate(run: RunConfig) -> dict[str, int]:
     loads it whole) and the runtime. An estimate: allocator slack and temporaries are not in
     it."""
     import math
-    import warnings
 
     from runner import assembly
 
     dataset = assembly.build_dataset(run.dataset)
     spec = dataset.spec()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = assembly.model_for(run.model, spec, assembly.dtype_of(run), device="meta")
+    model = assembly.probe_model(run.model, spec, assembly.dtype_of(run))
     strategy = assembly.build_strategy(run.strategy)
     params = strategy.predict_param_bytes(model, spec.input_shape, run.grid)
     optimizer = assembly.optimizer_class(run.optimizer)

@@ -27,10 +27,6 @@ from runner.config import (
 from runner.core.registry import UnknownPluginError
 from runner.options import option_problems, with_defaults
 
-# A model with more parameter bytes than this is checked on the meta device (whose kernels
-# cost about a second to load), a smaller one by a real forward of two samples (milliseconds).
-META_CHECK_BYTES = 256 << 20
-
 
 def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     problems: list[str] = []
@@ -178,14 +174,11 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
                         f"{shape}: every width and channel count must be >= 1 (model options: "
                         f"{', '.join(f'{k}={v}' for k, v in plugin.options.items())})")
         return None
-    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    device = "meta" if param_bytes > META_CHECK_BYTES else "cpu"
     dtype = torch.long if spec.vocab_size is not None else torch.float32
     try:
-        # A small model is built again on the CPU (`to_empty` would load the meta kernels'
-        # symbolic-shape machinery, 0.4 s), from a forked RNG: this process may go on to train.
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            probe = net if device == "meta" else assembly.model_for(plugin, spec)
+        probe = assembly.probe_model(plugin, spec)  # on the CPU when small: milliseconds
+        device = next(probe.parameters()).device
+        with torch.no_grad():
             out = probe(torch.zeros(2, *spec.input_shape, dtype=dtype, device=device))
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

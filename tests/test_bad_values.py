@@ -248,3 +248,18 @@ def test_the_run_directory_checked_and_locked_is_the_one_the_run_uses(tmp_path: 
     assert result.returncode == 0, result.stderr
     made = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(made) == 1 and (made[0] / "summary.json").exists(), made
+
+
+def test_the_heads_check_of_a_good_config_stays_light(tmp_path: Path) -> None:
+    """Validation, the memory estimate and the machine checks of a small model never load the
+    meta kernels (torch._dynamo and sympy: 1-2 s of every run's start, see bench/startup.py)."""
+    from tests.conftest import ROOT
+
+    code = ("import sys; from runner.app import precheck; "
+            f"assert precheck(['hydra.run.dir={tmp_path / 'run'}']) is None; "
+            "heavy = [m for m in ('torch._dynamo', 'sympy', 'sklearn') if m in sys.modules]; "
+            "print(heavy)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
