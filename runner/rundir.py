@@ -86,9 +86,11 @@ class RunDirLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
+        self._made_directory = False
 
     def acquire(self) -> None:
         """Take the lock or raise `RunDirInUse` naming its owner (makes the directory)."""
+        self._made_directory = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -122,6 +124,9 @@ class RunDirLock:
                 self.path.unlink()
         os.close(self._fd)  # drops the flock
         self._fd = None
+        if self._made_directory:  # nothing was run in it after all: leave nothing behind
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()  # only when empty
 
     def _owner(self) -> dict[str, Any] | None:
         try:

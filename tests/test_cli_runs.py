@@ -264,10 +264,16 @@ def test_replica_optimizers_run_from_a_multirun(session_tmp: Path) -> None:
     assert "workers' mean val accuracy" in result.stdout
 
 
-def test_experiment_configs_compose_and_validate() -> None:
+def test_experiment_configs_compose_and_validate(tmp_path: Path) -> None:
     from runner.app import precheck
+    from runner.rundir import release_run_dirs
 
     for experiment in ("digits_cnn", "synthetic_mlp", "easgd_digits", "tokens_bag",
                        "kjv_bag"):
-        assert precheck([f"experiment={experiment}"]) is None
+        run_dir = tmp_path / experiment
+        try:
+            assert precheck([f"experiment={experiment}", f"hydra.run.dir={run_dir}"]) is None
+        finally:
+            release_run_dirs()
+        assert not run_dir.exists()  # checked and locked, never run: nothing left behind
     assert json.dumps(precheck(["experiment=nope"])).startswith('"unknown experiment')
