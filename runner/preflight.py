@@ -9,8 +9,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from torch import nn
+
 from runner.checkpoint import checkpoint_bytes, space_problem
 from runner.config import LauncherConfig, RunConfig
+from runner.datasets import DatasetSpec
 from runner.rundir import run_dir_problem, unwritable
 
 MIN_FREE_BYTES = 16 << 20  # logs, metrics and the summary of any run
@@ -73,7 +76,7 @@ def ranks_on_this_machine(run: RunConfig, inside_mpi_job: bool) -> int | None:
     return run.grid.size if not run.launcher.argv else None
 
 
-def memory_estimate(run: RunConfig) -> dict[str, int]:
+def memory_estimate(run: RunConfig, spec: DatasetSpec, model: nn.Module) -> dict[str, int]:
     """Rank 0's bytes, by what holds them: the planner's parameter and activation counts for
     this strategy and grid, gradients (one copy), optimizer state, the dataset (every rank
     loads it whole) and the runtime. An estimate: allocator slack and temporaries are not in
@@ -82,9 +85,6 @@ def memory_estimate(run: RunConfig) -> dict[str, int]:
 
     from runner import assembly
 
-    dataset = assembly.build_dataset(run.dataset)
-    spec = dataset.spec()
-    model = assembly.probe_model(run.model, spec, assembly.dtype_of(run))
     strategy = assembly.build_strategy(run.strategy)
     params = strategy.predict_param_bytes(model, spec.input_shape, run.grid)
     optimizer = assembly.optimizer_class(run.optimizer)
@@ -101,12 +101,13 @@ def memory_estimate(run: RunConfig) -> dict[str, int]:
         "runtime": RUNTIME_BYTES}
 
 
-def memory_problem(run: RunConfig, inside_mpi_job: bool) -> str | None:
+def memory_problem(run: RunConfig, spec: DatasetSpec, model: nn.Module,
+                   inside_mpi_job: bool) -> str | None:
     """A run that cannot fit in this machine's memory, refused before its ranks allocate."""
     ranks, available = ranks_on_this_machine(run, inside_mpi_job), available_memory()
     if ranks is None or available is None:
         return None
-    parts = memory_estimate(run)
+    parts = memory_estimate(run, spec, model)
     per_rank = sum(parts.values())
     if per_rank * ranks <= available:
         return None
@@ -118,16 +119,7 @@ def memory_problem(run: RunConfig, inside_mpi_job: bool) -> str | None:
             f"dataset={run.dataset.name}, trainer.batch_size={run.trainer.batch_size})")
 
 
-def parameter_bytes(run: RunConfig) -> int:
-    """The sequential model's parameter bytes (built on the meta device: no memory used)."""
-    from runner import assembly
-
-    spec = assembly.build_dataset(run.dataset).spec()
-    model = assembly.model_for(run.model, spec, assembly.dtype_of(run), device="meta")
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def checkpoint_space_needed(run: RunConfig) -> tuple[int, str]:
+def checkpoint_space_needed(run: RunConfig, model: nn.Module) -> tuple[int, str]:
     """Bytes the run directory needs, and what for."""
     if not run.trainer.checkpoint_every:
         return MIN_FREE_BYTES, "the run's logs"
@@ -135,7 +127,8 @@ def checkpoint_space_needed(run: RunConfig) -> tuple[int, str]:
 
     optimizer = assembly.optimizer_class(run.optimizer)
     has_state = any(float(run.optimizer.options.get(k) or 0) > 0 for k in ("momentum",))
-    one = checkpoint_bytes(parameter_bytes(run), run.grid.pc, optimizer.per_replica,
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    one = checkpoint_bytes(param_bytes, run.grid.pc, optimizer.per_replica,
                            optimizer.has_centre, int(has_state))
     kept = (run.trainer.keep_checkpoints or max(1, run.trainer.steps
                                                 // run.trainer.checkpoint_every)) + 1
@@ -144,21 +137,15 @@ def checkpoint_space_needed(run: RunConfig) -> tuple[int, str]:
             f"{kept} checkpoints of {one / (1 << 20):,.1f} MiB and the logs")
 
 
-def resume_problems(run: RunConfig, run_dir: Path, notes: list[str]) -> list[str]:
+def resume_problems(run: RunConfig, run_dir: Path, model: nn.Module,
+                    notes: list[str]) -> list[str]:
     """The checkpoint `trainer.resume` names (or, for `auto`, the newest one that verifies),
     verified whole against the model before any rank starts: hashes, names, file types, the
     model's parameter names and shapes. What `auto` skipped goes to `notes`."""
     if run.trainer.resume is None:
         return []
-    import warnings
-
-    from runner import assembly
     from runner.checkpoint import CheckpointError, verify_resume
 
-    spec = assembly.build_dataset(run.dataset).spec()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = assembly.model_for(run.model, spec, assembly.dtype_of(run), device="meta")
     try:
         _, skipped = verify_resume(run.trainer.resume, Path(run_dir) / "checkpoints", model)
     except CheckpointError as exc:
@@ -171,14 +158,20 @@ def machine_problems(run: RunConfig, run_dir: Path, inside_mpi_job: bool = False
                      notes: list[str] | None = None) -> list[str]:
     """Every reason this machine cannot run `run` into `run_dir` (empty: go); what is worth
     saying but no problem goes to `notes`."""
+    from runner import assembly
+
     problems = [] if inside_mpi_job or run.grid.size == 1 else launcher_problems(run.launcher)
-    memory = memory_problem(run, inside_mpi_job)
+    # One plain model for every check below: its parameter names, shapes and bytes, and the
+    # planner's counts (on the CPU when it is small, see assembly.probe_model).
+    spec = assembly.build_dataset(run.dataset).spec()
+    model = assembly.probe_model(run.model, spec, assembly.dtype_of(run))
+    memory = memory_problem(run, spec, model, inside_mpi_job)
     if memory:
         problems.append(memory)
-    problems += resume_problems(run, run_dir, notes if notes is not None else [])
+    problems += resume_problems(run, run_dir, model, notes if notes is not None else [])
     problem = run_dir_problem(run_dir) or unwritable(run_dir)
     if problem:
         return [*problems, problem]
-    needed, what = checkpoint_space_needed(run)
+    needed, what = checkpoint_space_needed(run, model)
     problem = space_problem(run_dir, needed, what)
     return [*problems, problem] if problem else problems
