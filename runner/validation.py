@@ -9,7 +9,6 @@ one line. The ranks do not repeat any of this: they trust the `config.yaml` the 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -147,17 +146,15 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
 
 
 def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
-    """Build the model and push two samples through it, on shapes alone where it is large.
-    Returns the model on the meta device (for the strategy's own checks), or None when it does
-    not fit the dataset."""
+    """Build the model (`assembly.probe_model`: on the CPU when small, on the meta device when
+    large) and push two samples through it. Returns it (for the strategy's own checks), or None
+    when it does not fit the dataset."""
     import torch
 
     from runner import assembly
 
     try:
-        with warnings.catch_warnings():  # torch's own words for what is named below
-            warnings.simplefilter("ignore")
-            net = assembly.model_for(plugin, spec, device="meta")
+        net = assembly.probe_model(plugin, spec)
     except ValueError as exc:  # the dataset's inputs are not what the model reads
         problems.append(f"model={plugin.name}: {exc}")
         return None
@@ -175,11 +172,10 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
                         f"{', '.join(f'{k}={v}' for k, v in plugin.options.items())})")
         return None
     dtype = torch.long if spec.vocab_size is not None else torch.float32
+    device = next((p.device for p in net.parameters()), torch.device("cpu"))
     try:
-        probe = assembly.probe_model(plugin, spec)  # on the CPU when small: milliseconds
-        device = next(probe.parameters()).device
         with torch.no_grad():
-            out = probe(torch.zeros(2, *spec.input_shape, dtype=dtype, device=device))
+            out = net(torch.zeros(2, *spec.input_shape, dtype=dtype, device=device))
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         problems.append(f"model={plugin.name} does not fit the dataset's inputs of shape "
