@@ -11,8 +11,6 @@ In the last case the head watches its job rather than just waiting for it (`runn
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,12 +18,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.config import ConfigError, LauncherConfig, RunConfig
-from runner.console import FORCE_TERMINAL_ENV
+from runner.mpienv import bundled_mpiexec, child_environment
 from runner.mpijob import JobResult, MPIJob
-from runner.preflight import bundled_mpiexec, machine_problems
+from runner.preflight import machine_problems
 from runner.rundir import RunDir, RunDirInUse, lock_run_dir, release_run_dir, write_json
-
-_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MV2_", "HYDRA_", "MPI_LOCAL")
 
 
 class RunFailed(RuntimeError):
@@ -43,20 +39,10 @@ def mpi_command(launcher: LauncherConfig, nprocs: int, run_dir: Path) -> list[st
             sys.executable, "-m", "runner.worker", str(run_dir)]
 
 
-def _child_environment() -> dict[str, str]:
-    # A head that is itself a singleton MPI process must not hand its PMI identity to the job.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
-    env["PYTHONUNBUFFERED"] = "1"  # relay rank output as it comes
-    if sys.stdout.isatty():
-        env[FORCE_TERMINAL_ENV] = "1"
-        env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
-    return env
-
-
 def run_mpi_job(run: RunConfig, run_dir: Path) -> JobResult:
     """Start the ranks, relay their output (inherited stdout/stderr), watch them to the end."""
     return MPIJob(mpi_command(run.launcher, run.grid.size, run_dir), run_dir,
-                  _child_environment()).run()
+                  child_environment()).run()
 
 
 def _failure_message(size: int, code: int, summary: dict[str, Any], logs: Path) -> str:

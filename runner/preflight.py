@@ -6,7 +6,6 @@ problem is one line, before any MPI job exists."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 from torch import nn
@@ -14,15 +13,10 @@ from torch import nn
 from runner.checkpoint import checkpoint_bytes, space_problem
 from runner.config import LauncherConfig, RunConfig
 from runner.datasets import DatasetSpec
+from runner.mpienv import bundled_mpiexec
 from runner.rundir import run_dir_problem, unwritable
 
 MIN_FREE_BYTES = 16 << 20  # logs, metrics and the summary of any run
-
-
-def bundled_mpiexec() -> str | None:
-    """The mpiexec installed beside this Python (the `mpich` wheel), else one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
 # The flag for the number of ranks that launchers gridrun knows take (others: any flag).
@@ -88,9 +82,10 @@ def memory_estimate(run: RunConfig, spec: DatasetSpec, model: nn.Module) -> dict
     strategy = assembly.build_strategy(run.strategy)
     params = strategy.predict_param_bytes(model, spec.input_shape, run.grid)
     optimizer = assembly.optimizer_class(run.optimizer)
-    momentum = float(run.optimizer.options.get("momentum") or 0) > 0
-    # momentum/velocity: one copy; a centre variable: its flat copy and the differences
-    copies = int(momentum) + (2 if optimizer.has_centre else 0)
+    # momentum/velocity, Adam's moments: the optimizer's own count; a centre variable: its
+    # flat copy and the differences
+    copies = (optimizer.state_copies(run.optimizer.options)
+              + (2 if optimizer.has_centre else 0))
     itemsize = 8 if spec.vocab_size is not None else assembly.dtype_of(run).itemsize
     return {
         "parameters": params, "gradients": params, "optimizer state": copies * params,
@@ -126,10 +121,9 @@ def checkpoint_space_needed(run: RunConfig, model: nn.Module) -> tuple[int, str]
     from runner import assembly
 
     optimizer = assembly.optimizer_class(run.optimizer)
-    has_state = any(float(run.optimizer.options.get(k) or 0) > 0 for k in ("momentum",))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     one = checkpoint_bytes(param_bytes, run.grid.pc, optimizer.per_replica,
-                           optimizer.has_centre, int(has_state))
+                           optimizer.has_centre, optimizer.state_copies(run.optimizer.options))
     kept = (run.trainer.keep_checkpoints or max(1, run.trainer.steps
                                                 // run.trainer.checkpoint_every)) + 1
     # the ones kept, and the next one being written

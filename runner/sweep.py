@@ -18,6 +18,9 @@ COLUMNS = ("job", "overrides", "status", "final_loss", "val_accuracy", "workers_
 
 @dataclass(frozen=True)
 class SweepJob:
+    """One job's row: its overrides, its run directory and the `summary.json` read from there
+    (None: the job failed, or wrote none), or why it failed."""
+
     number: int
     overrides: Sequence[str]
     run_dir: str
