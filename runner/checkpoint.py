@@ -6,15 +6,26 @@ before anything is loaded from them.
         manifest.json     written last, by rename: only a checkpoint with a manifest exists
 
 Every tensor is recorded by its placement in the sequential model (`runner.core.placement`):
-kind (`model`, `centre`, `momentum`, `velocity`), replica (for optimizers whose replicas differ,
-the EASGD family; none when they agree), global name and rows. Of the ranks holding the same
-rows, only the lowest writes them. Loading copies into each local tensor the rows it needs from
-the shards that hold them, so a checkpoint written on one grid resumes on another.
+kind (`model`, `centre`, `momentum`, `velocity`, a torch optimizer's `exp_avg`, ...), replica
+(for optimizers whose replicas differ, the EASGD family; none when they agree), global name and
+rows. Of the ranks holding the same rows, only the lowest writes them. Loading copies into each
+local tensor the rows it needs from the shards that hold them, so a checkpoint written on one
+grid resumes on another.
 
-Saving is collective over the world: the ranks first agree on who writes what, then each writes
-its file (temporary name, fsync, rename), then they share what went wrong, and rank 0 writes the
-manifest only when every file is in place. A failed write leaves no manifest, so the previous
-checkpoint stays the latest.
+Per-parameter optimizer state that is one value rather than rows (Adam's `step`, a 0-d tensor
+on every shard of the parameter) cannot be split by rows: it is kept once per parameter name,
+in rank 0's shard (`scalar/<kind>/<replica>/<name>`), listed in the manifest's `scalars`
+([kind, replica, name] each), and every shard of that parameter gets it on load. The ranks
+holding a parameter must agree on it, or the checkpoint is not written. A manifest without
+`scalars` (written before them) has none: it loads as it always did.
+
+Saving is collective over the world: the copies a parameter-server exchange left stale are made
+whole first (`strategy.sparse=sharded`: each table row's weights and optimizer state, momentum or
+Adam's moments, are true on its owner alone; `refresh_copies`, `refresh_state_copies`), so the
+lowest rank holding a row writes its owner's values. Then the ranks agree on who writes what,
+each writes its file (temporary name, fsync, rename), they share what went wrong, and rank 0
+writes the manifest only when every file is in place. A failed write leaves no manifest, so the
+previous checkpoint stays the latest.
 
 A checkpoint proves itself (format 2): the manifest records each shard's size and the sha256 of
 the bytes written (hashed as they are written, not re-read). A shard is named `rank-NNNNN.pt`
@@ -47,9 +58,10 @@ import torch
 
 from runner.core import ProcessGrid
 from runner.core.placement import Placement, as_rows, global_rows, placement_of
-from runner.optim import ReplicaOptimizer
+from runner.optim import ReplicaOptimizer, UnsavableState
 from runner.rundir import atomic_write_text, nearest_existing
 from strategies import ParallelModel
+from strategies.sparse_exchange import UnevenState
 
 FORMAT = 2  # 2: shard sizes and sha256 in the manifest
 READABLE_FORMATS = (1, 2)  # 1: no hashes; loaded with a note that nothing was verified
@@ -178,19 +190,103 @@ def _entries(kind: str, replica: int | None, places: list[Placement],
             yield entry, tensor.detach().clone()  # a slice would save its whole storage
 
 
-def _held_tensors(model: ParallelModel, optimizer: ReplicaOptimizer,
-                  grid: ProcessGrid) -> list[tuple[Entry, torch.Tensor]]:
-    """Everything this rank holds that a checkpoint keeps (collective: reads the centre)."""
+@dataclass(frozen=True)
+class Scalar:
+    """One value of a parameter's optimizer state (Adam's step count) for its global name,
+    whichever rows of it a rank holds: kept in rank 0's shard."""
+
+    kind: str
+    replica: int | None
+    name: str
+
+    @property
+    def key(self) -> str:
+        replica = "-" if self.replica is None else str(self.replica)
+        return f"scalar/{self.kind}/{replica}/{self.name}"
+
+    def to_json(self) -> list[Any]:
+        return [self.kind, self.replica, self.name]
+
+    @classmethod
+    def from_json(cls, item: list[Any]) -> Scalar:
+        kind, replica, name = item
+        return cls(kind, replica, name)
+
+
+def _optimizer_states(optimizer: ReplicaOptimizer,
+                      step: int) -> dict[str, list[torch.Tensor | None]]:
+    """The optimizer's per-parameter state; state it cannot give is one line (the same on
+    every rank: it depends on the optimizer's class and options alone)."""
+    try:
+        return optimizer.param_states()
+    except UnsavableState as exc:
+        raise CheckpointError(f"checkpoint at step {step} not written: {exc}") from None
+
+
+def _refresh_states(model: ParallelModel, optimizer: ReplicaOptimizer,
+                    states: Mapping[str, Sequence[torch.Tensor | None]], step: int) -> None:
+    """Collective: the optimizer's state shaped like the parameters made whole from the rows'
+    owners, as `refresh_copies` makes the weights (under `strategy.sparse=sharded` only a row's
+    owner holds its true momentum or moments; the lowest rank writes every row). A state some
+    ranks lack cannot be: one line on every rank, nothing written."""
+    scalar_kinds = optimizer.scalar_kinds()
+    try:
+        model.refresh_state_copies({kind: tensors for kind, tensors in states.items()
+                                    if kind not in scalar_kinds})
+    except UnevenState as exc:
+        raise CheckpointError(f"checkpoint at step {step} not written: {exc}") from None
+
+
+def _held_tensors(model: ParallelModel, optimizer: ReplicaOptimizer, grid: ProcessGrid,
+                  states: Mapping[str, Sequence[torch.Tensor | None]]
+                  ) -> list[tuple[Entry, torch.Tensor]]:
+    """Everything this rank holds that a checkpoint keeps by rows (collective: reads the
+    centre); `states`: the optimizer's (`param_states`)."""
     places = _placements(model)
     replica = grid.batch_index if optimizer.per_replica else None
     params = list(model.parameters())
     held = list(_entries("model", replica, places, params))
-    for kind, tensors in optimizer.param_states().items():
-        held += _entries(kind, replica, places, tensors)
+    scalar_kinds = optimizer.scalar_kinds()
+    for kind, tensors in states.items():
+        if kind not in scalar_kinds:
+            held += _entries(kind, replica, places, tensors)
     if optimizer.has_centre:
         with optimizer.centre_weights():
             held += _entries("centre", None, places, list(model.parameters()))
     return held
+
+
+def _held_scalars(model: ParallelModel, optimizer: ReplicaOptimizer, grid: ProcessGrid,
+                  states: Mapping[str, Sequence[torch.Tensor | None]]
+                  ) -> list[tuple[Scalar, torch.Tensor]]:
+    """This rank's one-value optimizer state, by parameter name (`optimizer.scalar_kinds`)."""
+    replica = grid.batch_index if optimizer.per_replica else None
+    places = _placements(model)
+    held = []
+    for kind in optimizer.scalar_kinds():
+        for place, value in zip(places, states.get(kind, [None] * len(places)), strict=True):
+            if value is not None:
+                held.append((Scalar(kind, replica, place.name), value.detach().clone()))
+    return held
+
+
+def _agreed_scalars(reported: Sequence[Sequence[tuple[Scalar, torch.Tensor]]]
+                    ) -> tuple[dict[Scalar, torch.Tensor], str | None]:
+    """One value per parameter name from what every rank reported, and why not when ranks
+    holding the same parameter disagree or a value is not one value (every rank sees the same
+    reports, so all raise together). Disagreement would be a bug: the shards of a parameter
+    take the same steps."""
+    agreed: dict[Scalar, torch.Tensor] = {}
+    for rank, held in enumerate(reported):
+        for scalar, value in held:
+            if value.dim() != 0:
+                return {}, (f"rank {rank}: optimizer state '{scalar.kind}' of {scalar.name} "
+                            f"has shape {list(value.shape)}, not one value")
+            first = agreed.setdefault(scalar, value)
+            if first.dtype != value.dtype or not torch.equal(first, value):
+                return {}, (f"rank {rank}: optimizer state '{scalar.kind}' of {scalar.name} "
+                            f"is {value.item()!r}, a lower rank holds {first.item()!r}")
+    return agreed, None
 
 
 # -- saving ----------------------------------------------------------------------------------
@@ -268,17 +364,24 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
     asynchronous replicas stopped by a signal may stand at different steps (each keeps its own
     weights; a resume continues from the least)."""
     model.refresh_copies()  # rows a parameter-server exchange left stale on non-owners
-    held = _held_tensors(model, optimizer, grid)
-    # Agree on the step and on who writes what (the lowest rank holding the same rows).
-    everyone = grid.world.allgather_object(([e for e, _ in held], progress.step))
-    step = min(s for _, s in everyone)
+    states = _optimizer_states(optimizer, progress.step)
+    _refresh_states(model, optimizer, states, progress.step)
+    held = _held_tensors(model, optimizer, grid, states)
+    # Agree on the step, on who writes what (the lowest rank holding the same rows), and on
+    # the one-value state (rank 0 writes it).
+    everyone = grid.world.allgather_object(([e for e, _ in held], progress.step,
+                                            _held_scalars(model, optimizer, grid, states)))
+    step = min(s for _, s, _ in everyone)
+    scalars, problem = _agreed_scalars([reported for _, _, reported in everyone])
+    if problem is not None:
+        raise CheckpointError(f"checkpoint at step {step} not written: {problem}")
     path = step_dir(checkpoints, step)
     error = None
     if grid.rank == 0:
         error = _attempt(lambda: _fresh_directory(path))
     _raise_first(grid.world.allgather_object(error), step)
     writer: dict[str, int] = {}
-    for rank, (entries, _) in enumerate(everyone):
+    for rank, (entries, _, _) in enumerate(everyone):
         for entry in entries:
             writer.setdefault(entry.key, rank)
     payload = {e.key: t for e, t in held if writer[e.key] == grid.rank}
@@ -286,6 +389,7 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
     if grid.rank == 0:
         payload["sampler/generator"] = progress.sampler["generator"]
         payload["sampler/order"] = progress.sampler["order"]
+        payload.update({scalar.key: value for scalar, value in scalars.items()})
     records: list[ShardRecord] = []
     error = _attempt(lambda: records.append(_write_shard(path / shard_file(grid.rank), payload)))
     written = grid.world.allgather_object((error, records[0] if records else None))
@@ -294,12 +398,13 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
         manifest = {
             "format": FORMAT, "step": step, "time_s": progress.time_s,
             "world_size": grid.size, "grid": {"pr": grid.pr, "pc": grid.pc},
-            "per_replica": optimizer.per_replica, "rank_steps": [s for _, s in everyone],
+            "per_replica": optimizer.per_replica, "rank_steps": [s for _, s, _ in everyone],
             "sampler": {"epoch": progress.sampler["epoch"],
                         "position": progress.sampler["position"]},
             "written": time.strftime("%Y-%m-%dT%H:%M:%S"), **run_info,
             "files": {shard_file(rank): [e.to_json() for e in entries if writer[e.key] == rank]
-                      for rank, (entries, _) in enumerate(everyone)},
+                      for rank, (entries, _, _) in enumerate(everyone)},
+            "scalars": [scalar.to_json() for scalar in scalars],
             "shards": {shard_file(rank): record.to_json()
                        for rank, (_, record) in enumerate(written) if record is not None}}
         error = _attempt(lambda: atomic_write_text(path / MANIFEST,
@@ -423,6 +528,23 @@ def _entry_problem(item: Any, replicas: int) -> str | None:
     return None
 
 
+def _scalars_problem(scalars: Any, replicas: int) -> str | None:
+    """What is wrong with a manifest's `scalars` (absent: written before them, none)."""
+    if not isinstance(scalars, list):
+        return "'scalars' is not a list of [kind, replica, name]"
+    for item in scalars:
+        if not (isinstance(item, list) and len(item) == 3):
+            return f"scalar {item!r} is not [kind, replica, name]"
+        kind, replica, name = item
+        if not (isinstance(kind, str) and kind and isinstance(name, str) and name):
+            return f"scalar {item!r}: kind and name must be non-empty strings"
+        if replica is not None and not (_is_int(replica) and 0 <= replica < replicas):
+            return f"scalar {name}: replica {replica!r} is not one of the {replicas} replicas"
+    if len({tuple(item) for item in scalars}) != len(scalars):
+        return "'scalars' lists a value twice"
+    return None
+
+
 def _shards_problem(shards: Any, files: dict[str, Any]) -> str | None:
     if not (isinstance(shards, dict) and set(shards) == set(files)):
         return "'shards' does not record every file of 'files'"
@@ -471,6 +593,9 @@ def _manifest_problem(manifest: Any) -> str | None:
         problem = next(filter(None, (_entry_problem(i, grid["pc"]) for i in items)), None)
         if problem is not None:
             return f"{name}: {problem}"
+    problem = _scalars_problem(manifest.get("scalars", []), grid["pc"])
+    if problem is not None:
+        return problem
     if manifest["format"] >= 2:
         return _shards_problem(manifest.get("shards"), files)
     return None
@@ -510,6 +635,7 @@ class Checkpoint:
             for name, items in self.manifest["files"].items()}
         self.entries = [(file, entry) for file, entries in self.files.items()
                         for entry in entries]
+        self.scalars = [Scalar.from_json(item) for item in self.manifest.get("scalars", [])]
         self.records: dict[str, ShardRecord] = {
             name: ShardRecord(record["bytes"], record["sha256"])
             for name, record in self.manifest.get("shards", {}).items()}
@@ -600,6 +726,13 @@ class Checkpoint:
             if tuple(tensor.shape) != entry.stored_shape:
                 return (f"tensor {entry.key} has shape {list(tensor.shape)}, the manifest "
                         f"says {list(entry.stored_shape)}")
+        for scalar in self.scalars if name == shard_file(0) else ():
+            tensor = payload.get(scalar.key)
+            if tensor is None:
+                return f"no tensor {scalar.key}, which the manifest lists"
+            if tensor.dim() != 0:
+                return (f"tensor {scalar.key} has shape {list(tensor.shape)}, the manifest "
+                        f"says one value")
         return None
 
     def verify(self) -> None:
@@ -622,6 +755,10 @@ class Checkpoint:
                         f"{list(shape)} in this model")
             spans.setdefault((entry.kind, entry.replica, entry.name), []).append(
                 (entry.start, entry.stop))
+        for scalar in self.scalars:
+            if scalar.name not in shapes:
+                return (f"its {scalar.kind} value for {scalar.name!r} is not a parameter of "
+                        f"this model")
         for (kind, _, name), rows in spans.items():
             reached = 0
             for start, stop in sorted(rows):
@@ -656,7 +793,8 @@ class Checkpoint:
         self._open.clear()
 
     def has(self, kind: str) -> bool:
-        return any(entry.kind == kind for _, entry in self.entries)
+        return (any(entry.kind == kind for _, entry in self.entries)
+                or any(scalar.kind == kind for scalar in self.scalars))
 
     def _covering(self, kind: str, replica: int | None, place: Placement,
                   optional: bool) -> list[tuple[str, Entry, tuple[int, int]]]:
@@ -716,6 +854,16 @@ class Checkpoint:
             out.append(value if found else None)
         return out
 
+    def read_scalars(self, kind: str, replica: int | None,
+                     like: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """`kind`'s one value for each of the parameters `like` (by its global name; None where
+        the checkpoint has none), each a copy of its own: every shard of a parameter is given
+        one, and an optimizer updates it in place."""
+        keys = {s.name: s.key for s in self.scalars if s.kind == kind and s.replica == replica}
+        rank0 = self.rank_state(0)
+        names = [_placement(param).name for param in like]
+        return [rank0[keys[name]].clone() if name in keys else None for name in names]
+
     def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
         return self._file(shard_file(rank))
 
@@ -765,18 +913,24 @@ def load_centre(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelModel) 
 
 def load_training_state(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelModel,
                         optimizer: ReplicaOptimizer, grid: ProcessGrid) -> list[str]:
-    """The weights, the optimizer's per-parameter state and this rank's RNG; returns what
-    could not be restored exactly (for the log)."""
+    """The weights, the optimizer's per-parameter state (rows re-sharded, one-value state by
+    parameter name; given to the optimizer in one call, so that it can restore a parameter's
+    state whole) and this rank's RNG; returns what could not be restored exactly (for the
+    log)."""
     params = list(model.parameters())
     _copy_into(params, checkpoint.read_tensors(*plan.weights, params))
     notes = []
-    for kind in optimizer.state_kinds():
+    states: dict[str, list[torch.Tensor | None]] = {}
+    scalar_kinds = optimizer.scalar_kinds()
+    for kind in (*optimizer.state_kinds(), *scalar_kinds):
         if plan.same_replicas and checkpoint.has(kind):
-            optimizer.load_param_states(
-                {kind: checkpoint.read_states(kind, plan.states_replica, params)})
+            read = checkpoint.read_scalars if kind in scalar_kinds else checkpoint.read_states
+            states[kind] = read(kind, plan.states_replica, params)
         else:
             notes.append(f"optimizer state '{kind}' starts from zero (not in the checkpoint "
                          f"for these replicas)")
+    if states:
+        optimizer.load_param_states(states)
     same_grid = checkpoint.manifest["grid"] == {"pr": grid.pr, "pc": grid.pc}
     torch.set_rng_state(checkpoint.rank_state(grid.rank if same_grid else 0)["rng"])
     if not same_grid:

@@ -74,6 +74,7 @@ class ElasticAveraging(ReplicaOptimizer):
     syncs_gradients = False
     has_centre = True
     per_replica = True
+    elementwise = True  # the elastic rule moves each element by its own difference
 
     def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
                  lr: float = 0.2, rho: float | None = None, moving_rate: float | None = None,

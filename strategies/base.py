@@ -12,14 +12,16 @@ samples' losses, so the mean over all P ranks is the global mean loss, whatever 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
+import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts, step_bytes
 from strategies.buckets import GradientBuckets
+from strategies.sparse_exchange import SparseGradientExchange
 
 MB = 1 << 20
 
@@ -86,6 +88,20 @@ class ParallelModel(nn.Module):
         for reducer in self.reducers:
             reducer.refresh()
 
+    def refresh_state_copies(self,
+                             states: Mapping[str, Sequence[torch.Tensor | None]]) -> None:
+        """Collective: what `refresh_copies` does for the weights, for tensors shaped like them
+        (an optimizer's per-parameter state, `param_states()`: per kind, one tensor per
+        parameter in `parameters()` order, None where there is none). A parameter-server
+        exchange leaves a rank's state of the rows it does not own stale, as it leaves their
+        weights: the owners' rows are copied in, in place, so every rank holds the owners'
+        state (before a checkpoint keeps it). A no-op for parameters no such exchange holds."""
+        by_param = {kind: dict(zip(map(id, self.parameters()), tensors, strict=True))
+                    for kind, tensors in states.items()}
+        for reducer in self.reducers:
+            if isinstance(reducer, SparseGradientExchange):
+                reducer.refresh_states(by_param)
+
     def exchange_report(self) -> dict[str, Any]:
         """Per sparse table: the mode and density of the last exchange (empty: none)."""
         report: dict[str, Any] = {}
@@ -134,6 +150,11 @@ class Strategy:
         """Every reason this strategy cannot transform `model` (built on the meta device) for
         samples of `sample_shape` on `grid`."""
         return []
+
+    def splits_parameters(self, grid: GridShape) -> bool:
+        """Whether a rank holds only part of some parameter on `grid` (the model group splits
+        weights): an optimizer whose update reads a whole parameter cannot run on the parts."""
+        return grid.pr > 1
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:

@@ -8,7 +8,9 @@ rows its batch touched. Per table, after backward, one of (DESIGN.md, "Sparse ex
   then updates only the touched rows, on every rank alike;
 - `sharded`: each row belongs to one rank (`CyclicRows`); gradients are pushed to the owners,
   which update their rows; every other copy of a row is a cache, refreshed from its owner (the
-  pull) just before a forward pass reads it. Per-rank traffic does not grow with P;
+  pull) just before a forward pass reads it. Per-rank traffic does not grow with P. The
+  optimizer's state of a row (momentum, Adam's moments) is likewise true on its owner alone:
+  `refresh_states` makes every copy whole from the owners before a checkpoint keeps it;
 - `auto`: per table and per step, every rank's number of touched rows is all-gathered and the
   mode with the least time is taken: α–β communication plus local work, since a sparse row
   costs ~15× a dense table byte to sort, sum and update (`choose_sparse_mode`: a function of
@@ -24,7 +26,7 @@ only rows, the update is what the rule demands.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -61,6 +63,10 @@ class _Table:
     module: EmbeddingTable
     rows: CyclicRows
     stale: bool = False  # some copies of rows this rank does not own may be out of date
+    # The optimizer's state of rows this rank does not own may be out of date: it took steps
+    # without their gradients (their owners had them). Only `refresh_states` clears it: a
+    # state once apart stays apart, whatever mode later steps take.
+    states_stale: bool = False
     dense_buffer: torch.Tensor | None = None
     modes: dict[SparseMode, int] = field(default_factory=dict)  # steps exchanged in each mode
     last: dict[str, float | str] = field(default_factory=dict)
@@ -68,6 +74,12 @@ class _Table:
     @property
     def weight(self) -> torch.Tensor:
         return self.module.weight
+
+
+class UnevenState(RuntimeError):
+    """Optimizer state of a sharded table that some ranks hold and others lack: its rows cannot
+    be made whole from their owners. Raised on every rank alike (decided from gathered flags).
+    Synchronous training never leaves it so: every rank's table gets a gradient every step."""
 
 
 class SparseGradientExchange:
@@ -144,7 +156,7 @@ class SparseGradientExchange:
             else:
                 indices, values = push_rows(self.comm, table.rows, indices, values,
                                             label=f"{table.name} push")
-                table.stale = self.comm.size > 1
+                table.stale = table.states_stale = self.comm.size > 1
             weight.grad = torch.sparse_coo_tensor(indices.unsqueeze(0),
                                                   values.mul_(self.scale), weight.shape,
                                                   is_coalesced=True, check_invariants=False)
@@ -160,20 +172,59 @@ class SparseGradientExchange:
 
     def refresh(self) -> None:
         """Make every copy of every table whole again (collective): each owner's rows gathered
-        by all. Costs one all-gather of the table; called once, when training ends."""
+        by all. Costs one all-gather of the table; called when training ends and before a
+        checkpoint."""
         for table in self.tables:
-            if not table.stale:
-                continue
-            weight = table.weight
-            with torch.no_grad():
-                owned = [table.rows.owned(k) for k in range(self.comm.size)]
-                row_elements = weight[0].numel()
-                gathered = weight.new_empty(weight.shape)
-                self.comm.allgatherv_(weight.detach()[owned[self.comm.rank]].contiguous(),
-                                      gathered, [len(o) * row_elements for o in owned],
-                                      label=f"{table.name} refresh")
-                weight[torch.cat(owned)] = gathered
-            table.stale = False
+            if table.stale:
+                self._gather_owned(table, table.weight, f"{table.name} refresh")
+                table.stale = False
+
+    def refresh_states(self, states: Mapping[str, Mapping[int, torch.Tensor | None]]) -> None:
+        """Collective: make every rank's copy of each table's optimizer state whole from the
+        rows' owners, in place, as `refresh` does for the weights (before a checkpoint keeps
+        it). `states`: per kind of state (momentum, exp_avg, ...), the parameters' tensors by
+        `id` of the parameter (None: no state yet). A tensor not shaped like its table
+        (one-value state: Adam's step) is left alone.
+
+        Each rank tells the others which of the tables' tensors it holds (one small all-gather)
+        before anything moves, so the collectives match even where some rank lacks one: a
+        tensor no rank holds is skipped, one that only some ranks hold is refused
+        (`UnevenState`, on every rank), since the owners without it have no true rows to give.
+        Costs one all-gather of each state tensor of a table a sharded step made stale."""
+        tables = [t for t in self.tables if t.states_stale]
+        if not tables:  # the same on every rank: the modes are chosen alike
+            return
+        wanted = [(t, kind, held.get(id(t.weight)))
+                  for t in tables for kind, held in states.items()]
+        present = [tensor is not None and tensor.shape == t.weight.shape
+                   for t, _, tensor in wanted]
+        flags = torch.tensor(present, dtype=torch.uint8)
+        every = torch.empty(len(present) * self.comm.size, dtype=torch.uint8)
+        self.comm.allgatherv_(flags, every, [len(present)] * self.comm.size,
+                              label="state refresh flags")
+        holders = every.view(self.comm.size, len(present)).sum(dim=0).tolist()
+        for (table, kind, _), count in zip(wanted, holders, strict=True):
+            if 0 < count < self.comm.size:
+                raise UnevenState(f"optimizer state '{kind}' of the sharded table {table.name} "
+                                  f"is held by {count} of {self.comm.size} ranks: its rows "
+                                  f"cannot be made whole from their owners")
+        for (table, _, tensor), count in zip(wanted, holders, strict=True):
+            if count:
+                assert tensor is not None  # every rank holds it
+                self._gather_owned(table, tensor, f"{table.name} state refresh")
+        for table in tables:
+            table.states_stale = False
+
+    def _gather_owned(self, table: _Table, tensor: torch.Tensor, label: str) -> None:
+        """Every rank's copy of `tensor` (shaped like `table`'s weight) made whole: each
+        owner's rows gathered by all (one all-gather)."""
+        with torch.no_grad():
+            owned = [table.rows.owned(k) for k in range(self.comm.size)]
+            row_elements = tensor[0].numel() if len(tensor) else 0
+            gathered = tensor.new_empty(tensor.shape)
+            self.comm.allgatherv_(tensor.detach()[owned[self.comm.rank]].contiguous(),
+                                  gathered, [len(o) * row_elements for o in owned], label=label)
+            tensor[torch.cat(owned)] = gathered
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per table: the last step's mode, rows and density; the steps spent in each mode."""

@@ -99,7 +99,7 @@ BAD: list[tuple[list[str], str]] = [
     (["+model.depth=3"], "model.depth"),
     (["model=transformer9"], "transformer9"),
     (["strategy=pipeline"], "pipeline"),
-    (["optimizer=adamw"], "adamw"),
+    (["optimizer=lamb"], "lamb"),
     (["strategy=data", "grid.pr=3"], "grid.pr=3"),
     (["dataset.val_fraction=2"], "val_fraction"),
     (["dataset.val_fraction=nan"], "dataset.val_fraction=nan"),

@@ -32,7 +32,7 @@ CASES = {
                                               "cnn, cnn_large, mlp"]),
     "unknown_strategy": (["strategy=pipeline"], ["unknown strategy 'pipeline'", "data"]),
     "unknown_dataset": (["dataset=imagenet"], ["unknown dataset 'imagenet'", "digits"]),
-    "unknown_optimizer": (["optimizer=adamw"], ["unknown optimizer 'adamw'", "sgd"]),
+    "unknown_optimizer": (["optimizer=lamb"], ["unknown optimizer 'lamb'", "sgd"]),
     "missing_value": (["trainer.steps=???"], ["missing required value: trainer.steps"]),
     "unknown_option": (["+model.depth=3"], ["model.depth", "valid: activation, hidden"]),
     "model_does_not_fit_data": (["model=cnn", "dataset=synthetic"], ["model=cnn", "(64,)"]),
