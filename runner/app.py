@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner.compose import CONF_DIR, compose, one_line, register_configs
+from runner.compose import (
+    CONF_DIR,
+    compose,
+    config_dirs,
+    one_line,
+    register_configs,
+    with_target_groups,
+    without_config_dirs,
+)
 from runner.console import print_error
 from runner.mpienv import MPIEnvironment, detect_mpi_environment
 
@@ -30,10 +38,10 @@ EXIT_RUN_FAILED = 1
 EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C
 
 # Flags after which Hydra does something other than one run with these overrides.
+# (`--config-dir` is not among them: `precheck` composes with it.)
 _HYDRA_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "-c", "--cfg",
                 "-i", "--info", "-p", "--package", "--resolve", "-sc", "--shell-completion",
-                "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
-                "--experimental-rerun"}
+                "-cp", "--config-path", "-cn", "--config-name", "--experimental-rerun"}
 
 _mpi: MPIEnvironment | None = None
 # The single run's config as `precheck` validated it (the run is not validated twice), and the
@@ -46,6 +54,7 @@ def precheck(args: list[str]) -> str | None:
     """Compose and validate a single run's overrides before Hydra makes a run directory, so bad
     input costs one line and leaves nothing behind."""
     global _checked, _checked_dir
+    extra_dirs, args = config_dirs(args), without_config_dirs(args)
     if any(a in _HYDRA_FLAGS or a.split("=")[0] in _HYDRA_FLAGS for a in args):
         return None
     from hydra.errors import HydraException
@@ -57,7 +66,7 @@ def precheck(args: list[str]) -> str | None:
     from runner.validation import validate
 
     try:
-        cfg = compose(args, with_hydra=True)
+        cfg = compose(args, with_hydra=True, extra_dirs=extra_dirs)
         run_dir = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
     except (HydraException, OmegaConfBaseException) as exc:
         return one_line(exc)
@@ -91,18 +100,21 @@ def _same_run_dir(args: list[str], run_dir: Path) -> list[str]:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def hydra_task(cfg: DictConfig) -> dict[str, Any] | None:
+def hydra_task(cfg: DictConfig) -> float | None:
+    """One run. Returns the run's objective (`objective`, a float) for Hydra's sweepers; the
+    whole summary is `<run dir>/summary.json`, which the MPI launcher's sweep table reads."""
     from runner.config import ConfigError
     from runner.launch import RunFailed, RunInterrupted, execute
+    from runner.summary import objective_value
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if _mpi is not None:
         return _lead_mpi_job(cfg, run_dir)
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        return execute(cfg, run_dir)  # the launcher records a failed job and goes on
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # the launcher records a failed job and goes on
+        return objective_value(execute(cfg, run_dir))
     try:
-        return execute(cfg, run_dir, _checked)
+        return objective_value(execute(cfg, run_dir, _checked))
     except ConfigError as exc:
         print_error(str(exc))
         sys.exit(EXIT_BAD_INPUT)
@@ -114,7 +126,7 @@ def hydra_task(cfg: DictConfig) -> dict[str, Any] | None:
         sys.exit(EXIT_INTERRUPTED)
 
 
-def _lead_mpi_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+def _lead_mpi_job(cfg: DictConfig, run_dir: Path) -> float | None:
     """Rank 0 of a job the user started: `precheck` validated against its size; train with
     the rest."""
     from mpi4py import MPI
@@ -139,11 +151,26 @@ def _lead_mpi_job(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     directory.create(cfg)
     announce_run_dir(directory.path)
     code = run_rank(directory.path, MPI.COMM_WORLD)
-    return directory.read_summary() if code == 0 else None
+    summary = directory.read_summary()
+    if code != 0 or summary is None:
+        return None
+    from runner.summary import objective_value
+
+    return objective_value(summary)
 
 
 def main() -> None:
     global _mpi
+    if {"-h", "--help", "--version"} & set(sys.argv[1:]):  # gridrun's own, not Hydra's
+        from runner.help import help_text, version_text
+
+        print(version_text() if "--version" in sys.argv[1:] else help_text())
+        sys.exit(0)
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        # As `python -m runner` does: a user's `_target_` and `plugins` modules in the working
+        # directory import from the `gridrun` console script too (the ranks run `python -m`).
+        sys.path.insert(0, str(Path.cwd()))
+    sys.argv[1:] = with_target_groups(sys.argv[1:])
     _mpi = detect_mpi_environment()
     if _mpi is not None and _mpi.rank != 0:
         from runner.rank import follow_rank0
@@ -161,3 +188,15 @@ def main() -> None:
         sys.argv[1:] = _same_run_dir(sys.argv[1:], _checked_dir)
     register_configs()
     hydra_task()
+
+
+def run() -> None:
+    """The `gridrun` console script: `python -m runner`'s way out (no interpreter teardown,
+    `runner.process.end_process`)."""
+    from runner.process import end_process
+
+    try:
+        main()
+    except SystemExit as exc:  # bad input, a failed or interrupted run, Hydra's own exits
+        end_process(exc.code)
+    end_process(0)

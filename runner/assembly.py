@@ -10,11 +10,12 @@ here, so a change to how a run is put together is made once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +24,16 @@ from runner.config import Plugin, RunConfig
 from runner.core.cost import DEFAULT_COSTS, MachineCosts
 from runner.datasets import DatasetSpec
 from runner.optim import ReplicaOptimizer
-from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
+from runner.registry import (
+    DATASETS,
+    MODELS,
+    OPTIMIZERS,
+    UserCodeError,
+    import_modules,
+    load_plugins,
+    resolve,
+)
+from runner.userdata import TargetDataset
 from strategies import STRATEGIES, Strategy
 
 TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
@@ -33,11 +43,18 @@ MODEL_INPUTS = ("input_shape", "num_classes", "vocab_size", "padding_idx")
 OPTIMIZER_INPUTS = ("model", "grid", "total_steps")
 
 
+def _accepted(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    try:
+        return inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: it takes only options
+        return {}
+
+
 def dataset_arguments(factory: Callable[..., nn.Module], spec: DatasetSpec) -> dict[str, Any]:
     """What the dataset (its `DatasetSpec`) tells `factory` besides shapes: the vocabulary of
     a token dataset and its padding id. Raises ValueError when the model cannot take the
     dataset's inputs at all."""
-    accepted = inspect.signature(factory).parameters
+    accepted = _accepted(factory)
     embeds = TOKEN_INPUTS in accepted
     if spec.vocab_size is not None and not embeds:
         raise ValueError("the dataset gives token ids, which this model cannot read; choose a "
@@ -52,29 +69,58 @@ def dataset_arguments(factory: Callable[..., nn.Module], spec: DatasetSpec) -> d
     return extra
 
 
+def import_plugins(run: RunConfig) -> None:
+    """The built-in plugins and the modules the run's `plugins` list names (every rank, before
+    it builds anything: a model registered in the user's module is then known everywhere)."""
+    import_modules(run.plugins)
+
+
+def dataset_factory(plugin: Plugin) -> Callable[..., Any]:
+    """What the dataset plugin is built with: a registered dataset class, or the user's
+    function (`_target_`) wrapped so that it answers like one."""
+    factory = resolve(DATASETS, plugin.name, plugin.target)
+    if plugin.target is None:
+        return cast(Callable[..., Any], factory)
+    if not callable(factory):
+        raise UserCodeError(f"{plugin.target} is not callable")
+    return functools.partial(TargetDataset, factory, plugin.target)
+
+
 def build_dataset(plugin: Plugin) -> Any:
     """The dataset plugin (nothing loaded yet: `spec()` is cheap, `load()` reads the data)."""
-    load_plugins()
-    return DATASETS.get(plugin.name)(**plugin.options)
+    return dataset_factory(plugin)(**plugin.options)
+
+
+def model_factory(plugin: Plugin) -> Callable[..., nn.Module]:
+    factory = resolve(MODELS, plugin.name, plugin.target)
+    if not callable(factory):
+        raise UserCodeError(f"{plugin.target} is not callable")
+    return cast(Callable[..., nn.Module], factory)
 
 
 def build_model(plugin: Plugin, input_shape: Sequence[int], num_classes: int,
                 extra: Mapping[str, Any], dtype: torch.dtype = torch.float32,
                 device: str | None = None) -> nn.Module:
     """The plain model, built in float32 from the current seed and then converted (the same
-    initial values in either dtype); `device="meta"`: shapes only, no memory."""
-    load_plugins()
-    factory = MODELS.get(plugin.name)
+    initial values in either dtype); `device="meta"`: shapes only, no memory. The dataset's
+    shapes are given to the arguments the factory has of those names (a user's class may have
+    none of them)."""
+    factory = model_factory(plugin)
+    accepted = _accepted(factory)
+    inputs = {"input_shape": tuple(input_shape), "num_classes": num_classes, **extra}
+    given = {k: v for k, v in inputs.items() if k in accepted and k not in plugin.options}
     with torch.device(device) if device else contextlib.nullcontext():
-        model = factory(tuple(input_shape), num_classes, **extra, **plugin.options)
+        model = factory(**given, **plugin.options)
+    if not isinstance(model, nn.Module):
+        made = type(model).__name__
+        raise UserCodeError(f"{plugin.name} returned a {made}, not a torch.nn.Module")
     return model.to(dtype)
 
 
 def model_for(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.float32,
               device: str | None = None) -> nn.Module:
     """The plain model for the dataset described by `spec`."""
-    load_plugins()
-    extra = dataset_arguments(MODELS.get(plugin.name), spec)
+    extra = dataset_arguments(model_factory(plugin), spec)
     return build_model(plugin, spec.input_shape, spec.num_classes, extra, dtype, device)
 
 
@@ -102,14 +148,23 @@ def build_strategy(plugin: Plugin, costs: MachineCosts = DEFAULT_COSTS,
                    rows_touched: Callable[[int], float] | None = None) -> Strategy:
     """The strategy with its options, the machine's costs and what the data says of the rows
     an embedding table's batch touches."""
-    load_plugins()
+    load_plugins()  # the built-in strategies; a user's come with the run's `plugins`
     return STRATEGIES.get(plugin.name)(**plugin.options, costs=costs, rows_touched=rows_touched)
 
 
 def optimizer_class(plugin: Plugin) -> type[ReplicaOptimizer]:
-    load_plugins()
-    optimizer: type[ReplicaOptimizer] = OPTIMIZERS.get(plugin.name)
-    return optimizer
+    """The replica optimizer: registered by name, or by `_target_` a `torch.optim` class (run
+    synchronously: gradients averaged over the replicas, then its own update) or a gridrun
+    `ReplicaOptimizer` of the user's."""
+    found = resolve(OPTIMIZERS, plugin.name, plugin.target)
+    if isinstance(found, type) and issubclass(found, ReplicaOptimizer):
+        return found
+    if isinstance(found, type) and issubclass(found, torch.optim.Optimizer):
+        from runner.optim import wrap_torch_optimizer
+
+        return wrap_torch_optimizer(found)
+    raise UserCodeError(f"{plugin.name} is neither a torch.optim.Optimizer class nor a "
+                        f"gridrun ReplicaOptimizer")
 
 
 def rows_touched(dataset: Any) -> Callable[[int], float] | None:
@@ -138,6 +193,7 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
              device: str | None = None) -> RunParts:
     """Every part of `run`. On the CPU the model's weights come from the current torch seed;
     on `device="meta"` it has shapes only (planning, preflight)."""
+    import_plugins(run)
     dataset = build_dataset(run.dataset)
     spec = dataset.spec()
     return RunParts(dataset, spec, model_for(run.model, spec, dtype_of(run), device),

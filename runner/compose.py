@@ -13,9 +13,10 @@ import re
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.config import (
+    OBJECTIVES,
     ConfigSchema,
     GridConfig,
     LauncherConfig,
@@ -24,8 +25,19 @@ from runner.config import (
 )
 from runner.options import describe
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+def _conf_dir() -> Path:
+    """The plugin groups: `runner/conf` in an installed wheel, the project's `conf/` in a
+    checkout (the wheel maps the one onto the other)."""
+    packaged = Path(__file__).resolve().parent / "conf"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "conf"
+
+
+CONF_DIR = _conf_dir()
 SCHEMA_NAME = "gridrun_schema"
+# The groups whose `target` option takes a user's class or function by `_target_`.
+TARGET_GROUPS = ("model", "dataset", "optimizer")
+TARGET_OPTION = "target"
 
 _registered = False
 
@@ -43,15 +55,65 @@ def register_configs() -> None:
     store.store(group="launcher", name="srun", node=LauncherConfig(command="srun"))
     store.store(group="logger", name="none", node=LoggerConfig)
     store.store(group="logger", name="tensorboard", node=LoggerConfig(name="tensorboard"))
+    # The direction of a sweep follows the run's objective (conf/experiment/tune_lr.yaml).
+    OmegaConf.register_new_resolver("gridrun_direction", lambda name: OBJECTIVES.get(name, name))
+    for group in TARGET_GROUPS:
+        # Not in struct mode: the user's own arguments are plain keys (model.width=64), not
+        # Hydra's appended ones (+model.width=64).
+        node = OmegaConf.create({"_target_": MISSING}, flags={"struct": False})
+        store.store(group=group, name=TARGET_OPTION, node=node)
     _registered = True
 
 
-def compose(overrides: list[str], with_hydra: bool = False) -> DictConfig:
-    """The config `python -m runner OVERRIDES` would run (Hydra's errors are raised)."""
+def with_target_groups(args: list[str]) -> list[str]:
+    """`args` with `GROUP=target` added where a `GROUP._target_=...` names a user's class and
+    no `GROUP=` chooses the group's option: the default option's own keys (mlp's `hidden`)
+    must not reach the user's constructor."""
+    added = []
+    for group in TARGET_GROUPS:
+        names_target = any(a.lstrip("+~").startswith(f"{group}._target_=") for a in args)
+        chooses = any(a.lstrip("+~").split("=")[0] == group for a in args)
+        if names_target and not chooses:
+            added.append(f"{group}={TARGET_OPTION}")
+    return [*args, *added]
+
+
+def config_dirs(args: list[str]) -> list[str]:
+    """The directories `--config-dir`/`-cd` adds to the config search path."""
+    found = []
+    for index, arg in enumerate(args):
+        if arg in ("-cd", "--config-dir") and index + 1 < len(args):
+            found.append(args[index + 1])
+        elif arg.startswith("--config-dir="):
+            found.append(arg.partition("=")[2])
+    return found
+
+
+def without_config_dirs(args: list[str]) -> list[str]:
+    """`args` without the `--config-dir` flags (what remains are overrides and flags)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("-cd", "--config-dir"):
+            skip = True
+        elif not arg.startswith("--config-dir="):
+            kept.append(arg)
+    return kept
+
+
+def compose(overrides: list[str], with_hydra: bool = False,
+            extra_dirs: list[str] | None = None) -> DictConfig:
+    """The config `python -m runner OVERRIDES` would run (Hydra's errors are raised);
+    `extra_dirs`: what `--config-dir` adds to the search path (searched before `conf/`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register_configs()
+    overrides = with_target_groups(overrides)
+    if extra_dirs:
+        paths = ",".join(f"file://{Path(d).resolve()}" for d in extra_dirs)
+        overrides = [*overrides, f"hydra.searchpath=[{paths}]"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides,
                              return_hydra_config=with_hydra)

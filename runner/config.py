@@ -31,6 +31,12 @@ DTYPES = ("float32", "float64")  # float64: to check a strategy's mathematics be
 FAILURE_MODES = ("raise", "kill", "hang", "nan")
 LOGGERS = ("none", "tensorboard")
 PLUGIN_GROUPS = ("model", "dataset", "strategy", "optimizer")
+# What a run's task returns to a Hydra sweeper (Optuna...): a summary key, and its direction.
+OBJECTIVES = {"val_loss": "minimize", "val_accuracy": "maximize", "final_loss": "minimize",
+              "workers_val_loss": "minimize", "workers_val_accuracy": "maximize",
+              "wall_time_s": "minimize", "median_step_time_s": "minimize",
+              "samples_per_s": "maximize"}
+TARGET_KEY = "_target_"
 
 # OmegaConf reads these annotations at run time: the typing spellings it understands
 # (`Optional[int]`, not `int | None`), hence the UP007 exemptions below.
@@ -146,11 +152,18 @@ class PlanConfig:
 
 @dataclass
 class ConfigSchema:
-    """The composed config. The plugin groups hold a registered `name` and that plugin's own
-    options."""
+    """The composed config. The plugin groups hold a registered `name` (or, for model,
+    dataset and optimizer, a user's class or function as `_target_`) and its own options."""
 
     seed: int = 0
     """Seeds the model's initial weights, the sample order and the synthetic datasets."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules every rank imports before building the run: where a user's own
+    `@register_model`/`@register_dataset`/`@register_optimizer`/`@register_strategy` live."""
+    objective: str = "val_loss"
+    """The summary value the run returns to a Hydra sweeper (Optuna): val_loss, val_accuracy,
+    final_loss, workers_val_loss, workers_val_accuracy, wall_time_s, median_step_time_s or
+    samples_per_s (the summary records its direction)."""
     grid: GridConfig = field(default_factory=GridConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -165,10 +178,16 @@ class ConfigSchema:
 
 @dataclass(frozen=True)
 class Plugin:
-    """A config group selection: the registered `name` and the plugin's keyword options."""
+    """A config group selection: the registered `name` (or the dotted path of a user's class
+    or function, `target`) and the plugin's keyword options."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    target: Optional[str] = None  # noqa: UP045
+
+    def shown(self, group: str) -> str:
+        """How the user chose it: `model=cnn`, or `model._target_=my_pkg.nets.MyNet`."""
+        return f"{group}.{TARGET_KEY}={self.target}" if self.target else f"{group}={self.name}"
 
 
 @dataclass(frozen=True)
@@ -185,6 +204,8 @@ class RunConfig:
     launcher: LauncherConfig
     debug: DebugConfig
     logger: str = "none"
+    plugins: tuple[str, ...] = ()
+    objective: str = "val_loss"
 
 
 def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> Any:
@@ -228,6 +249,19 @@ def _hints(schema: type[Any]) -> dict[str, Any]:
 
 
 def _plugin(key: str, node: Any, problems: list[str]) -> Plugin:
+    if isinstance(node, Mapping) and node.get(TARGET_KEY) is not None:
+        target = node[TARGET_KEY]
+        if key == "strategy" or "name" in node:
+            problems.append(f"{key}.{TARGET_KEY}={target}: " + (
+                "strategies are registered by name (list their module in `plugins`)"
+                if key == "strategy" else
+                f"give either {key}={node['name']} or {key}.{TARGET_KEY}, not both"))
+            return Plugin("")
+        if not isinstance(target, str) or not target.strip():
+            problems.append(f"{key}.{TARGET_KEY}={target!r}: must be a dotted path "
+                            f"(my_pkg.module.Name)")
+            return Plugin("")
+        return Plugin(target, {k: v for k, v in node.items() if k != TARGET_KEY}, target)
     if not isinstance(node, Mapping) or not node.get("name"):
         problems.append(f"{key}: missing (choose one with {key}=NAME)")
         return Plugin("")
@@ -266,7 +300,8 @@ def parse_with_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[RunConfig,
     plugins = {key: _plugin(key, values.get(key), problems) for key in PLUGIN_GROUPS}
     run = RunConfig(seed=schema.seed, grid=GridShape(schema.grid.pr, schema.grid.pc),
                     trainer=schema.trainer, launcher=schema.launcher, debug=schema.debug,
-                    logger=schema.logger.name, **plugins)
+                    logger=schema.logger.name, plugins=tuple(schema.plugins),
+                    objective=schema.objective, **plugins)
     return run, problems
 
 

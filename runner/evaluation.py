@@ -45,7 +45,9 @@ def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> 
     """This replica's (model group's) own weights on the whole set, with no other replica
     taking part: the group is fed every row and each rank scores its sub-shard."""
     grid = model.grid
-    return _score(model, x, y[Partition(len(x), grid.pr).slice(grid.model_index)], grid.model)
+    # x[:]: every row (a user's map-style dataset is read only on indexing)
+    return _score(model, x[:], y[Partition(len(x), grid.pr).slice(grid.model_index)],
+                  grid.model)
 
 
 def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,

@@ -132,21 +132,29 @@ def accepts_any_keyword(factory: Callable[..., Any]) -> bool:
 
 
 def option_problems(key: str, factory: Callable[..., Any], options: Mapping[str, Any],
-                    reserved: Sequence[str] = ()) -> list[str]:
-    """Every option `factory` does not take, and every value that does not fit its
-    annotation, as lines naming `key.option`."""
+                    reserved: Sequence[str] = (), label: str | None = None) -> list[str]:
+    """Every option `factory` does not take, every value that does not fit its annotation and
+    every required one missing, as lines naming `key.option` (after `label`, e.g.
+    `model._target_=my_pkg.Net`, where the problem is with the options as a whole)."""
+    label = label or key
     params = {n: t for n, t in parameter_types(factory).items() if n not in reserved}
     problems = []
     unknown = [] if accepts_any_keyword(factory) else sorted(k for k in options
                                                              if k not in params)
     if unknown:
-        problems.append(f"{key}: unknown option(s) {', '.join(f'{key}.{u}' for u in unknown)}; "
+        problems.append(f"{label}: unknown option(s) {', '.join(f'{key}.{u}' for u in unknown)}; "
                         f"valid: {', '.join(sorted(params)) or 'none'}")
     for name, value in options.items():
         if name in params:
             problem = type_problem(f"{key}.{name}", value, params[name])
             if problem:
                 problems.append(problem)
+    required = [name for name, p in inspect.signature(factory).parameters.items()
+                if p.default is inspect.Parameter.empty and name in params
+                and name not in options and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required:
+        problems.append(f"{label}: missing required option(s) "
+                        f"{', '.join(f'{key}.{name}' for name in required)}")
     return problems
 
 

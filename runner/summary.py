@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.checkpoint import resume_command
-from runner.config import RunConfig
+from runner.config import OBJECTIVES, RunConfig
 from runner.core import ProcessGrid
 from runner.core.cost import CommOp, MachineCosts, step_bytes, step_time
 from runner.logs import get_logger
@@ -67,7 +67,7 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                       last_checkpoint: Path | None) -> dict[str, Any]:
     """`summary.json` of a run that trained every step."""
     median_step = statistics.median(history.seconds)
-    return {
+    summary: dict[str, Any] = {
         "status": "completed",
         "strategy": run.strategy.name,
         "optimizer": run.optimizer.name,
@@ -103,3 +103,14 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                          if start.checkpoint is not None else None),
         "checkpoint": str(last_checkpoint) if last_checkpoint is not None else None,
     }
+    summary["objective"] = {"name": run.objective, "direction": OBJECTIVES[run.objective],
+                            "value": summary[run.objective]}
+    return summary
+
+
+def objective_value(summary: dict[str, Any]) -> float:
+    """What a completed run returns to a Hydra sweeper: its objective as a float (NaN when the
+    run has no such value, e.g. workers_val_loss without a centre: Optuna records a failed
+    trial)."""
+    value = summary.get("objective", {}).get("value")
+    return float("nan") if value is None else float(value)

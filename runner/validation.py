@@ -9,7 +9,7 @@ one line. The ranks do not repeat any of this: they trust the `config.yaml` the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omegaconf import DictConfig
@@ -18,6 +18,7 @@ from runner.config import (
     DTYPES,
     FAILURE_MODES,
     LOGGERS,
+    OBJECTIVES,
     ConfigError,
     Plugin,
     RunConfig,
@@ -62,6 +63,8 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     if trainer.comm_timeout_s is not None and trainer.comm_timeout_s <= 0:
         problems.append(f"trainer.comm_timeout_s={trainer.comm_timeout_s!r}: must be null or a "
                         f"number of seconds > 0")
+    if run.objective not in OBJECTIVES:
+        problems.append(f"objective={run.objective}: must be one of {', '.join(OBJECTIVES)}")
     if run.logger not in LOGGERS:
         problems.append(f"logger={run.logger}: must be one of {', '.join(LOGGERS)}")
     elif run.logger == "tensorboard":
@@ -91,41 +94,52 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
     """Known names, options that fit the plugins' signatures, and what each plugin can say
     about the others (the model on the dataset's shapes, the strategy on the model)."""
     from runner import assembly
-    from runner.registry import DATASETS, MODELS, OPTIMIZERS, load_plugins
+    from runner.registry import (
+        UserCodeError,
+        import_modules,
+        load_plugins,
+    )
     from strategies import STRATEGIES, Strategy
 
-    load_plugins()
     problems: list[str] = []
+    try:
+        import_modules(run.plugins)
+    except UserCodeError as exc:
+        problems.append(str(exc))
+    load_plugins()
 
-    def lookup(registry: Any, key: str, plugin: Plugin) -> Any:
+    def lookup(key: str, find: Callable[[Plugin], Any], plugin: Plugin) -> Any:
         try:
-            return registry.get(plugin.name)
+            return find(plugin)
         except UnknownPluginError as exc:
-            problems.append(f"{key}={plugin.name}: {exc}")
-            return None
+            problems.append(f"{plugin.shown(key)}: {exc}")
+        except UserCodeError as exc:
+            problems.append(f"{plugin.shown(key)}: {exc}")
+        return None
 
-    dataset_cls = lookup(DATASETS, "dataset", run.dataset)
-    factory = lookup(MODELS, "model", run.model)
-    optimizer_cls = lookup(OPTIMIZERS, "optimizer", run.optimizer)
-    strategy_cls = lookup(STRATEGIES, "strategy", run.strategy)
+    dataset_cls = lookup("dataset", assembly.dataset_factory, run.dataset)
+    factory = lookup("model", assembly.model_factory, run.model)
+    optimizer_cls = lookup("optimizer", assembly.optimizer_class, run.optimizer)
+    strategy_cls = lookup("strategy", lambda p: STRATEGIES.get(p.name), run.strategy)
 
     spec = meta_model = None
     if dataset_cls is not None:
-        found = option_problems("dataset", dataset_cls, run.dataset.options)
+        user_function = dataset_cls.args[0] if run.dataset.target else dataset_cls
+        found = _options_problems("dataset", run.dataset, user_function)
         problems += found
         if not found:
             try:
                 spec = assembly.build_dataset(run.dataset).spec()
             except (TypeError, ValueError) as exc:
-                problems.append(f"dataset={run.dataset.name}: {exc}")
+                problems.append(f"{run.dataset.shown('dataset')}: {exc}")
     if factory is not None:
-        found = option_problems("model", factory, run.model.options, assembly.MODEL_INPUTS)
+        found = _options_problems("model", run.model, factory, assembly.MODEL_INPUTS)
         problems += found
         if not found and spec is not None:
             meta_model = _check_model_shapes(run.model, spec, problems)
     if optimizer_cls is not None:
-        found = option_problems("optimizer", optimizer_cls, run.optimizer.options,
-                                assembly.OPTIMIZER_INPUTS)
+        found = _options_problems("optimizer", run.optimizer, optimizer_cls,
+                                  assembly.OPTIMIZER_INPUTS)
         problems += found or optimizer_cls.check(**with_defaults(
             optimizer_cls, run.optimizer.options, assembly.OPTIMIZER_INPUTS))
     if strategy_cls is not None:
@@ -139,10 +153,27 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
                 problems += strategy.check(run.grid, batch)
             if meta_model is not None and spec is not None and grid_ok:
                 problems += strategy.check_model(meta_model, spec.input_shape, run.grid)
+            if (optimizer_cls is not None and not optimizer_cls.elementwise and grid_ok
+                    and strategy.splits_parameters(run.grid)):
+                problems.append(
+                    f"{run.optimizer.shown('optimizer')}: its update of a parameter depends on "
+                    f"the whole parameter, which strategy={run.strategy.name} splits over "
+                    f"grid.pr={run.grid.pr} ranks; use strategy=data (or grid.pr=1) or an "
+                    f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
     if spec is not None and run.trainer.batch_size > spec.train_size:
         problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
                         f"{spec.train_size} training samples of dataset={run.dataset.name}")
     return problems
+
+
+def _options_problems(key: str, plugin: Plugin, factory: Any,
+                      reserved: tuple[str, ...] = ()) -> list[str]:
+    """`option_problems`, also for a user's callable whose signature cannot be read."""
+    label = plugin.shown(key) if plugin.target else key
+    try:
+        return option_problems(key, factory, plugin.options, reserved, label)
+    except (TypeError, ValueError):
+        return []  # no signature (a builtin): its own call will say what is wrong
 
 
 def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
@@ -156,20 +187,20 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
     try:
         net = assembly.probe_model(plugin, spec)
     except ValueError as exc:  # the dataset's inputs are not what the model reads
-        problems.append(f"model={plugin.name}: {exc}")
+        problems.append(f"{plugin.shown('model')}: {exc}")
         return None
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        problems.append(f"model={plugin.name} cannot be built for the dataset's inputs of "
+        problems.append(f"{plugin.shown('model')} cannot be built for the dataset's inputs of "
                         f"shape {tuple(spec.input_shape)}: {first}")
         return None
     empty = [(name, tuple(p.shape)) for name, p in net.named_parameters() if p.numel() == 0]
     if empty:
         name, shape = empty[0]
         layer = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
-        problems.append(f"model={plugin.name}: {name} ({type(layer).__name__}) would have shape "
-                        f"{shape}: every width and channel count must be >= 1 (model options: "
-                        f"{', '.join(f'{k}={v}' for k, v in plugin.options.items())})")
+        problems.append(f"{plugin.shown('model')}: {name} ({type(layer).__name__}) would have "
+                        f"shape {shape}: every width and channel count must be >= 1 (model "
+                        f"options: {', '.join(f'{k}={v}' for k, v in plugin.options.items())})")
         return None
     dtype = torch.long if spec.vocab_size is not None else torch.float32
     device = next((p.device for p in net.parameters()), torch.device("cpu"))
@@ -178,11 +209,15 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
             out = net(torch.zeros(2, *spec.input_shape, dtype=dtype, device=device))
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        problems.append(f"model={plugin.name} does not fit the dataset's inputs of shape "
+        problems.append(f"{plugin.shown('model')} does not fit the dataset's inputs of shape "
                         f"{tuple(spec.input_shape)}: {first}")
         return None
+    if not isinstance(out, torch.Tensor):
+        problems.append(f"{plugin.shown('model')} returns a {type(out).__name__}: gridrun's "
+                        f"objective needs a tensor of class scores (batch, classes)")
+        return None
     if tuple(out.shape) != (2, spec.num_classes):
-        problems.append(f"model={plugin.name} gives outputs of shape {tuple(out.shape[1:])}, "
+        problems.append(f"{plugin.shown('model')} gives outputs of shape {tuple(out.shape[1:])}, "
                         f"the dataset has {spec.num_classes} classes")
         return None
     return net

@@ -154,6 +154,9 @@ class DomainParallel(Strategy):
         super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched)
         self.overlap = overlap
 
+    def splits_parameters(self, grid: GridShape) -> bool:
+        return False  # the model group splits each sample's domain; weights stay whole
+
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
         problems = sequential_problems(model, self.name)

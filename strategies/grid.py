@@ -68,8 +68,9 @@ def split_at_first_linear(model: nn.Module) -> int:
 
 def sequential_problems(model: nn.Module, strategy: str) -> list[str]:
     if not isinstance(model, nn.Sequential):
-        return [f"strategy={strategy} transforms nn.Sequential models, got "
-                f"{type(model).__name__}"]
+        return [f"strategy={strategy} splits nn.Sequential models of Linear, Conv2d, pooling "
+                f"and activation layers, got {type(model).__name__}: strategy=data trains any "
+                f"module"]
     return [f"strategy={strategy} cannot split {p}" for p in unsupported_layers(list(model))]
 
 

@@ -1,0 +1,144 @@
+"""A user's own model, data and plugins (examples/byo): trained with real ranks from the user's
+project directory, and refused in one line before anything starts when they do not fit."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.compose import compose
+from runner.config import ConfigError
+from runner.validation import validate
+from tests.conftest import read_summary, train_losses
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ROOT / "examples" / "byo"  # the user's project: their package and config files
+TIMEOUT_S = 180
+
+
+def gridrun(*args: str, cwd: Path = PROJECT) -> subprocess.CompletedProcess[str]:
+    """`python -m runner ARGS` run from the user's project directory, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**os.environ, "PYTHONPATH": ""})
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+SMALL = ("trainer.steps=12", "trainer.batch_size=32", "trainer.eval_every=null",
+         "trainer.dtype=float64")
+
+
+def test_user_model_and_tensors_train_the_same_on_one_and_two_ranks(tmp_path: Path) -> None:
+    """`model._target_` and `dataset._target_` (tensors) under `data`: two ranks reproduce one
+    process; the run returns its objective (summary.json)."""
+    user = ("model._target_=my_pkg.nets.ResidualMLP", "model.width=16",
+            "dataset._target_=my_pkg.data.blobs", "dataset.features=8", "strategy=data",
+            *SMALL)
+    one, two = tmp_path / "p1", tmp_path / "p2"
+    ok(gridrun(*user, "grid.pr=1", "grid.pc=1", f"hydra.run.dir={one}"))
+    ok(gridrun(*user, "grid.pr=1", "grid.pc=2", f"hydra.run.dir={two}"))
+    assert train_losses(one) == pytest.approx(train_losses(two), rel=1e-9, abs=1e-12)
+    assert train_losses(one)[-1] < train_losses(one)[0]
+    objective = read_summary(two)["objective"]
+    assert objective["name"] == "val_loss" and objective["direction"] == "minimize"
+    assert objective["value"] == read_summary(two)["val_loss"]
+
+
+def test_registered_plugin_and_map_style_dataset_on_two_ranks(tmp_path: Path) -> None:
+    """A model registered in the user's module (`plugins`) is known on every rank, and each
+    rank reads only the rows of a map-style dataset that it needs."""
+    logs = tmp_path / "reads"
+    logs.mkdir()
+    steps, batch = 6, 32
+    ok(gridrun("--config-dir", "conf", "plugins=[my_pkg.register]", "model=wide_mlp",
+               "model.width=8",
+               "dataset._target_=my_pkg.data.rows", f"dataset.log_dir={logs}",
+               "strategy=data", "grid.pr=1", "grid.pc=2", f"trainer.steps={steps}",
+               f"trainer.batch_size={batch}", "trainer.eval_every=null",
+               f"hydra.run.dir={tmp_path / 'run'}"))
+    reads = {path.stem: collections.Counter(line.split()[0] for line in path.open())
+             for path in logs.glob("*.log")}
+    ranks = {name: counts for name, counts in reads.items() if name in ("0", "1")}
+    assert set(ranks) == {"0", "1"}, reads
+    val_rows = 512 - 512 * 3 // 4
+    for counts in ranks.values():
+        # its half of every batch, its half of the validation set, and row 0 for the shapes
+        assert steps * batch // 2 <= counts["train"] <= steps * batch // 2 + 2, reads
+        assert counts["val"] == val_rows // 2, reads
+
+
+def test_a_config_dir_of_the_users_own(tmp_path: Path) -> None:
+    ok(gridrun("--config-dir", "conf", "model=resmlp", "dataset=blobs", "model.width=8",
+               "strategy=data", "grid.pr=1", "grid.pc=1", "trainer.steps=5",
+               f"hydra.run.dir={tmp_path / 'run'}"))
+    assert read_summary(tmp_path / "run")["status"] == "completed"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["model._target_=no_such_pkg.Net"],
+     "model._target_=no_such_pkg.Net: cannot import no_such_pkg"),
+    (["--config-dir", "conf", "model=resmlp", "dataset=blobs", "dataset.features=abc"],
+     "dataset.features=abc: must be an integer"),
+])
+def test_bad_user_code_is_one_line_before_anything_starts(tmp_path: Path, args: list[str],
+                                                          message: str) -> None:
+    run_dir = tmp_path / "run"
+    result = gridrun(*args, "strategy=data", "grid.pr=1", "grid.pc=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
+    assert not run_dir.exists()
+
+
+@pytest.fixture
+def users_project(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(PROJECT))
+
+
+def problems_of(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        validate(compose(["grid.pr=1", "grid.pc=2", "strategy=data", *overrides]))
+    return str(caught.value)
+
+
+@pytest.mark.usefixtures("users_project")
+@pytest.mark.parametrize("overrides,message", [
+    (["model._target_=my_pkg.nets.Nothing"], "my_pkg.nets has no attribute or module 'Nothing'"),
+    (["model._target_=my_pkg.data.Rows"],
+     "model._target_=my_pkg.data.Rows: missing required option(s) model.x, model.y"),
+    (["model._target_=my_pkg.data.blobs"], "returned a tuple, not a torch.nn.Module"),
+    (["model._target_=my_pkg.nets.ResidualMLP", "model.depth=2"],
+     "model._target_=my_pkg.nets.ResidualMLP: unknown option(s) model.depth; valid: width"),
+    (["model._target_=torch.nn.Linear", "model.in_features=3", "model.out_features=10"],
+     "does not fit the dataset's inputs of shape (1, 8, 8)"),
+    (["dataset._target_=my_pkg.data.blobs", "dataset.classes=4",
+      "model._target_=torch.nn.Linear", "model.in_features=16", "model.out_features=10"],
+     "gives outputs of shape (10,), the dataset has 4 classes"),
+    (["dataset._target_=my_pkg.nets.ResidualMLP"],
+     "dataset._target_=my_pkg.nets.ResidualMLP: missing required option(s)"),
+    (["model._target_=my_pkg.nets.ResidualMLP", "strategy=grid", "grid.pr=2", "grid.pc=1"],
+     "strategy=grid splits nn.Sequential models of Linear, Conv2d, pooling and activation "
+     "layers, got ResidualMLP: strategy=data trains any module"),
+    (["optimizer._target_=torch.optim.Adafactor", "strategy=grid", "grid.pr=2", "grid.pc=1"],
+     "optimizer._target_=torch.optim.Adafactor: its update of a parameter depends on the whole "
+     "parameter, which strategy=grid splits"),
+    (["optimizer._target_=torch.nn.Linear"], "neither a torch.optim.Optimizer class nor"),
+    (["plugins=[my_pkg.nowhere]"], "plugins: cannot import my_pkg.nowhere"),
+    (["objective=accuracy"], "objective=accuracy: must be one of val_loss, val_accuracy"),
+])
+def test_what_does_not_fit_is_named(overrides: list[str], message: str) -> None:
+    assert message in problems_of(*overrides)
+
+
+@pytest.mark.usefixtures("users_project")
+def test_what_fits_passes() -> None:
+    validate(compose(["grid.pr=1", "grid.pc=2", "strategy=data", "plugins=[my_pkg.register]",
+                      "model=wide_mlp", "dataset._target_=my_pkg.data.rows",
+                      "optimizer._target_=torch.optim.Adafactor"],
+                     extra_dirs=[str(PROJECT / "conf")]))
