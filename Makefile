@@ -3,17 +3,20 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+EXTRAS := bundled-mpi,dev,text,tensorboard,sweep
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench dist clean
 
 setup: $(STAMP)
 
 # torch is pinned to the CPU wheel: an unpinned `torch` pulls gigabytes of CUDA packages.
+# The project is installed editable in compat mode (a path entry to the checkout): the console
+# scripts `gridrun` and `gridrun-plan` land in .venv/bin and read the checkout's conf/.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[bundled-mpi,dev,text,tensorboard]"
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -31,5 +34,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/data_parallel.py
 
+# The wheel a user installs as a tool (conf/ inside it as runner/conf/): dist/gridrun-*.whl
+dist: $(STAMP)
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build dist

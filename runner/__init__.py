@@ -1,3 +1,8 @@
 """gridrun: a declarative runner for distributed neural-network training on MPI."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("gridrun")
+except PackageNotFoundError:  # a checkout that was never installed
+    __version__ = "0+unknown"

@@ -1,6 +1,8 @@
 """What this machine's communication and local work cost: the stored calibration
-(`python -m runner.plan plan.calibrate=true` measures it), or defaults.
+(`gridrun-plan plan.calibrate=true` measures it), or defaults.
 
+The calibration is per machine and belongs to the user, not to an installation:
+`$GRIDRUN_CALIBRATION` if set, else `${XDG_CACHE_HOME:-~/.cache}/gridrun/calibration-<host>.json`.
 Read by every tool that chooses from the cost model (training, the planner, the benchmarks);
 written only by `runner.plan.calibration`.
 """
@@ -9,33 +11,50 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from runner.core.cost import (
-    DEFAULT_ALPHA,
-    DEFAULT_BETA,
-    DEFAULT_SPARSE_ROW,
-    DEFAULT_TABLE_PASS,
-    MachineCosts,
-)
-from runner.rundir import PROJECT_ROOT
+if TYPE_CHECKING:  # the cost model imports torch: `calibration_path` (for --help) needs none
+    from runner.core.cost import MachineCosts
+
+
+def cache_dir() -> Path:
+    """gridrun's directory in the user's cache (XDG: a relative `$XDG_CACHE_HOME` is ignored)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "gridrun"
 
 
 def calibration_path() -> Path:
-    return Path(os.environ.get("GRIDRUN_CALIBRATION",
-                               PROJECT_ROOT / ".calibration" / "alpha_beta.json"))
+    """Where this machine's calibration is stored: `$GRIDRUN_CALIBRATION`, else a file per host
+    in the user's cache (machines sharing a home directory keep their own)."""
+    explicit = os.environ.get("GRIDRUN_CALIBRATION")
+    if explicit:
+        return Path(explicit)
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
+    return cache_dir() / f"calibration-{host}.json"
 
 
 def load_machine_costs(alpha: float | None = None,
                        beta: float | None = None) -> MachineCosts:
     """Explicit values first, then the stored calibration, then the defaults."""
+    from runner.core.cost import (
+        DEFAULT_ALPHA,
+        DEFAULT_BETA,
+        DEFAULT_SPARSE_ROW,
+        DEFAULT_TABLE_PASS,
+        MachineCosts,
+    )
+
     path = calibration_path()
     stored, local = None, {}
     if path.exists():
         try:
             everything = json.loads(path.read_text())
             stored, local = everything["collective"], everything.get("local", {})
-        except (json.JSONDecodeError, KeyError):
+        except (OSError, json.JSONDecodeError, KeyError):  # unreadable: as if not calibrated
             stored = None
     costs = {"table_pass": local.get("table_pass", DEFAULT_TABLE_PASS),
              "sparse_row": local.get("sparse_row", DEFAULT_SPARSE_ROW)}
@@ -47,5 +66,5 @@ def load_machine_costs(alpha: float | None = None,
                             source=f"calibrated ({path})", **costs)
     return MachineCosts(alpha if alpha is not None else DEFAULT_ALPHA,
                         beta if beta is not None else DEFAULT_BETA,
-                        source="default (not calibrated: python -m runner.plan "
-                               "plan.calibrate=true)", **costs)
+                        source="default (not calibrated: gridrun-plan plan.calibrate=true)",
+                        **costs)

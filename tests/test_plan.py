@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,8 +120,49 @@ def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
     # a random row costs more per byte than a pass over a table (the sparse exchange's choice)
     assert 0 < stored["local"]["table_pass"] < stored["local"]["sparse_row"]
     assert str(tmp_path / "ab.json") in result.stdout
+    # never more ranks than cores: on a 2-core machine the sweep runs on 2
+    assert stored["collective"]["ranks"] <= stored["usable_cores"]
     planned = plan_cli("plan.world=4", env=env)
     assert planned.returncode == 0 and "calibrated" in planned.stdout
+
+
+def test_calibration_lives_in_the_users_cache(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    import socket
+
+    from runner.machine import calibration_path
+
+    monkeypatch.delenv("GRIDRUN_CALIBRATION", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    name = f"calibration-{socket.gethostname()}.json"
+    assert calibration_path() == tmp_path / "cache" / "gridrun" / name
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored (XDG)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert calibration_path() == tmp_path / "home" / ".cache" / "gridrun" / name
+    monkeypatch.setenv("GRIDRUN_CALIBRATION", str(tmp_path / "mine.json"))
+    assert calibration_path() == tmp_path / "mine.json"
+
+
+def test_calibration_never_oversubscribes() -> None:
+    from runner.plan.calibration import CalibrationRefused, calibration_ranks
+
+    assert [calibration_ranks(cores) for cores in (2, 3, 4, 64)] == [2, 3, 4, 4]
+    with pytest.raises(CalibrationRefused, match="at least 2 usable cores"):
+        calibration_ranks(1)
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")
+def test_calibration_on_one_core_is_refused_in_one_line(tmp_path: Path) -> None:
+    import os
+
+    stored = tmp_path / "ab.json"
+    result = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "runner.plan",
+                             "plan.calibrate=true"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120,
+                            env={**os.environ, "GRIDRUN_CALIBRATION": str(stored)})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: plan.calibrate=true needs at least 2 usable cores")
+    assert len(result.stderr.strip().splitlines()) == 1 and not stored.exists()
 
 
 def test_sparse_exchange_bytes_and_choice_by_hand() -> None:

@@ -1,60 +1,166 @@
-"""`python -m runner.plan key=value ...`: the planner's command line (the only Hydra here).
+"""`gridrun-plan key=value ...` (or `python -m runner.plan`): the planner's command line.
 
-Same config groups and overrides as training, plus `plan.*`; no MPI job is started (except by
-`plan.calibrate=true`, which measures this machine's α and β).
+A Hydra app over the same `conf/` and schema as training: its primary config, `conf/plan.yaml`,
+is `config.yaml` plus Hydra's basic launcher (the planner starts no MPI job; `-m` runs one plan
+per job in this process) and no run directory (`hydra.run.dir=.`, no `.hydra/`). `--help`, `-m`,
+`--cfg job` and `-sc` (shell completion) are Hydra's; bad input is one line on stderr and exit
+code 2, checked before Hydra runs (`precheck`), for a single plan and for every job of a sweep.
+`plan.calibrate=true` measures this machine's α and β (an MPI job on this machine) instead.
+Heavy modules (torch, the plugins) are imported only once a plan is built.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from runner.compose import CONF_DIR, register_configs, with_target_groups
 from runner.config import PlanConfig, Plugin
 from runner.console import make_console, print_error
-from runner.core.registry import UnknownPluginError
-from runner.plan.planner import Plan
+
+if TYPE_CHECKING:
+    from runner.plan.planner import Plan
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+PLAN_CONFIG = "plan"  # conf/plan.yaml
+_MULTIRUN_FLAGS = ("-m", "--multirun")
+
+# The jobs of a sweep that failed (each already named on stderr); the sweep goes on without them.
+_failed_jobs: list[str] = []
 
 
-def main(argv: list[str]) -> int:
+def _sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Every job's overrides, as Hydra's basic sweeper expands `key=a,b` (Hydra's errors are
+    raised, the lexer's among them)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    choices: list[list[str]] = []
+    for override in OverridesParser.create().parse_overrides(overrides=overrides):
+        key = override.get_key_element()
+        if not override.is_sweep_override():  # as written (`~key` has no value to print)
+            choices.append([override.input_line or f"{key}={override.get_value_element_as_str()}"])
+        elif override.is_discrete_sweep():
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            raise HydraException(f"{override.input_line}: the basic sweeper takes lists "
+                                 "(key=a,b), not ranges or intervals")
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def precheck(args: list[str]) -> str | None:
+    """The problem with a single plan's overrides, or with any job of a sweep's, as one line;
+    None when there is none, or when a Hydra flag other than `-m` and `-cd` asks for something
+    else (Hydra answers those)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.compose import compose, one_line
+    from runner.compose import compose, config_dirs, one_line, without_config_dirs
     from runner.config import ConfigError, parse_plan
 
+    rest = without_config_dirs(args)
+    flags = [a for a in rest if a.startswith("-")]
+    overrides = [a for a in rest if not a.startswith("-")]
+    if any(f not in _MULTIRUN_FLAGS for f in flags):
+        return None
+    if flags and any(o.lstrip("+~").startswith(("hydra/sweeper=", "hydra.sweeper."))
+                     for o in overrides):
+        return None  # another sweeper's syntax: Hydra expands it
     try:
-        cfg = compose(argv)
-        plan_cfg = parse_plan(cfg)
-    except (HydraException, OmegaConfBaseException) as exc:
-        print_error(one_line(exc))
-        return EXIT_BAD_INPUT
-    except ConfigError as exc:
-        print_error(str(exc))
-        return EXIT_BAD_INPUT
-    console = make_console()
-    if plan_cfg.calibrate:
-        from runner.plan.calibration import calibration_path, measure
+        jobs = _sweep_jobs(overrides) if flags else [overrides]
+    except HydraException as exc:
+        return one_line(exc)
+    for index, job in enumerate(jobs):
+        where = f"job {index} ({' '.join(job)}): " if flags else ""
+        try:
+            parse_plan(compose(job, extra_dirs=config_dirs(args)))
+        except (HydraException, OmegaConfBaseException) as exc:
+            return where + one_line(exc)
+        except ConfigError as exc:
+            return where + str(exc)
+    return None
 
-        console.print("measuring α and β (ping-pong on 2 ranks, all-reduce sweep on 4) ...")
-        result = measure()
-        for kind in ("point_to_point", "collective"):
-            values = result[kind]
-            console.print(f"{kind}: α = {values['alpha']:.3e} s, β = {values['beta']:.3e} s/B "
-                          f"({1 / values['beta'] / 1e9:.2f} GB/s)")
-        console.print(f"stored in {calibration_path()}: later plans and runs use it")
-        return 0
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=PLAN_CONFIG)
+def hydra_task(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        code = plan_or_calibrate(cfg)
+        if code:
+            sys.exit(code)
+        return
+    job = " ".join(hydra_cfg.overrides.task)
+    make_console().print(f"plan job {hydra_cfg.job.num}: {job}", markup=False)
+    if plan_or_calibrate(cfg, job=f"job {hydra_cfg.job.num} ({job})"):
+        _failed_jobs.append(str(hydra_cfg.job.num))
+
+
+def plan_or_calibrate(cfg: DictConfig, job: str = "") -> int:
+    """Print the plan for a composed config (or calibrate); the exit code. Problems are one
+    line on stderr, prefixed with `job` in a sweep."""
+    from runner.config import ConfigError, parse_plan
+    from runner.core.registry import UnknownPluginError
+    from runner.plan.calibration import CalibrationFailed
+
+    prefix = f"{job}: " if job else ""
     try:
-        plan = build_plan(cfg, plan_cfg)
+        plan_cfg = parse_plan(cfg)
+        if plan_cfg.calibrate:
+            calibrate()
+        else:
+            try:
+                plan = build_plan(cfg, plan_cfg)
+            except RuntimeError as exc:  # torch's, from shapes on the meta device
+                raise ValueError("the planner follows a model's layers in order and cannot "
+                                 f"follow this one: {str(exc).splitlines()[0]}") from exc
+            show_plan(plan, plan_cfg)
     except (ValueError, UnknownPluginError, TypeError, ConfigError) as exc:
-        print_error(str(exc))
+        print_error(prefix + str(exc))  # a refused calibration (too few cores) among them
         return EXIT_BAD_INPUT
+    except CalibrationFailed as exc:
+        print_error(prefix + str(exc))
+        return EXIT_FAILED
+    return 0
+
+
+def calibrate() -> None:
+    from runner.plan.calibration import (
+        MAX_COLLECTIVE_RANKS,
+        calibration_path,
+        calibration_ranks,
+        measure,
+        usable_cores,
+    )
+
+    console = make_console()
+    cores = usable_cores()
+    ranks = calibration_ranks(cores)  # refuses a machine with fewer than 2 usable cores
+    console.print(f"measuring α and β (ping-pong on 2 ranks, all-reduce sweep on {ranks}) ...")
+    if ranks < MAX_COLLECTIVE_RANKS:
+        console.print(f"note: the all-reduce sweep runs on {ranks} ranks, not "
+                      f"{MAX_COLLECTIVE_RANKS}: this process may use {cores} cores, and ranks "
+                      "without a core of their own would measure the scheduler, not MPI")
+    result = measure(collective_ranks=ranks)
+    for kind in ("point_to_point", "collective"):
+        values = result[kind]
+        console.print(f"{kind}: α = {values['alpha']:.3e} s, β = {values['beta']:.3e} s/B "
+                      f"({1 / values['beta'] / 1e9:.2f} GB/s)")
+    console.print(f"stored in {calibration_path()}: later plans and runs use it")
+
+
+def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
     from runner.plan.planner import layer_table, plan_json, plan_table
 
+    console = make_console()
     console.print(plan_table(plan))
     refused: dict[str, list] = {}
     for row in plan.rows:
@@ -74,7 +180,6 @@ def main(argv: list[str]) -> int:
     if plan_cfg.out:
         Path(plan_cfg.out).write_text(json.dumps(plan_json(plan), indent=2) + "\n")
         console.print(f"plan written to {plan_cfg.out}")
-    return 0
 
 
 def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
@@ -86,6 +191,7 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
 
     run = parse(cfg)
+    assembly.import_plugins(run)  # a model the user's `plugins` modules register
     world, batch = plan_cfg.world, run.trainer.batch_size
     if world < 1 or batch < 1:
         raise ValueError(f"plan.world={world} and trainer.batch_size={batch} must be >= 1")
@@ -118,5 +224,74 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch)
 
 
+# Hydra's flags that take the next word as their value (`--info` only a word of its choices).
+_VALUE_FLAGS = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-c",
+                "--cfg", "-p", "--package", "--experimental-rerun"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def _hydra_args(args: list[str]) -> list[str]:
+    """`args` as Hydra's argument parser takes them: the flags (with their values) first, then
+    the overrides in one run, with the `GROUP=target` choices `with_target_groups` adds (the
+    parser takes a single run of overrides: `plan.world=8 -m model=mlp,cnn` would be cut in
+    two and refused)."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if not arg.startswith("-"):
+            overrides.append(arg)
+        else:
+            flags.append(arg)
+            following = args[index + 1] if index + 1 < len(args) else None
+            if following is not None and (arg in _VALUE_FLAGS or (
+                    arg == "--info" and following in _INFO_CHOICES)):
+                flags.append(following)
+                index += 1
+        index += 1
+    return [*flags, *with_target_groups(overrides)]
+
+
+def main(argv: list[str]) -> int:
+    """The planner's command line; the exit code (Hydra's own exits are `SystemExit`s)."""
+    if "-h" in argv or "--help" in argv:
+        from runner.help import plan_help_text
+
+        print(plan_help_text())
+        return 0
+    if "--version" in argv:
+        from runner.help import version_text
+
+        print(version_text())
+        return 0
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        # as `python -m runner.plan` has it: a user's `_target_` modules in the working
+        # directory import from the `gridrun-plan` console script too
+        sys.path.insert(0, str(Path.cwd()))
+    problem = precheck(argv)
+    if problem:
+        print_error(problem)
+        return EXIT_BAD_INPUT
+    register_configs()
+    sys.argv[1:] = _hydra_args(argv)
+    hydra_task()
+    if _failed_jobs:
+        print_error(f"{len(_failed_jobs)} plan job(s) failed: {', '.join(_failed_jobs)}")
+        return EXIT_BAD_INPUT
+    return 0
+
+
+def run() -> None:
+    """The `gridrun-plan` console script."""
+    from runner.process import end_process
+
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exc:  # Hydra's own exits, a failed single plan
+        end_process(exc.code)
+    end_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run()

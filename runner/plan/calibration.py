@@ -1,15 +1,20 @@
 """α and β of this machine's MPI: measured, stored, and found again by plans and runs.
 
-`measure()` starts a small MPI job: a ping-pong between 2 ranks and an all-reduce sweep on 4,
-over message sizes from 8 B to 4 MiB. A least-squares fit of t = α + β·n to the ping-pong gives
-the point-to-point values; a fit of the all-reduce times to 2(α⌈log₂ p⌉ + β(p−1)/p·n) gives the
+`measure()` starts small MPI jobs on this machine: a ping-pong between 2 ranks and an all-reduce
+sweep on up to 4 (never more ranks than this process may use cores: `calibration_ranks`), over
+message sizes from 8 B to 2 MiB. A least-squares fit of t = α + β·n to the ping-pong gives the
+point-to-point values; a fit of the all-reduce times to 2(α⌈log₂ p⌉ + β(p−1)/p·n) gives the
 values the planner uses (training steps are collectives). Both are stored as JSON at
-`calibration_path()`, where `runner.machine` finds them for every later plan and run.
+`calibration_path()` (the user's cache, one file per host), where `runner.machine` finds them
+for every later plan and run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +25,43 @@ from runner.machine import calibration_path
 from runner.rundir import write_json
 
 SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
+PINGPONG_RANKS = 2
+MAX_COLLECTIVE_RANKS = 4
+
+
+class CalibrationRefused(ValueError):
+    """This machine cannot be calibrated honestly (bad input: the command exits 2)."""
+
+
+class CalibrationFailed(RuntimeError):
+    """The measurement itself failed (no mpiexec, a rank failed)."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, as a batch system sets it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def calibration_ranks(cores: int) -> int:
+    """The all-reduce sweep's ranks: up to 4, but never more than `cores`.
+
+    A rank without a core of its own waits for a descheduled peer inside every collective, so
+    an oversubscribed sweep measures the scheduler (4 ranks on 2 cores stored α ≈ 4 ms, a
+    latency no MPI has), and every later plan and run would be priced with it. We measure
+    on fewer ranks instead of refusing: α and β are per message and per byte, the ranks only
+    enter through the fit's ⌈log₂ p⌉ and (p−1)/p factors, so 2 ranks on a 2-core machine give the
+    values, and refusing would leave the common small machine uncalibrated. With fewer than 2
+    cores even the ping-pong would be oversubscribed: refused.
+    """
+    if cores < PINGPONG_RANKS:
+        raise CalibrationRefused(
+            f"plan.calibrate=true needs at least {PINGPONG_RANKS} usable cores (one per rank), "
+            f"this process may use {cores}: an oversubscribed measurement would store the "
+            "scheduler's latency as α; calibrate where the job will run, or give "
+            "plan.alpha and plan.beta")
+    return min(MAX_COLLECTIVE_RANKS, cores)
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -101,19 +143,42 @@ def measure_local(rows: int = 200_000, width: int = 64, touched: int = 50_000,
         torch.set_num_threads(threads)
 
 
+def _mpiexec() -> str:
+    """The mpiexec beside this Python (the `mpich` wheel), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise CalibrationFailed("no mpiexec found: install the bundled MPI (pip install mpich) "
+                                "or put the site's mpiexec on PATH")
+    return found
+
+
 def _run(kind: str, ranks: int, repeats: int) -> dict:
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    out = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, "-m",
-                          "runner.plan.calibration", kind, str(repeats)],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "runner.plan.calibration",
+               kind, str(repeats)]
+    out = subprocess.run(command, capture_output=True, text=True)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        said = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CalibrationFailed(f"the {ranks}-rank {kind} measurement failed "
+                                f"(exit code {out.returncode}): {said}")
+    result: dict = json.loads(lines[-1])
+    return result
 
 
-def measure(repeats: int = 20, collective_ranks: int = 4) -> dict:
-    """Measure, fit, store; returns what was stored."""
+def measure(repeats: int = 20, collective_ranks: int | None = None) -> dict:
+    """Measure, fit, store; returns what was stored. `collective_ranks`: the all-reduce sweep's
+    ranks (default `calibration_ranks(usable_cores())`); more than the usable cores is refused."""
     from runner.core.cost import log2_ceil
 
-    ping = _run("pingpong", 2, repeats)
+    cores = usable_cores()
+    most = calibration_ranks(cores)  # refuses below 2 cores: the ping-pong needs them too
+    if collective_ranks is None:
+        collective_ranks = most
+    elif not PINGPONG_RANKS <= collective_ranks <= cores:
+        raise CalibrationRefused(f"an all-reduce sweep on {collective_ranks} ranks: needs "
+                                 f"{PINGPONG_RANKS} to {cores} ranks here (a core each)")
+    ping = _run("pingpong", PINGPONG_RANKS, repeats)
     alpha_p2p, beta_p2p = fit([float(n) for n in ping["sizes"]], ping["seconds"])
     sweep = _run("allreduce", collective_ranks, repeats)
     p = collective_ranks
@@ -121,11 +186,14 @@ def measure(repeats: int = 20, collective_ranks: int = 4) -> dict:
     a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
     result = {
         "point_to_point": {"alpha": max(alpha_p2p, 0.0), "beta": beta_p2p,
-                           "ranks": 2, "sizes": ping["sizes"], "seconds": ping["seconds"]},
+                           "ranks": PINGPONG_RANKS, "sizes": ping["sizes"],
+                           "seconds": ping["seconds"]},
         "collective": {"alpha": max(a / (2 * log2_ceil(p)), 0.0), "beta": b / (2 * (p - 1) / p),
                        "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"]},
         "local": measure_local(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": socket.gethostname(),
+        "usable_cores": cores,
     }
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
