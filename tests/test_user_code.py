@@ -142,3 +142,22 @@ def test_what_fits_passes() -> None:
                       "model=wide_mlp", "dataset._target_=my_pkg.data.rows",
                       "optimizer._target_=torch.optim.Adafactor"],
                      extra_dirs=[str(PROJECT / "conf")]))
+
+
+def test_an_optuna_search_over_gridrun_runs(tmp_path: Path) -> None:
+    """Hydra's Optuna sweeper (the `sweep` extra) drives gridrun: every trial returns its
+    run's objective, the best value is the best run's, and the sweep table keeps every trial
+    (Optuna launches one batch per trial)."""
+    import csv
+
+    import yaml
+
+    sweep = tmp_path / "sweep"
+    ok(gridrun("-m", "experiment=tune_lr", "hydra.sweeper.n_trials=2", "trainer.steps=5",
+               f"hydra.sweep.dir={sweep}", cwd=ROOT))
+    objectives = [read_summary(run)["objective"]["value"] for run in sorted(sweep.glob("[0-9]"))]
+    assert len(objectives) == 2
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_value"] == min(objectives)
+    with (sweep / "sweep_summary.csv").open() as table:
+        assert [row["job"] for row in csv.DictReader(table)] == ["0", "1"]

@@ -78,6 +78,9 @@ class MPILauncher(Launcher):
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
         self.hydra_context: HydraContext | None = None
+        # Every gridrun job of the sweep so far: a sweeper that launches batch after batch
+        # (Optuna) gets one table and one CSV of the whole sweep, not of its last batch.
+        self.gridrun_jobs: list[SweepJob] = []
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction,
               config: DictConfig) -> None:
@@ -113,7 +116,8 @@ class MPILauncher(Launcher):
             jobs.append(job)
             if isinstance(ret._return_value, RunInterrupted):  # the user stops the sweep
                 break
-        _finish_gridrun_sweep(sweep_dir, console, returns, jobs)
+        self.gridrun_jobs += jobs
+        _finish_gridrun_sweep(sweep_dir, console, returns, self.gridrun_jobs)
         return returns
 
     def _run_gridrun_job(self, overrides: Sequence[str], number: int,
@@ -150,8 +154,9 @@ class MPILauncher(Launcher):
 
 def _finish_gridrun_sweep(sweep_dir: Path, console: "Console", returns: Sequence[JobReturn],
                           jobs: Sequence["SweepJob"]) -> None:
-    """Print and write the sweep table, then end the sweep where it stopped or failed as
-    expected (exit 130, exit 1); other failures are left to Hydra."""
+    """Print and write the sweep table (`jobs`: the sweep's so far), then end the sweep where
+    this batch (`returns`) stopped or failed as expected (exit 130, exit 1); other failures are
+    left to Hydra."""
     from runner.config import ConfigError
     from runner.console import print_error
     from runner.launch import RunFailed, RunInterrupted
