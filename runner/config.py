@@ -275,6 +275,10 @@ def plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         cfg = OmegaConf.create(dict(cfg))
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))
+        targets = [k for k in missing if k.endswith(f".{TARGET_KEY}")]
+        if targets:  # GROUP=target without the class
+            raise ConfigError([f"{k}: missing ({k.split('.')[0]}=target takes your own class "
+                               f"or function: {k}=my_pkg.module.Name)" for k in targets])
         if missing:
             raise ConfigError([f"missing required value: {', '.join(missing)}"])
         container = OmegaConf.to_container(cfg, resolve=True)

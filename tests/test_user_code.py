@@ -161,3 +161,9 @@ def test_an_optuna_search_over_gridrun_runs(tmp_path: Path) -> None:
     assert best["best_value"] == min(objectives)
     with (sweep / "sweep_summary.csv").open() as table:
         assert [row["job"] for row in csv.DictReader(table)] == ["0", "1"]
+
+
+def test_the_target_option_without_a_target_says_what_it_needs() -> None:
+    assert problems_of("model=target") == ("model._target_: missing (model=target takes your own "
+                                           "class or function: "
+                                           "model._target_=my_pkg.module.Name)")
