@@ -94,11 +94,7 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
     """Known names, options that fit the plugins' signatures, and what each plugin can say
     about the others (the model on the dataset's shapes, the strategy on the model)."""
     from runner import assembly
-    from runner.registry import (
-        UserCodeError,
-        import_modules,
-        load_plugins,
-    )
+    from runner.registry import DATASETS, UserCodeError, import_modules, load_plugins, resolve
     from strategies import STRATEGIES, Strategy
 
     problems: list[str] = []
@@ -117,15 +113,15 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
             problems.append(f"{plugin.shown(key)}: {exc}")
         return None
 
-    dataset_cls = lookup("dataset", assembly.dataset_factory, run.dataset)
+    # the registered class, or the user's own function (what the options are arguments of)
+    dataset_cls = lookup("dataset", lambda p: resolve(DATASETS, p.name, p.target), run.dataset)
     factory = lookup("model", assembly.model_factory, run.model)
     optimizer_cls = lookup("optimizer", assembly.optimizer_class, run.optimizer)
     strategy_cls = lookup("strategy", lambda p: STRATEGIES.get(p.name), run.strategy)
 
     spec = meta_model = None
     if dataset_cls is not None:
-        user_function = dataset_cls.args[0] if run.dataset.target else dataset_cls
-        found = _options_problems("dataset", run.dataset, user_function)
+        found = _options_problems("dataset", run.dataset, dataset_cls)
         problems += found
         if not found:
             try:
