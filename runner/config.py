@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # imported when parsing: `--help` and `--cfg` need no torch
 DTYPES = ("float32", "float64")  # float64: to check a strategy's mathematics beyond rounding
 FAILURE_MODES = ("raise", "kill", "hang", "nan")
 LOGGERS = ("none", "tensorboard")
+COMM_BACKENDS = ("mpi", "torch")
 PLUGIN_GROUPS = ("model", "dataset", "strategy", "optimizer")
 # What a run's task returns to a Hydra sweeper (Optuna...): a summary key, and its direction.
 OBJECTIVES = {"val_loss": "minimize", "val_accuracy": "maximize", "final_loss": "minimize",
@@ -104,6 +105,16 @@ class LauncherConfig:
 
 
 @dataclass
+class CommConfig:
+    """How the ranks communicate."""
+
+    backend: str = "mpi"
+    """mpi (mpi4py on host buffers), or torch (torch.distributed process groups over the same
+    grid, gloo for CPU tensors, bootstrapped from the MPI job). The EASGD family's one-sided
+    windows stay on MPI under both."""
+
+
+@dataclass
 class LoggerConfig:
     """Where metrics go besides metrics.jsonl."""
 
@@ -168,6 +179,7 @@ class ConfigSchema:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     model: dict[str, Any] = field(default_factory=dict)
@@ -204,6 +216,7 @@ class RunConfig:
     launcher: LauncherConfig
     debug: DebugConfig
     logger: str = "none"
+    comm: CommConfig = field(default_factory=CommConfig)
     plugins: tuple[str, ...] = ()
     objective: str = "val_loss"
 
@@ -304,7 +317,7 @@ def parse_with_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[RunConfig,
     plugins = {key: _plugin(key, values.get(key), problems) for key in PLUGIN_GROUPS}
     run = RunConfig(seed=schema.seed, grid=GridShape(schema.grid.pr, schema.grid.pc),
                     trainer=schema.trainer, launcher=schema.launcher, debug=schema.debug,
-                    logger=schema.logger.name, plugins=tuple(schema.plugins),
+                    logger=schema.logger.name, comm=schema.comm, plugins=tuple(schema.plugins),
                     objective=schema.objective, **plugins)
     return run, problems
 

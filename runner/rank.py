@@ -184,7 +184,8 @@ def _forget_progress(directory: RunDir, rank: int) -> None:
 def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
     """Train as this rank. `mpi_comm=None` is the 1-process run inside the head."""
     from runner.config import load_run_config
-    from runner.core import ProcessGrid
+    from runner.core import Backend, ProcessGrid
+    from runner.core.torchdist import init_torch_distributed, shutdown_torch_distributed
     from runner.step import StepFailure
     from runner.train import train
 
@@ -200,7 +201,10 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
         # An earlier run's record is not this rank's progress (the grid's set-up below is
         # collective: no peer reads before every rank has removed its own).
         _forget_progress(directory, rank)
-        grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm)
+        if run.comm.backend == "torch":  # collective over the job; nothing for one process
+            init_torch_distributed(mpi_comm, timeout_s=run.trainer.comm_timeout_s)
+        backend: Backend = "torch" if run.comm.backend == "torch" else "mpi"  # validated
+        grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm, backend=backend)
         watchdog = _start_watchdog(run.trainer.comm_timeout_s, grid, directory, mpi_comm)
         try:
             train(run, directory, grid)
@@ -208,6 +212,8 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
             if watchdog is not None:
                 watchdog.stop()
                 _forget_progress(directory, rank)
+        # Not in a `finally`: its barrier would hold a rank that failed alone from its Abort.
+        shutdown_torch_distributed()  # every rank gets here; nothing under mpi
         return 0
     except StepFailure as exc:
         # Every rank met it at the same step: one line, no traceback, and no rank has to
@@ -217,6 +223,7 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
             _write_failure(directory, rank, {"error": str(exc)})
         if mpi_comm is None or mpi_comm.Get_size() == 1:
             raise
+        shutdown_torch_distributed()  # every rank met it at the same step
         return 1
     except BaseException as exc:
         log.exception("rank %d failed", rank)

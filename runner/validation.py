@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.config import (
+    COMM_BACKENDS,
     DTYPES,
     FAILURE_MODES,
     LOGGERS,
@@ -63,6 +64,9 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     if trainer.comm_timeout_s is not None and trainer.comm_timeout_s <= 0:
         problems.append(f"trainer.comm_timeout_s={trainer.comm_timeout_s!r}: must be null or a "
                         f"number of seconds > 0")
+    if run.comm.backend not in COMM_BACKENDS:
+        problems.append(f"comm.backend={run.comm.backend}: must be one of "
+                        f"{', '.join(COMM_BACKENDS)}")
     if run.objective not in OBJECTIVES:
         problems.append(f"objective={run.objective}: must be one of {', '.join(OBJECTIVES)}")
     if run.logger not in LOGGERS:

@@ -42,6 +42,12 @@ RUNS: dict[str, tuple[list[str], int | None]] = {
                                *BATCH2], None),
     "tokens_p1": ([*DATA, "grid.pc=1", *TOKENS], None),
     "tokens_p4_auto": ([*DATA, "grid.pc=4", *TOKENS, "strategy.sparse=auto"], None),
+    # comm.backend=torch: torch.distributed (gloo) process groups over the same grid
+    "grid_default_2x2_torch": (["comm.backend=torch"], None),
+    "cnn_batch2_domain_2x2_torch": (["model=cnn", "strategy=domain", "grid.pr=2", "grid.pc=2",
+                                     *BATCH2, "comm.backend=torch"], None),
+    "tokens_p4_auto_torch": ([*DATA, "grid.pc=4", *TOKENS, "strategy.sparse=auto",
+                              "comm.backend=torch"], None),
 }
 
 
@@ -277,3 +283,25 @@ def test_experiment_configs_compose_and_validate(tmp_path: Path) -> None:
             release_run_dirs()
         assert not run_dir.exists()  # checked and locked, never run: nothing left behind
     assert json.dumps(precheck(["experiment=nope"])).startswith('"unknown experiment')
+
+
+@pytest.mark.parametrize("name,reference,gap", [
+    ("grid_default_2x2_torch", "mlp_p1", 1e-5),
+    ("cnn_batch2_domain_2x2_torch", "cnn_batch2_p1", 1e-9),
+    ("tokens_p4_auto_torch", "tokens_p1", 1e-5),
+])
+def test_the_torch_backend_reproduces_one_process_and_moves_the_predicted_bytes(
+        runs: Runs, name: str, reference: str, gap: float) -> None:
+    """Every strategy's communication through torch.distributed (gloo) instead of mpi4py: the
+    same mathematics, and the counted bytes are the planner's (the sparse exchange's choice
+    depends on timings, so its prediction is the 10% band of the MPI test above)."""
+    run_dir = runs(name)
+    summary = read_summary(run_dir)
+    assert summary["comm_backend"] == "torch"
+    assert _relative_gap(train_losses(runs(reference)), train_losses(run_dir)) <= gap
+    predicted = summary["predicted_comm_bytes_per_step"]
+    if name.startswith("tokens"):
+        assert abs(predicted / summary["comm_bytes_per_step"] - 1) < 0.1, predicted
+    else:
+        assert all(m["comm_bytes"] == predicted for m in read_metrics(run_dir)
+                   if "split" not in m)

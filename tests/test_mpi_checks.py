@@ -1,23 +1,30 @@
-"""Runs the grouped MPI check scripts (one launch each) and reports each check."""
+"""Runs the grouped MPI check scripts (one launch each) and reports each check, under each
+communication backend: mpi4py ("mpi") and torch.distributed on gloo ("torch")."""
 
 from __future__ import annotations
 
 import ast
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT, run_mpi_script
 
-# script: the world sizes it runs at (check_core carves grids up to 2x3 out of 6 ranks).
-SCRIPTS = {
-    "tests/mpi/check_data_parallel.py": (2, 4),
-    "tests/mpi/check_core.py": (6,),
-    "tests/mpi/check_model_grid.py": (4,),
-    "tests/mpi/check_domain.py": (4,),
-    "tests/mpi/check_easgd.py": (4,),
-    "tests/mpi/check_sparse.py": (2, 4),
+# script: the world sizes it runs at, per backend (check_core carves grids up to 2x3 out of 6
+# ranks). The torch variants run at one size each where the mpi ones run at two: the larger,
+# whose grids and uneven pieces cover more. check_easgd stays on mpi: its windows are MPI's
+# under either backend.
+SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
+    "tests/mpi/check_data_parallel.py": {"mpi": (2, 4), "torch": (4,)},
+    "tests/mpi/check_core.py": {"mpi": (6,), "torch": (6,)},
+    "tests/mpi/check_model_grid.py": {"mpi": (4,), "torch": (4,)},
+    "tests/mpi/check_domain.py": {"mpi": (4,), "torch": (4,)},
+    "tests/mpi/check_easgd.py": {"mpi": (4,)},
+    "tests/mpi/check_sparse.py": {"mpi": (2, 4), "torch": (4,)},
 }
+CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
+         for backend, sizes in backends.items() for ranks in sizes]
 
 
 def _declared_checks(script: str) -> list[str]:
@@ -26,16 +33,50 @@ def _declared_checks(script: str) -> list[str]:
             and any(getattr(d, "id", None) == "check" for d in node.decorator_list)]
 
 
-@pytest.mark.parametrize("script,ranks", [(s, n) for s, sizes in SCRIPTS.items() for n in sizes])
-def test_mpi_checks(script: str, ranks: int, tmp_path: Path) -> None:
-    result = run_mpi_script(script, ranks, str(tmp_path))
+@pytest.mark.parametrize("script,ranks,backend", CASES)
+def test_mpi_checks(script: str, ranks: int, backend: str, tmp_path: Path) -> None:
+    result = run_mpi_script(script, ranks, str(tmp_path), f"--backend={backend}")
     passed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
     declared = _declared_checks(script)
     assert declared, "no checks found"
     missing = [name for name in declared if name not in passed]
     assert result.returncode == 0 and not missing, (
-        f"{script} on {ranks} ranks: exit {result.returncode}, not passed: {missing}\n"
-        f"{result.stderr[-4000:]}")
+        f"{script} on {ranks} ranks ({backend}): exit {result.returncode}, not passed: "
+        f"{missing}\n{result.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_a_hung_rank_ends_a_torch_job(mode: str) -> None:
+    """Rank 1 sleeps outside any collective; rank 0's watchdog (1 s) ends the 2-rank job from
+    its thread while rank 0 is blocked in gloo (under "mpi", tests/test_failures.py's hang
+    through the command line)."""
+    started = time.monotonic()
+    result = run_mpi_script("tests/mpi/hang.py", 2, mode, "--backend=torch", timeout=60)
+    elapsed = time.monotonic() - started
+    op = "allreduce" if mode == "blocking" else "iallreduce"
+    assert result.stdout.splitlines() == ["waiting"], result.stdout
+    assert result.returncode != 0, result.stderr
+    assert (f"rank 0: {op} 'hang' on group world (2 ranks) did not complete within 1 s"
+            in result.stderr), result.stderr
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
+
+
+def test_a_grid_of_one_process_needs_neither_mpi_nor_torch_distributed() -> None:
+    from runner.core import ProcessGrid
+    from runner.core.torchdist import (
+        init_torch_distributed,
+        shutdown_torch_distributed,
+        torch_distributed_ready,
+    )
+
+    init_torch_distributed(None)  # one process: nothing to start
+    assert not torch_distributed_ready()
+    grid = ProcessGrid(1, 1, backend="torch")
+    assert (grid.size, grid.world.size, grid.backend) == (1, 1, "torch")
+    shutdown_torch_distributed()  # nothing to end
+    with pytest.raises(ValueError, match="unknown communication backend 'nccl'; one of mpi, "
+                                         "torch"):
+        ProcessGrid(1, 1, backend="nccl")  # type: ignore[arg-type]
 
 
 def test_scripts_exist() -> None:

@@ -1,14 +1,18 @@
 """The distributed-tensor core: process grid, partitions, counted communication.
 
 Knows nothing of Hydra, configs, strategies or training (see DESIGN.md, "Layout").
+Communication goes through mpi4py or torch.distributed (`runner.core.torchdist`, imported only
+by a grid with backend "torch").
 """
 
-from runner.core.comm import CommCounter, CommRecord, CountedComm, PendingOp
+from runner.core.comm import BACKENDS, Backend, CommCounter, CommRecord, CountedComm, PendingOp
 from runner.core.grid import GridShape, ProcessGrid
 from runner.core.partition import Partition, balanced_sizes, balanced_slice
 from runner.core.watchdog import CommWatchdog, describe_timeout
 
 __all__ = [
+    "BACKENDS",
+    "Backend",
     "CommCounter",
     "CommRecord",
     "CommWatchdog",

@@ -11,15 +11,23 @@ A group of size 1 moves nothing: every operation returns at once and records not
 call is made. That lets a 1-process run use the same code without initialising MPI at all.
 
 Every blocking call (and the wait of a non-blocking one) also marks itself in flight on the
-counter, for the watchdog (`runner.core.watchdog`): one tuple written before the MPI call, None
-after it; no lock, since the watchdog thread only reads the attribute (an atomic read).
+counter, for the watchdog (`runner.core.watchdog`): one tuple written before the transport's
+call, None after it; no lock, since the watchdog thread only reads the attribute (an atomic read).
+
+The data itself moves through the group's *transport* (`Transport`): mpi4py (`MpiTransport`,
+the default) or torch.distributed process groups (`runner.core.torchdist`, chosen per grid with
+`ProcessGrid(..., backend="torch")`). Records are made here, above the transport, from the
+operation's logical payload, so the same operation records the same operation, group, size,
+bytes and label under either transport, and measured == predicted bytes holds alike. What a
+transport physically sends may differ from the recorded payload (gloo has no uneven all-gather
+and no true reduce-scatter: see `runner.core.torchdist`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -38,6 +46,10 @@ InFlightOp = Literal[RecordedOp, ControlOp]
 # The groups of a process grid (`runner.core.grid`), and a group of one rank alone.
 GridGroup = Literal["world", "model", "batch"]
 GroupName = Literal[GridGroup, "self"]
+
+# How a grid's collectives travel (`runner.core.grid.ProcessGrid(backend=...)`).
+Backend = Literal["mpi", "torch"]
+BACKENDS: tuple[Backend, ...] = ("mpi", "torch")
 
 
 @dataclass(frozen=True)
@@ -126,44 +138,188 @@ def _require_contiguous(tensor: torch.Tensor) -> None:
         raise ValueError("communication buffers must be row-major contiguous tensors")
 
 
+# -- transports: how a group's data physically moves --------------------------------------------
+
+
+class Request(Protocol):
+    """A transport's non-blocking operation in flight."""
+
+    def test(self) -> bool:
+        """True once complete; drives progress where the transport needs calls to progress."""
+        ...
+
+    def wait(self) -> None:
+        """Block until complete."""
+        ...
+
+
+class Transport(Protocol):
+    """The data movement of one group of ranks, without counting. Ranks are the group's own
+    (0..size-1); counts and displacements are in elements; every buffer is row-major contiguous
+    (`CountedComm` checks). Blocking operations return when this rank's buffers are final."""
+
+    backend: Backend
+    rank: int
+    size: int
+
+    def allreduce_(self, tensor: torch.Tensor) -> None:
+        """Sum over the group, in place."""
+        ...
+
+    def allreduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` = sum of `tensor` over the group."""
+        ...
+
+    def reduce(self, tensor: torch.Tensor, out: torch.Tensor | None, root: int) -> None:
+        """`out` on `root` = sum of `tensor` over the group (`out` unused elsewhere)."""
+        ...
+
+    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+        """Start an in-place sum over the group."""
+        ...
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]], tag: int) -> Request:
+        """Post sends of (tensor, destination) and receives into (tensor, source)."""
+        ...
+
+    def bcast_(self, tensor: torch.Tensor, root: int) -> None:
+        ...
+
+    def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        """`out` = every rank's `piece` (`counts[k]` elements from rank k), by rank."""
+        ...
+
+    def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        """`out` = block `rank` (`counts[rank]` elements) of the sum of `full` over the group."""
+        ...
+
+    def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
+                   recv_counts: list[int]) -> None:
+        """Block k of `send` to rank k; block k of `recv` from rank k."""
+        ...
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, by rank."""
+        ...
+
+    def barrier(self) -> None:
+        ...
+
+
+class _MpiRequest:
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def test(self) -> bool:
+        return bool(self._request.Test())
+
+    def wait(self) -> None:
+        self._request.Wait()
+
+
+class _MpiRequests:
+    def __init__(self, requests: list[Any]) -> None:
+        self._requests = requests
+
+    def test(self) -> bool:
+        return bool(_mpi().Request.Testall(self._requests))
+
+    def wait(self) -> None:
+        _mpi().Request.Waitall(self._requests)
+
+
+class MpiTransport:
+    """mpi4py on an MPI communicator. Tensors are handed to mpi4py directly (buffer protocol),
+    never copied through NumPy."""
+
+    backend: Backend = "mpi"
+
+    def __init__(self, mpi_comm: Any) -> None:
+        self.comm = mpi_comm
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+
+    def allreduce_(self, tensor: torch.Tensor) -> None:
+        MPI = _mpi()
+        self.comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+
+    def allreduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        self.comm.Allreduce(tensor, out, op=_mpi().SUM)
+
+    def reduce(self, tensor: torch.Tensor, out: torch.Tensor | None, root: int) -> None:
+        self.comm.Reduce(tensor, out if self.rank == root else None, op=_mpi().SUM, root=root)
+
+    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+        MPI = _mpi()
+        return _MpiRequest(self.comm.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM))
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]], tag: int) -> Request:
+        comm = self.comm
+        requests = [comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
+        requests += [comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
+        return _MpiRequests(requests)
+
+    def bcast_(self, tensor: torch.Tensor, root: int) -> None:
+        self.comm.Bcast(tensor, root=root)
+
+    def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        self.comm.Allgatherv(piece, [out, (counts, _displacements(counts))])
+
+    def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        self.comm.Reduce_scatter(full, out, counts, op=_mpi().SUM)
+
+    def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
+                   recv_counts: list[int]) -> None:
+        self.comm.Alltoallv([send, (send_counts, _displacements(send_counts))],
+                            [recv, (recv_counts, _displacements(recv_counts))])
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = self.comm.allgather(obj)
+        return gathered
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+# -- the counted communicator ---------------------------------------------------------------------
+
+
 class PendingOp:
     """A non-blocking collective in flight; `wait()` completes it and records it."""
 
-    def __init__(self, owner: CountedComm, op: CollectiveOp, request: Any, nbytes: int, label: str,
-                 issue_seconds: float, keepalive: tuple[Any, ...]) -> None:
+    def __init__(self, owner: CountedComm, op: CollectiveOp, request: Request | None,
+                 nbytes: int, label: str, issue_seconds: float,
+                 keepalive: tuple[Any, ...]) -> None:
         self._owner = owner
         self._op = op
         self._request = request
         self._nbytes = nbytes
         self._label = label
         self._seconds = issue_seconds
-        self._keepalive = keepalive  # MPI reads these buffers until completion
+        self._keepalive = keepalive  # the transport reads these buffers until completion
         self.done = request is None
 
     def test(self) -> bool:
-        """Drive progress without blocking (MPI progresses non-blocking ops only inside calls)."""
-        if self.done:
+        """Drive progress without blocking (MPI progresses non-blocking ops only inside calls;
+        torch.distributed's own threads progress them, and this only asks)."""
+        if self.done or self._request is None:
             return True
         start = time.perf_counter()
-        if isinstance(self._request, list):
-            self.done = bool(_mpi().Request.Testall(self._request))
-        else:
-            self.done = bool(self._request.Test())
+        self.done = self._request.test()
         self._seconds += time.perf_counter() - start
         if self.done:
             self._finish()
         return self.done
 
     def wait(self) -> None:
-        if self.done:
+        if self.done or self._request is None:
             return
         owner = self._owner
         start = time.perf_counter()
         owner.counter.in_flight = (self._op, owner.name, owner.size, self._label, start)
-        if isinstance(self._request, list):
-            _mpi().Request.Waitall(self._request)
-        else:
-            self._request.Wait()
+        self._request.wait()
         self._seconds += time.perf_counter() - start
         self.done = True
         self._finish()
@@ -174,30 +330,49 @@ class PendingOp:
 
 
 class CountedComm:
-    """An mpi4py communicator (or none, for one process) whose collectives are all counted.
+    """A group's communicator (or none, for one process) whose collectives are all counted.
 
-    Tensors are handed to mpi4py directly (buffer protocol), never copied through NumPy.
+    `mpi_comm` is the group's MPI communicator; `transport` how its data moves: by default
+    mpi4py on `mpi_comm` (`MpiTransport`). A grid with backend "torch" passes a
+    torch.distributed transport and keeps `mpi_comm` all the same: the one-sided windows of
+    `runner.core.rma` are MPI's under either backend (`communicator`).
     """
 
     def __init__(self, mpi_comm: Any | None, counter: CommCounter,
-                 name: GroupName = "world") -> None:
+                 name: GroupName = "world", transport: Transport | None = None) -> None:
         self.mpi_comm = mpi_comm
         self.counter = counter
         self.name = name
-        self.rank: int = 0 if mpi_comm is None else mpi_comm.Get_rank()
-        self.size: int = 1 if mpi_comm is None else mpi_comm.Get_size()
+        if transport is None and mpi_comm is not None:
+            transport = MpiTransport(mpi_comm)
+        self.transport = transport
+        self.rank: int = 0 if transport is None else transport.rank
+        self.size: int = 1 if transport is None else transport.size
         self._staging: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"CountedComm({self.name}, rank={self.rank}, size={self.size})"
 
     @property
+    def backend(self) -> Backend:
+        """The transport's backend ("mpi" for a group of one without any)."""
+        return "mpi" if self.transport is None else self.transport.backend
+
+    @property
     def communicator(self) -> Any:
-        """The MPI communicator. Only a group of more than one rank needs one: a group of one
-        returns from every operation before reaching MPI."""
+        """The MPI communicator (under either backend: `runner.core.rma` opens its windows on
+        it). Only a group of more than one rank needs one: a group of one returns from every
+        operation before reaching MPI."""
         if self.mpi_comm is None:
             raise RuntimeError(f"{self!r} has no MPI communicator")
         return self.mpi_comm
+
+    @property
+    def _moved(self) -> Transport:
+        """The transport (only a group of one rank has none: it moves nothing)."""
+        if self.transport is None:
+            raise RuntimeError(f"{self!r} has no communicator")
+        return self.transport
 
     def _start(self, op: CollectiveOp, label: str) -> float:
         """Mark `op` in flight and return its start time. When the counter isolates operations,
@@ -207,7 +382,7 @@ class CountedComm:
         start = time.perf_counter()
         counter.in_flight = (op, self.name, self.size, label, start)
         if counter.isolate and self.size > 1:
-            self.communicator.Barrier()
+            self._moved.barrier()
             start = time.perf_counter()
         return start
 
@@ -222,9 +397,9 @@ class CountedComm:
         if self.size == 1:
             return tensor
         _require_contiguous(tensor)
-        MPI = _mpi()
+        transport = self._moved
         start = self._start("allreduce", label)
-        self.communicator.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        transport.allreduce_(tensor)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
 
@@ -233,9 +408,9 @@ class CountedComm:
         if self.size == 1:
             return out.copy_(tensor)
         _require_contiguous(tensor)
-        MPI = _mpi()
+        transport = self._moved
         start = self._start("allreduce", label)
-        self.communicator.Allreduce(tensor, out, op=MPI.SUM)
+        transport.allreduce(tensor, out)
         self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
 
@@ -246,10 +421,9 @@ class CountedComm:
         if self.size == 1:
             return None if out is None else out.copy_(tensor)
         _require_contiguous(tensor)
-        MPI = _mpi()
+        transport = self._moved
         start = self._start("reduce", label)
-        self.communicator.Reduce(tensor, out if self.rank == root else None, op=MPI.SUM,
-                                 root=root)
+        transport.reduce(tensor, out, root)
         self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
         return out
 
@@ -258,9 +432,9 @@ class CountedComm:
         if self.size == 1:
             return PendingOp(self, "iallreduce", None, 0, label, 0.0, ())
         _require_contiguous(tensor)
-        MPI = _mpi()
+        transport = self._moved
         start = self._start("iallreduce", label)
-        request = self.communicator.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
+        request = transport.iallreduce_(tensor)
         self.counter.in_flight = None  # issued: in flight again only while someone waits for it
         pending = PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
                             time.perf_counter() - start, (tensor,))
@@ -272,16 +446,16 @@ class CountedComm:
                  recvs: list[tuple[torch.Tensor, int]], label: str = "",
                  tag: int = 0) -> PendingOp:
         """Post non-blocking sends of (tensor, destination) and receives into (tensor, source);
-        `wait()` completes them all. Payload: the bytes this rank sends."""
+        `wait()` completes them all. Ranks are the group's. Payload: the bytes this rank
+        sends."""
         if self.size == 1 or (not sends and not recvs):
             return PendingOp(self, "exchange", None, 0, label, 0.0, ())
+        transport = self._moved
         start = self._start("exchange", label)
-        mpi_comm = self.communicator
-        requests = [mpi_comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
-        requests += [mpi_comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
+        request = transport.exchange(sends, recvs, tag)
         self.counter.in_flight = None
         nbytes = sum(_nbytes(buf) for buf, _ in sends)
-        pending = PendingOp(self, "exchange", requests, nbytes, label,
+        pending = PendingOp(self, "exchange", request, nbytes, label,
                             time.perf_counter() - start, tuple(buf for buf, _ in sends + recvs))
         if self.counter.isolate:
             pending.wait()
@@ -291,8 +465,9 @@ class CountedComm:
         if self.size == 1:
             return tensor
         _require_contiguous(tensor)
+        transport = self._moved
         start = self._start("bcast", label)
-        self.communicator.Bcast(tensor, root=root)
+        transport.bcast_(tensor, root)
         self._record("bcast", _nbytes(tensor), time.perf_counter() - start, label)
         return tensor
 
@@ -301,8 +476,9 @@ class CountedComm:
         """Concatenate every rank's `piece` (of `counts[rank]` elements) into `out`, by rank."""
         _require_contiguous(piece)
         _require_contiguous(out)
+        transport = self._moved
         start = self._start("allgather", label)
-        self.communicator.Allgatherv(piece, [out, (counts, _displacements(counts))])
+        transport.allgatherv_(piece, out, counts)
         self._record("allgather", _nbytes(out), time.perf_counter() - start, label)
         return out
 
@@ -311,9 +487,9 @@ class CountedComm:
         """Sum `full` over the group; rank k receives elements of block k (`counts[k]` long)."""
         _require_contiguous(full)
         _require_contiguous(out)
-        MPI = _mpi()
+        transport = self._moved
         start = self._start("reduce_scatter", label)
-        self.communicator.Reduce_scatter(full, out, counts, op=MPI.SUM)
+        transport.reduce_scatter_(full, out, counts)
         self._record("reduce_scatter", _nbytes(full), time.perf_counter() - start, label)
         return out
 
@@ -325,9 +501,9 @@ class CountedComm:
         "alltoallv": irregular blocks whose input holds nothing for this rank itself)."""
         _require_contiguous(send)
         _require_contiguous(recv)
+        transport = self._moved
         start = self._start(op, label)
-        self.communicator.Alltoallv([send, (send_counts, _displacements(send_counts))],
-                                    [recv, (recv_counts, _displacements(recv_counts))])
+        transport.alltoallv_(send, send_counts, recv, recv_counts)
         self._record(op, _nbytes(send), time.perf_counter() - start, label)
         return recv
 
@@ -345,15 +521,17 @@ class CountedComm:
     def allgather_object(self, obj: Any, label: str = "") -> list[Any]:
         if self.size == 1:
             return [obj]
+        transport = self._moved
         counter = self.counter
         counter.in_flight = ("allgather_object", self.name, self.size, label, time.perf_counter())
-        gathered: list[Any] = self.communicator.allgather(obj)
+        gathered = transport.allgather_object(obj)
         counter.in_flight = None
         return gathered
 
     def barrier(self, label: str = "") -> None:
         if self.size > 1:
+            transport = self._moved
             counter = self.counter
             counter.in_flight = ("barrier", self.name, self.size, label, time.perf_counter())
-            self.communicator.Barrier()
+            transport.barrier()
             counter.in_flight = None

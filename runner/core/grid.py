@@ -4,6 +4,12 @@
 here `grid.model`. `Pc` ranks split the batch: the *column group*, here `grid.batch`.
 World rank = batch_index · Pr + model_index, so a model group is a block of consecutive ranks
 (the heavier model-parallel traffic stays between neighbours, usually on one node).
+
+The groups are MPI Cartesian communicators; `backend` says how their collectives travel:
+"mpi" (mpi4py on those communicators) or "torch" (torch.distributed process groups over the same
+ranks, in the same order: `runner.core.torchdist`, which needs `init_torch_distributed` first).
+Under either backend the grid keeps its MPI communicators (`CountedComm.communicator`): the
+one-sided windows of `runner.core.rma` (the EASGD family's centre) are MPI's and stay on MPI.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runner.core.comm import CommCounter, CountedComm
+from runner.core.comm import BACKENDS, Backend, CommCounter, CountedComm, Transport
 
 
 @dataclass(frozen=True)
@@ -25,13 +31,20 @@ class GridShape:
 
 
 class ProcessGrid:
-    """Process grid over a world communicator; `mpi_comm=None` means a 1 × 1 grid, no MPI."""
+    """Process grid over a world communicator; `mpi_comm=None` means a 1 × 1 grid, no MPI.
+
+    Collective over `mpi_comm` (and, under backend "torch", the first grid over some ranks
+    creates their process groups: collective over those ranks)."""
 
     def __init__(self, pr: int, pc: int, mpi_comm: Any | None = None,
-                 counter: CommCounter | None = None) -> None:
+                 counter: CommCounter | None = None, backend: Backend = "mpi") -> None:
         if pr < 1 or pc < 1:
             raise ValueError(f"grid dimensions must be >= 1, got pr={pr}, pc={pc}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown communication backend {backend!r}; one of "
+                             f"{', '.join(BACKENDS)}")
         self.shape = GridShape(pr, pc)
+        self.backend: Backend = backend
         self.counter = counter if counter is not None else CommCounter()
         world_size = 1 if mpi_comm is None else mpi_comm.Get_size()
         if world_size != pr * pc:
@@ -40,10 +53,16 @@ class ProcessGrid:
         if mpi_comm is not None and world_size > 1:
             # Cartesian topology: dims ordered (batch, model) so model groups are contiguous.
             cart = mpi_comm.Create_cart([pc, pr], periods=[False, False], reorder=False)
-            self.world = CountedComm(cart, self.counter, "world")
             self.batch_index, self.model_index = cart.Get_coords(cart.Get_rank())
-            self.model = CountedComm(cart.Sub([False, True]), self.counter, "model")
-            self.batch = CountedComm(cart.Sub([True, False]), self.counter, "batch")
+            model, batch = cart.Sub([False, True]), cart.Sub([True, False])
+            transports: list[Transport | None] = [None, None, None]  # None: mpi4py on each
+            if backend == "torch":
+                from runner.core.torchdist import grid_transports
+
+                transports = list(grid_transports([cart, model, batch]))
+            self.world = CountedComm(cart, self.counter, "world", transports[0])
+            self.model = CountedComm(model, self.counter, "model", transports[1])
+            self.batch = CountedComm(batch, self.counter, "batch", transports[2])
         else:
             self.world = CountedComm(None, self.counter, "world")
             self.batch_index, self.model_index = 0, 0
@@ -68,4 +87,5 @@ class ProcessGrid:
 
     def __repr__(self) -> str:
         return (f"ProcessGrid({self.pr}x{self.pc}, rank={self.rank}, "
-                f"model_index={self.model_index}, batch_index={self.batch_index})")
+                f"model_index={self.model_index}, batch_index={self.batch_index}"
+                f"{', backend=torch' if self.backend == 'torch' else ''})")

@@ -13,8 +13,9 @@ Three linear operators, each written with its adjoint (DistDL's discipline):
   `pull` is the adjoint of `push` for the same requested indices:
   ⟨push(x), y⟩ over owners = Σ_k ⟨x_k, pull_k(y)⟩ (the dot-product test in tests/mpi).
 
-Rows a rank owns itself never go through MPI, and a rank with no rows takes part with empty
-buffers, so every rank issues the same collectives in the same order whatever its batch.
+Rows a rank owns itself never leave it (under either backend), and a rank with no rows takes
+part with empty buffers, so every rank issues the same collectives in the same order whatever
+its batch.
 """
 
 from __future__ import annotations

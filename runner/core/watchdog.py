@@ -4,7 +4,11 @@ MPI collectives have no timeout: a peer that hung (or died without the launcher 
 every other rank blocked in its next collective for ever. `CountedComm` marks each blocking
 operation in flight on the shared `CommCounter` (a tuple written before the MPI call, None after:
 no lock on the hot path), and a daemon thread per rank looks at it every `interval` seconds.
-mpi4py releases the GIL inside MPI calls, so the thread runs while the main thread is blocked.
+mpi4py releases the GIL inside MPI calls, and torch.distributed while it waits for a
+collective's work, so the thread runs while the main thread is blocked under either backend
+(`ProcessGrid(backend=...)`). Under "torch" the process groups have a timeout of their own, set
+later than this one (`runner.core.torchdist.process_group_timeout`): a backstop, where this
+watchdog names the rank that did not arrive.
 
 The rank that times out is the one that waited, not the one that hung. To name the latter, the
 same thread also keeps a `CommProgress` of its rank (how many operations it completed, when the
@@ -15,7 +19,8 @@ directory, in `runner.rank`) is the caller's business: no MPI traffic, nothing o
 
 On timeout the thread writes one line to stderr and to the rank's log, then calls `on_timeout`
 (the worker records the failure and calls MPI Abort from this thread, which ends the whole job
-under MPICH while the main thread is still blocked; see tests/test_failures.py).
+under MPICH while the main thread is still blocked, in MPI or in gloo; see tests/test_failures.py
+and, under both backends, tests/mpi/hang.py).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ concatenation of the pieces every rank can rebuild from the shared seed).
 from __future__ import annotations
 
 import torch
-from harness import check, run_checks
+from harness import check, make_grids, run_checks
 from mpi4py import MPI
 
-from runner.core import CountedComm, Partition, ProcessGrid
+from runner.core import CountedComm, Partition
 from runner.core import halo as H
 from runner.core import primitives as P
 
@@ -32,7 +32,13 @@ def seeded(shape, seed: int, dtype) -> torch.Tensor:
 
 
 def group_sum(value: float, comm: CountedComm) -> float:
-    return value if comm.mpi_comm is None else comm.mpi_comm.allreduce(value, op=MPI.SUM)
+    """Σ over the group (through its transport, uncounted: under "torch" an MPI call here would
+    spin while peers wait in gloo)."""
+    if comm.transport is None or comm.size == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.float64)
+    comm.transport.allreduce_(total)
+    return float(total)
 
 
 def dot_test(name: str, comm: CountedComm, forward, adjoint, x: torch.Tensor,
@@ -54,16 +60,15 @@ def dot_test(name: str, comm: CountedComm, forward, adjoint, x: torch.Tensor,
         assert gap <= tol, f"{name} ({label}, {x.dtype}): <Fx,y>={lhs} <x,F*y>={rhs} gap {gap}"
 
 
+GRID_OF = make_grids(GRIDS)
+
+
 def grids():
     """(grid, groups) for every grid this rank belongs to."""
-    for pr, pc in GRIDS:
-        size = pr * pc
-        color = 0 if RANK < size else MPI.UNDEFINED
-        sub = WORLD.Split(color, RANK)
-        if sub == MPI.COMM_NULL:
-            continue
-        grid = ProcessGrid(pr, pc, sub if size > 1 else None)
-        yield grid, {"world": grid.world, "model": grid.model, "batch": grid.batch}
+    for shape in GRIDS:
+        grid = GRID_OF[shape]
+        if grid is not None:
+            yield grid, {"world": grid.world, "model": grid.model, "batch": grid.batch}
 
 
 def cases():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from harness import check, run_checks
+from harness import BACKEND, check, run_checks
 from mpi4py import MPI
 from torch import nn
 
@@ -46,7 +46,8 @@ def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -
 
 
 def data_parallel_step(bucket_mb: float, steps: int = 2) -> tuple[nn.Module, CommCounter]:
-    grid = ProcessGrid(1, SIZE, COMM, counter=CommCounter(keep_records=True))
+    grid = ProcessGrid(1, SIZE, COMM, counter=CommCounter(keep_records=True),
+                       backend=BACKEND)
     strategy = DataParallel(bucket_cap_mb=bucket_mb, first_bucket_mb=bucket_mb)
     pmodel = strategy.parallelize(make_model(), (12,), grid)
     x, y = global_batch()
@@ -82,7 +83,7 @@ def one_bucket_per_parameter_still_launches_in_order() -> None:
 
 @check
 def all_reduces_start_while_backward_is_still_running() -> None:
-    grid = ProcessGrid(1, SIZE, COMM)
+    grid = ProcessGrid(1, SIZE, COMM, backend=BACKEND)
     strategy = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
     pmodel = strategy.parallelize(make_model(), (12,), grid)
     (reducer,) = pmodel.reducers
@@ -105,7 +106,7 @@ def counted_bytes_equal_the_parameter_bytes() -> None:
     param_bytes = sum(p.numel() * p.element_size() for p in pmodel.parameters())
     assert counter.totals.nbytes == param_bytes, (counter.totals.nbytes, param_bytes)
     predicted = DataParallel().predicted_comm_bytes_per_step(
-        pmodel.module, (12,), ProcessGrid(1, SIZE, COMM).shape, 32)
+        pmodel.module, (12,), ProcessGrid(1, SIZE, COMM, backend=BACKEND).shape, 32)
     assert predicted == param_bytes
 
 
@@ -121,7 +122,7 @@ def an_unused_parameter_does_not_hang_the_exchange() -> None:
             return self.body(x)
 
     model = WithUnused()
-    grid = ProcessGrid(1, SIZE, COMM)
+    grid = ProcessGrid(1, SIZE, COMM, backend=BACKEND)
     pmodel = DataParallel(bucket_cap_mb=1e-6, first_bucket_mb=1e-6).parallelize(model, (12,), grid)
     x, y = global_batch()
     rows = balanced_slice(len(x), SIZE, RANK)
@@ -132,7 +133,7 @@ def an_unused_parameter_does_not_hang_the_exchange() -> None:
 
 @check
 def a_replaced_grad_is_put_back_into_its_bucket() -> None:
-    grid = ProcessGrid(1, SIZE, COMM)
+    grid = ProcessGrid(1, SIZE, COMM, backend=BACKEND)
     pmodel = DataParallel().parallelize(make_model(), (12,), grid)
     for p in pmodel.parameters():
         p.grad = None  # what optimizer.zero_grad(set_to_none=True) does
@@ -148,7 +149,7 @@ def a_replaced_grad_is_put_back_into_its_bucket() -> None:
 def grid_groups_follow_the_named_dimensions() -> None:
     if SIZE != 4:
         return
-    grid = ProcessGrid(2, 2, COMM)
+    grid = ProcessGrid(2, 2, COMM, backend=BACKEND)
     assert (grid.batch_index, grid.model_index) == divmod(RANK, 2)
     model_peers = grid.model.allgather_object(RANK)
     batch_peers = grid.batch.allgather_object(RANK)
@@ -157,6 +158,28 @@ def grid_groups_follow_the_named_dimensions() -> None:
     x = torch.tensor([float(RANK)])
     grid.model.allreduce_(x)
     assert x.item() == sum(model_peers)
+
+
+@check
+def every_group_moves_through_the_backend_asked_for() -> None:
+    from runner.core.torchdist import init_torch_distributed, torch_distributed_ready
+
+    grid = ProcessGrid(2, 2, COMM, backend=BACKEND) if SIZE == 4 else ProcessGrid(
+        1, SIZE, COMM, backend=BACKEND)
+    assert [c.backend for c in (grid.world, grid.model, grid.batch)] == [BACKEND] * 3, grid
+    if BACKEND == "mpi":  # torch.distributed was never started: a torch grid says what to do
+        assert not torch_distributed_ready()
+        try:
+            ProcessGrid(1, SIZE, COMM, backend="torch")
+        except RuntimeError as exc:
+            assert "init_torch_distributed(MPI.COMM_WORLD) on every rank first" in str(exc), exc
+        else:
+            raise AssertionError("a torch grid without torch.distributed was built")
+    else:
+        init_torch_distributed(COMM)  # once per process: a second call does nothing
+        assert torch_distributed_ready()
+        x = torch.tensor([float(RANK)])
+        assert grid.world.allreduce_(x).item() == SIZE * (SIZE - 1) / 2
 
 
 if __name__ == "__main__":

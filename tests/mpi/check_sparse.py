@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from harness import check, run_checks
+from harness import BACKEND, check, run_checks
 from mpi4py import MPI
 from torch import nn
 
-from runner.core import CommCounter, CountedComm, ProcessGrid
+from runner.core import CommCounter, ProcessGrid
 from runner.core.cost import MachineCosts
 from runner.core.sparse import CyclicRows, allgather_sum_rows, pull_rows, push_rows
 from runner.datasets import ZipfTokens
@@ -30,7 +30,7 @@ from strategies.sparse_exchange import SparseGradientExchange
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
-COMM = CountedComm(WORLD, CommCounter(keep_records=True))
+COMM = ProcessGrid(1, SIZE, WORLD, CommCounter(keep_records=True), backend=BACKEND).world
 
 
 def rows_of(rank: int, num_rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +131,7 @@ def every_mode_handles_a_rank_that_never_used_the_table() -> None:
 def train_tokens(mode: str, momentum: float, weight_decay: float,
                  steps: int = 12) -> tuple[list[float], nn.Module]:
     data = ZipfTokens(vocab_size=5000, seq_len=16, samples=1024).load()
-    grid = ProcessGrid(1, SIZE, WORLD)
+    grid = ProcessGrid(1, SIZE, WORLD, backend=BACKEND)
     torch.manual_seed(0)
     model = bag_classifier((16,), 4, vocab_size=5000, embedding_dim=16, hidden=(16,))
     pmodel = DataParallel(sparse=mode).parallelize(model, (16,), grid)

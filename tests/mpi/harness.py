@@ -1,6 +1,12 @@
 """The runner of the MPI check scripts: `@check` functions run in order on every rank; rank 0
 prints `ok <name>` for each one that passed on all ranks; a failure prints that rank's
-traceback and aborts the job (tests/test_mpi_checks.py reads the `ok` lines)."""
+traceback and aborts the job (tests/test_mpi_checks.py reads the `ok` lines).
+
+The communication backend the scripts' grids use is `BACKEND`: `--backend=mpi|torch` among a
+script's arguments (taken out of `sys.argv`, so the script's own arguments keep their places),
+else the variable GRIDRUN_BACKEND, else mpi. Under "torch" importing this module joins
+torch.distributed (collective: every rank imports it first), and `run_checks` leaves it.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,26 @@ from typing import Any
 from mpi4py import MPI
 
 CHECKS: list[Callable[[], None]] = []
+# The process groups' own timeout under "torch" is about 3 minutes past this: a hang raises a
+# transport error with a traceback before the test's 240 s are up.
+COMM_TIMEOUT_S = 60.0
+
+
+def _backend() -> str:
+    for arg in sys.argv[1:]:
+        if arg.startswith("--backend="):
+            sys.argv.remove(arg)
+            return arg.partition("=")[2]
+    return os.environ.get("GRIDRUN_BACKEND", "mpi")
+
+
+BACKEND: Any = _backend()
+if BACKEND not in ("mpi", "torch"):
+    raise SystemExit(f"unknown backend {BACKEND!r}: mpi or torch")
+if BACKEND == "torch":
+    from runner.core.torchdist import init_torch_distributed
+
+    init_torch_distributed(MPI.COMM_WORLD, timeout_s=COMM_TIMEOUT_S)
 
 
 def check(fn: Callable[[], None]) -> Callable[[], None]:
@@ -39,6 +65,34 @@ def run_checks() -> None:
                              f"{traceback.format_exc()}")
             sys.stderr.flush()
             world.Abort(1)
+    if BACKEND == "torch":
+        from runner.core.torchdist import shutdown_torch_distributed
+
+        shutdown_torch_distributed()
+
+
+def make_grids(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    """A `ProcessGrid` (with `BACKEND`) for each (pr, pc) on the world's first pr·pc ranks, None
+    on the ranks outside it; a grid of one rank has no MPI. Collective over the world: every
+    rank calls it, with the same shapes, before any check uses them.
+
+    Made all at once rather than as each check reaches a grid: a rank outside a grid would
+    otherwise wait for the next one in an MPI call, and MPI waits by spinning, which takes the
+    cores away from the ranks of the grid at work when they wait in torch.distributed (which
+    sleeps): that tripled the torch backend's time on 6 ranks of 2 cores."""
+    from runner.core import ProcessGrid
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    grids: dict[tuple[int, int], Any] = {}
+    for pr, pc in shapes:
+        size = pr * pc
+        sub = world.Split(0 if rank < size else MPI.UNDEFINED, rank)
+        grid = grids[pr, pc] = (None if sub == MPI.COMM_NULL else
+                                ProcessGrid(pr, pc, sub if size > 1 else None, backend=BACKEND))
+        if grid is not None and size > 1:
+            assert grid.world.backend == BACKEND, grid
+    return grids
 
 
 def train_run(config: dict[str, Any], run_dir: Path, grid: Any) -> Path:
