@@ -35,6 +35,11 @@ Damage is one line naming the checkpoint, the file and the reason (`DamagedCheck
 `verify_resume` is the head's full check before any rank starts; `resume=auto` skips damaged
 checkpoints for the newest one that verifies. Format 1 (before hashes) still loads, with a note
 that its contents were not verified: every other check applies to it.
+
+A checkpoint is device-independent: every tensor is copied to the host before it is written
+(`_host_copy`), so a checkpoint of a model trained on a GPU holds the same bytes, and the same
+hashes, as one trained on the CPU, and loads on a machine without a GPU (`map_location="cpu"`).
+Loading copies the host tensors into the parameters and into state created on their device.
 """
 
 from __future__ import annotations
@@ -182,12 +187,19 @@ def _placements(model: ParallelModel) -> list[Placement]:
     return [_placement(param) for param in model.parameters()]
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor of its own (not a view: a slice would save its whole storage): what a
+    checkpoint holds, wherever `tensor` lives (torch.save records a tensor's device, so a
+    device tensor would make the bytes, and the hash, depend on it)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
 def _entries(kind: str, replica: int | None, places: list[Placement],
              tensors: Sequence[torch.Tensor | None]) -> Iterator[tuple[Entry, torch.Tensor]]:
     for place, tensor in zip(places, tensors, strict=True):
         if tensor is not None:
             entry = Entry(kind, replica, place.name, place.shape, place.start, place.stop)
-            yield entry, tensor.detach().clone()  # a slice would save its whole storage
+            yield entry, _host_copy(tensor)
 
 
 @dataclass(frozen=True)
@@ -266,7 +278,7 @@ def _held_scalars(model: ParallelModel, optimizer: ReplicaOptimizer, grid: Proce
     for kind in optimizer.scalar_kinds():
         for place, value in zip(places, states.get(kind, [None] * len(places)), strict=True):
             if value is not None:
-                held.append((Scalar(kind, replica, place.name), value.detach().clone()))
+                held.append((Scalar(kind, replica, place.name), _host_copy(value)))
     return held
 
 
@@ -387,8 +399,8 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
     payload = {e.key: t for e, t in held if writer[e.key] == grid.rank}
     payload["rng"] = torch.get_rng_state()
     if grid.rank == 0:
-        payload["sampler/generator"] = progress.sampler["generator"]
-        payload["sampler/order"] = progress.sampler["order"]
+        payload["sampler/generator"] = _host_copy(progress.sampler["generator"])
+        payload["sampler/order"] = _host_copy(progress.sampler["order"])
         payload.update({scalar.key: value for scalar, value in scalars.items()})
     records: list[ShardRecord] = []
     error = _attempt(lambda: records.append(_write_shard(path / shard_file(grid.rank), payload)))

@@ -23,6 +23,11 @@ group) share that shard's centre, each owning a 1/Pc piece of it in its window. 
 every rank of a model group holds (batch-parallel convolutions under `grid`/`domain`) have their
 centre in the batch group of model rank 0 and are broadcast to the rest of the group after each
 exchange, so a replica's copies never drift apart.
+
+Devices: the one-sided windows (and the buffers that meet them: the flattened weights, the
+differences, the centre as read) are host memory and stay there whatever device the model is
+on; each exchange copies the device weights to the host in one transfer and the differences
+back in one. `sync_easgd`, which has no window, keeps its centre on the parameters' device.
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ def _pieces(params: list[nn.Parameter],
 
 
 def _flatten_into(params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor:
+    """`out` ← the parameters laid end to end; one transfer when `out` lies on another device
+    (the host windows of a model on a GPU), not one per parameter."""
+    if params and params[0].device != out.device:
+        return out.copy_(torch.cat([p.detach().reshape(-1) for p in params]))
     for p, piece in _pieces(params, out):
         piece.copy_(p.detach())
     return out
@@ -75,6 +84,9 @@ class ElasticAveraging(ReplicaOptimizer):
     has_centre = True
     per_replica = True
     elementwise = True  # the elastic rule moves each element by its own difference
+    # The centre and the buffers that meet it on the host (the one-sided windows are host
+    # memory), rather than on the parameters' device.
+    host_centre: ClassVar[bool] = True
 
     def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
                  lr: float = 0.2, rho: float | None = None, moving_rate: float | None = None,
@@ -92,8 +104,10 @@ class ElasticAveraging(ReplicaOptimizer):
         self.velocity = [torch.zeros_like(p) for p in params] if momentum else []
         numel = sum(p.numel() for p in self.owned)
         dtype = params[0].dtype if params else torch.float32
-        self.flat = torch.empty(numel, dtype=dtype)
-        self.differences = torch.empty(numel, dtype=dtype)
+        self.device = params[0].device if params else torch.device("cpu")
+        buffers = torch.device("cpu") if self.host_centre else self.device
+        self.flat = torch.empty(numel, dtype=dtype, device=buffers)
+        self.differences = torch.empty(numel, dtype=dtype, device=buffers)
         self.exchanges = 0
         self._init_centre(_flatten_into(self.owned, self.flat))
 
@@ -145,8 +159,9 @@ class ElasticAveraging(ReplicaOptimizer):
                     p.add_(self.velocity[i])
                 else:
                     p.add_(p.grad, alpha=-self.base_lr)
-            if exchange:
-                for p, difference in _pieces(self.owned, self.differences):
+            if exchange:  # one transfer to the parameters' device (none when already there)
+                differences = self.differences.to(self.device)
+                for p, difference in _pieces(self.owned, differences):
                     p.sub_(difference)
         if exchange:
             self._broadcast_group_replicated()
@@ -159,7 +174,7 @@ class ElasticAveraging(ReplicaOptimizer):
     def centre_weights(self) -> Iterator[None]:
         """The model holds the centre variable inside the block, its own weights after."""
         saved = [p.detach().clone() for p in self.params]
-        centre = self.centre(torch.empty_like(self.flat))
+        centre = self.centre(torch.empty_like(self.flat)).to(self.device)
         with torch.no_grad():
             for p, value in _pieces(self.owned, centre):
                 p.copy_(value)
@@ -191,9 +206,10 @@ class ElasticAveraging(ReplicaOptimizer):
 class SyncEASGD(ElasticAveraging):
     """Every worker every τ steps; the centre, replicated on each worker, moves by the sum of
     the workers' differences, computed by one all-reduce over the batch group (a tree/ring
-    reduction, not rank by rank). Deterministic."""
+    reduction, not rank by rank). Deterministic. The centre lives on the parameters' device."""
 
     asynchronous = False
+    host_centre = False
 
     def _init_centre(self, initial: torch.Tensor) -> None:
         self._centre = initial.clone()

@@ -1,5 +1,8 @@
 """Validation: the model's loss and accuracy on the validation set, its rows split over the
-ranks; for an optimizer with a centre variable, the centre's next to the replicas'."""
+ranks; for an optimizer with a centre variable, the centre's next to the replicas'.
+
+Inputs and targets are scored on the model's device (moved there when they arrive elsewhere);
+only the three sums each rank contributes travel, as a host float64 control message."""
 
 from __future__ import annotations
 
@@ -19,17 +22,28 @@ class Evaluation:
     accuracy: float
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: its first parameter's device (the host when it has none)."""
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None else param.device
+
+
 def _score(model: ParallelModel, x: torch.Tensor, targets: torch.Tensor,
            comm: CountedComm) -> Evaluation:
     """Loss and accuracy of `model` fed `x`, each rank scoring its output rows, summed over
     `comm`."""
+    device = model_device(model)
+    x = x.to(device, non_blocking=True)
+    targets = targets.to(device, non_blocking=True)
     model.eval()
     with torch.no_grad():
         out = model(x)
-        stats = torch.tensor([F.cross_entropy(out, targets, reduction="sum").item(),
-                              (out.argmax(dim=1) == targets).sum().item(), float(len(targets))],
-                             dtype=torch.float64)
+        sums = torch.stack([F.cross_entropy(out, targets, reduction="sum").double(),
+                            (out.argmax(dim=1) == targets).sum().double()])
+        loss_sum, correct = sums.tolist()  # one read back from the device
     model.train()
+    # host: control (three numbers, summed over the ranks)
+    stats = torch.tensor([loss_sum, correct, float(len(targets))], dtype=torch.float64)
     comm.allreduce_(stats, label="eval")
     loss_sum, correct, count = stats.tolist()
     return Evaluation(loss_sum / count, correct / count)
@@ -64,7 +78,7 @@ def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tenso
         with optimizer.centre_weights():
             centre = evaluate(model, x, y)
         own = evaluate_replica(model, x, y)
-        workers = torch.tensor([own.loss, own.accuracy], dtype=torch.float64)
+        workers = torch.tensor([own.loss, own.accuracy], dtype=torch.float64)  # host: control
         grid.batch.allreduce_(workers, label="eval")
         workers_loss, workers_accuracy = (workers / grid.pc).tolist()
         return {"loss": centre.loss, "accuracy": centre.accuracy, "workers_loss": workers_loss,

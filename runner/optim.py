@@ -4,6 +4,10 @@
 then every rank applies the same SGD update to its shard, so replicas stay identical. Any
 `torch.optim` class runs the same way (`wrap_torch_optimizer`; registered: `adam`, `adamw`). The
 elastic averaging family lives in `easgd.py`.
+
+Devices: state shaped like a parameter lives on the parameter's device (created like it, and
+moved there when restored from a checkpoint, whose tensors are on the host); one-value state is
+placed as `torch.optim` places it (`_placed_state`).
 """
 
 from __future__ import annotations
@@ -206,7 +210,7 @@ class SynchronousSGD(ReplicaOptimizer):
     def load_param_states(self, states: dict[str, list[torch.Tensor | None]]) -> None:
         for i, buffer in enumerate(states.get("momentum", [])[:len(self.params)]):
             if buffer is not None:
-                self.momentum_buffers[i] = buffer
+                self.momentum_buffers[i] = _placed_state(buffer, self.params[i], "momentum", {})
 
 
 # -- any torch.optim class, run synchronously -------------------------------------------------
@@ -313,6 +317,7 @@ def _probe(torch_class: type[torch.optim.Optimizer], arguments: Mapping[str, Any
     like it is told from a factored one): its constructor's checks, its step's, and the state
     it keeps. Raises what they raise. The caller's random state is left as it was."""
     with torch.random.fork_rng(devices=[]):
+        # host: a probe of the class's state layout, never the model's parameters
         param = torch.nn.Parameter(torch.linspace(0.1, 0.6, 6).view(2, 3))
         optimizer = torch_class([param], **arguments)
         grad = torch.full_like(param, 0.5)
@@ -469,19 +474,38 @@ class TorchOptimizer(ReplicaOptimizer):
 
     def _state_value(self, param: torch.Tensor, kind: str) -> torch.Tensor | None:
         value = self.optimizer.state.get(param, {}).get(kind)
+        # host: a Python number kept as one value, for the checkpoint (which holds host tensors)
         return value if value is None or isinstance(value, torch.Tensor) else torch.tensor(value)
 
     def load_param_states(self, states: dict[str, list[torch.Tensor | None]]) -> None:
         """A parameter's state is restored whole or not at all (a class whose state lacks a
         key it expects fails at its next step): a parameter missing any kind starts afresh."""
         kinds = self.layout.tensors + self.layout.scalars
+        groups = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         for i, param in enumerate(self.params):
             values = [states[kind][i] if kind in states else None for kind in kinds]
             if not kinds or any(value is None for value in values):
                 continue
+            group = groups.get(id(param), {})
             self.optimizer.state[param] = {
-                kind: value.item() if kind in self.layout.numbers else value
+                kind: (value.item() if kind in self.layout.numbers
+                       else _placed_state(value, param, kind, group))
                 for kind, value in zip(kinds, values, strict=True) if value is not None}
+
+
+def _placed_state(value: torch.Tensor, param: torch.Tensor, kind: str,
+                  group: Mapping[str, Any]) -> torch.Tensor:
+    """A restored state tensor where `torch.optim`'s own `load_state_dict` puts it
+    (`Optimizer._process_value_according_to_param_policy`): `step` stays on the host unless its
+    group is capturable or fused (then float32 on the parameter's device); anything else goes to
+    the parameter's device, in the parameter's dtype when that is a floating one."""
+    if kind == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
 
 
 _WRAPPED: dict[type[torch.optim.Optimizer], type[ReplicaOptimizer]] = {}

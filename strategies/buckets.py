@@ -9,11 +9,13 @@ finish parameters in a different order than their buckets were laid out.
 
 Buckets are filled in reverse registration order (roughly the order backward produces
 gradients); the first bucket is kept small so the first all-reduce starts early (as in DDP).
+A bucket lives on the device of its parameters (a bucket never mixes dtypes or devices).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +57,8 @@ class GradientBuckets:
         trainable = [p for p in params if p.requires_grad]
         caps = [first_bucket_cap_bytes or bucket_cap_bytes, bucket_cap_bytes]
         ordered = list(reversed(trainable))
-        items = [(p.numel() * p.element_size(), p.dtype) for p in ordered]
+        # A bucket holds one dtype on one device: both start a new bucket when they change.
+        items = [(p.numel() * p.element_size(), (p.dtype, p.device)) for p in ordered]
         for group in group_by_size(items, caps):
             self._add_bucket([ordered[i] for i in group])
         # The hook lives on the tensor, outside the garbage collector's sight: a strong
@@ -67,8 +70,8 @@ class GradientBuckets:
                 lambda param, on_ready=on_ready: (on_ready() or _ignore)(param))
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
-        dtype = params[0].dtype
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        dtype, device = params[0].dtype, params[0].device
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         views: list[torch.Tensor] = []
         offset = 0
         for p in params:
@@ -131,15 +134,16 @@ class GradientBuckets:
         return {}
 
 
-def group_by_size(items: list[tuple[int, torch.dtype]], caps: list[int]) -> list[list[int]]:
-    """Indices of consecutive same-dtype items (bytes, dtype) grouped into buckets; bucket k
-    holds at most caps[min(k, -1)] bytes (an item larger than the cap gets a bucket of its own)."""
+def group_by_size(items: Sequence[tuple[int, Hashable]], caps: list[int]) -> list[list[int]]:
+    """Indices of consecutive items (bytes, kind) of the same kind (a dtype, or a dtype and a
+    device) grouped into buckets; bucket k holds at most caps[min(k, -1)] bytes (an item larger
+    than the cap gets a bucket of its own)."""
     groups: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
-    for index, (nbytes, dtype) in enumerate(items):
+    for index, (nbytes, kind) in enumerate(items):
         cap = caps[min(len(groups), len(caps) - 1)]
-        if current and (current_bytes + nbytes > cap or dtype != items[current[0]][1]):
+        if current and (current_bytes + nbytes > cap or kind != items[current[0]][1]):
             groups.append(current)
             current, current_bytes = [], 0
         current.append(index)

@@ -122,7 +122,7 @@ class SparseGradientExchange:
     def _local_rows(self, table: _Table) -> tuple[torch.Tensor, torch.Tensor]:
         weight, grad = table.weight, table.weight.grad
         if grad is None:  # this rank's batch did not use the table at all
-            return (torch.empty(0, dtype=torch.long),
+            return (torch.empty(0, dtype=torch.long, device=weight.device),
                     weight.new_empty((0, *weight.shape[1:])))
         return coalesce_rows(grad._indices()[0], grad._values())  # zero_() left it sparse
 
@@ -198,8 +198,8 @@ class SparseGradientExchange:
                   for t in tables for kind, held in states.items()]
         present = [tensor is not None and tensor.shape == t.weight.shape
                    for t, _, tensor in wanted]
-        flags = torch.tensor(present, dtype=torch.uint8)
-        every = torch.empty(len(present) * self.comm.size, dtype=torch.uint8)
+        flags = torch.tensor(present, dtype=torch.uint8)  # host: control (flags, read as a list)
+        every = torch.empty(len(present) * self.comm.size, dtype=torch.uint8)  # host: control
         self.comm.allgatherv_(flags, every, [len(present)] * self.comm.size,
                               label="state refresh flags")
         holders = every.view(self.comm.size, len(present)).sum(dim=0).tolist()
@@ -219,7 +219,7 @@ class SparseGradientExchange:
         """Every rank's copy of `tensor` (shaped like `table`'s weight) made whole: each
         owner's rows gathered by all (one all-gather)."""
         with torch.no_grad():
-            owned = [table.rows.owned(k) for k in range(self.comm.size)]
+            owned = [table.rows.owned(k, tensor.device) for k in range(self.comm.size)]
             row_elements = tensor[0].numel() if len(tensor) else 0
             gathered = tensor.new_empty(tensor.shape)
             self.comm.allgatherv_(tensor.detach()[owned[self.comm.rank]].contiguous(),

@@ -145,7 +145,7 @@ def start_halo_exchange(x: torch.Tensor, comm: CountedComm, dim: int, plan: Halo
     """Post the sends of this rank's rows that others need and the receives of its halos."""
     x = x.detach()
     sends = [(_local(x, dim, plan, rows).contiguous(), q) for q, rows in plan.sends]
-    received = {q: torch.empty(_shaped(x, dim, rows[1] - rows[0]), dtype=x.dtype)
+    received = {q: torch.empty(_shaped(x, dim, rows[1] - rows[0]), dtype=x.dtype, device=x.device)
                 for q, rows in plan.pieces if q != plan.rank}
     op = comm.exchange(sends, [(buf, q) for q, buf in received.items()], label)
     return PendingHalo(x, dim, plan, op, received)
@@ -162,7 +162,8 @@ def halo_accumulate_op(grad: torch.Tensor, comm: CountedComm, dim: int, plan: Ha
     """Adjoint of the exchange: each window row's gradient goes back to (and is added on) the
     rank that owns the row."""
     grad = grad.detach()
-    slab = torch.zeros(_shaped(grad, dim, plan.own_rows[1] - plan.own_rows[0]), dtype=grad.dtype)
+    slab = torch.zeros(_shaped(grad, dim, plan.own_rows[1] - plan.own_rows[0]), dtype=grad.dtype,
+                       device=grad.device)
     offset = plan.window_rows[0]
     sends, own = [], None
     for q, (lo, hi) in plan.pieces:
@@ -171,8 +172,8 @@ def halo_accumulate_op(grad: torch.Tensor, comm: CountedComm, dim: int, plan: Ha
             own = (piece, (lo, hi))
         else:
             sends.append((piece.contiguous(), q))
-    received = [(torch.empty(_shaped(grad, dim, hi - lo), dtype=grad.dtype), q, (lo, hi))
-                for q, (lo, hi) in plan.sends]
+    received = [(torch.empty(_shaped(grad, dim, hi - lo), dtype=grad.dtype, device=grad.device),
+                 q, (lo, hi)) for q, (lo, hi) in plan.sends]
     comm.exchange(sends, [(buf, q) for buf, q, _ in received], label, tag=1).wait()
     if own is not None:
         _local(slab, dim, plan, own[1]).add_(own[0])

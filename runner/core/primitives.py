@@ -10,8 +10,10 @@ primitive, and that adjoint is its backward:
     repartition (split along a → split along b) ↔ repartition (split along b → split along a)
 
 Pieces may be uneven: a `Partition` says how long each rank's piece is along the split dim.
-Every call goes through the counted communicator. Outputs are new tensors (autograd keeps them);
-the scratch copies a non-contiguous layout needs are reused across calls.
+Every call goes through the counted communicator. Outputs are new tensors (autograd keeps them)
+on the input's device, so that both ends of every operation lie on the same device; the scratch
+copies a non-contiguous layout needs are reused across calls (on the host, the communicator's;
+on an accelerator, its caching allocator's).
 """
 
 from __future__ import annotations
@@ -35,11 +37,21 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if has_c_strides(x) else x.contiguous()
 
 
+def _scratch(comm: CountedComm, tag: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """A scratch buffer on `device` for one blocking operation: the communicator's reused one
+    on the host; a fresh one elsewhere (the device's caching allocator reuses the memory)."""
+    if device.type == "cpu":
+        return comm.staging(tag, shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def broadcast_op(x: torch.Tensor, comm: CountedComm, root: int = 0,
                  label: str = "") -> torch.Tensor:
     """y_k = x_root on every rank k (other ranks' x is ignored; only its shape is used).
     On root the output shares x's storage: nothing needs copying there."""
-    out = _dense(x) if comm.rank == root else torch.empty(x.shape, dtype=x.dtype)
+    out = (_dense(x) if comm.rank == root
+           else torch.empty(x.shape, dtype=x.dtype, device=x.device))
     return comm.bcast_(out, root, label)
 
 
@@ -47,16 +59,17 @@ def sum_reduce_op(x: torch.Tensor, comm: CountedComm, root: int = 0,
                   label: str = "") -> torch.Tensor:
     """y_root = Σ_k x_k; y is zero on every other rank."""
     if comm.rank == root:
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         comm.reduce(_dense(x), out, root, label)
         return out
     comm.reduce(_dense(x), None, root, label)
-    return torch.zeros(x.shape, dtype=x.dtype)
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
 
 
 def all_sum_reduce_op(x: torch.Tensor, comm: CountedComm, label: str = "") -> torch.Tensor:
     """y_k = Σ_j x_j on every rank k."""
-    return comm.allreduce(_dense(x), torch.empty(x.shape, dtype=x.dtype), label)
+    return comm.allreduce(_dense(x), torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                          label)
 
 
 def _front(x: torch.Tensor, dim: int, comm: CountedComm, tag: str) -> torch.Tensor:
@@ -64,7 +77,7 @@ def _front(x: torch.Tensor, dim: int, comm: CountedComm, tag: str) -> torch.Tens
     moved = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
     if has_c_strides(moved):
         return moved
-    scratch = comm.staging(tag, tuple(moved.shape), moved.dtype)
+    scratch = _scratch(comm, tag, tuple(moved.shape), moved.dtype, moved.device)
     return scratch.copy_(moved)
 
 
@@ -76,7 +89,7 @@ def all_gather_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
         return x.detach().clone()
     piece = _front(x, dim, comm, "gather.send")
     inner = math.prod(piece.shape[1:])
-    out = torch.empty((part.total, *piece.shape[1:]), dtype=x.dtype)
+    out = torch.empty((part.total, *piece.shape[1:]), dtype=x.dtype, device=x.device)
     comm.allgatherv_(piece, out, part.counts(inner), label)
     return out if dim == 0 else out.movedim(0, dim)
 
@@ -91,7 +104,8 @@ def reduce_scatter_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partit
         return x.detach().clone()
     full = _front(x, dim, comm, "scatter.send")
     inner = math.prod(full.shape[1:])
-    out = torch.empty((part.sizes[comm.rank], *full.shape[1:]), dtype=x.dtype)
+    out = torch.empty((part.sizes[comm.rank], *full.shape[1:]), dtype=x.dtype,
+                      device=x.device)
     comm.reduce_scatter_(full, out, part.counts(inner), label)
     return out if dim == 0 else out.movedim(0, dim)
 
@@ -112,7 +126,7 @@ def repartition_op(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Pa
     blocks = [x.detach().narrow(new_split_dim, new_split.offsets[k], new_split.sizes[k])
               for k in range(comm.size)]
     send_counts = [b.numel() for b in blocks]
-    send = comm.staging("alltoall.send", (sum(send_counts),), x.dtype)
+    send = _scratch(comm, "alltoall.send", (sum(send_counts),), x.dtype, x.device)
     offset = 0
     for block, count in zip(blocks, send_counts, strict=True):
         send[offset:offset + count].view(block.shape).copy_(block)
@@ -123,7 +137,7 @@ def repartition_op(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Pa
         shape[split_dim], shape[new_split_dim] = split.sizes[k], new_split.sizes[me]
         shapes.append(shape)
     recv_counts = [math.prod(s) for s in shapes]
-    recv = comm.staging("alltoall.recv", (sum(recv_counts),), x.dtype)
+    recv = _scratch(comm, "alltoall.recv", (sum(recv_counts),), x.dtype, x.device)
     comm.alltoallv_(send, send_counts, recv, recv_counts, label)
     pieces, offset = [], 0
     for shape, count in zip(shapes, recv_counts, strict=True):

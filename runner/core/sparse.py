@@ -16,6 +16,11 @@ Three linear operators, each written with its adjoint (DistDL's discipline):
 Rows a rank owns itself never leave it (under either backend), and a rank with no rows takes
 part with empty buffers, so every rank issues the same collectives in the same order whatever
 its batch.
+
+Devices: indices and rows live on the device of the rows (`values`, `table`): indices given
+elsewhere are moved there first, so both ends of every exchange of indices or rows lie on that
+device. Only the counts (how many rows go where) are host tensors, small control messages that
+are read back with `tolist()` anyway.
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ class CyclicRows:
     def owner(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.remainder(rows, self.parts)
 
-    def owned(self, part: int) -> torch.Tensor:
-        """The rows `part` owns, ascending."""
-        return torch.arange(part, self.num_rows, self.parts, dtype=torch.long)
+    def owned(self, part: int, device: torch.device | None = None) -> torch.Tensor:
+        """The rows `part` owns, ascending (on `device`: the table's, to index it)."""
+        return torch.arange(part, self.num_rows, self.parts, dtype=torch.long, device=device)
 
     def __repr__(self) -> str:
         return f"CyclicRows({self.num_rows} rows over {self.parts})"
@@ -59,16 +64,16 @@ def coalesce_rows(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Te
 
 def gather_counts(comm: CountedComm, count: int, label: str) -> list[int]:
     """Every rank's `count`, on every rank (one small all-gather)."""
-    mine = torch.tensor([count], dtype=torch.long)
-    every = torch.empty(comm.size, dtype=torch.long)
+    mine = torch.tensor([count], dtype=torch.long)  # host: control (counts, read as a list)
+    every = torch.empty(comm.size, dtype=torch.long)  # host: control
     comm.allgatherv_(mine, every, [1] * comm.size, label=label)
     return every.tolist()
 
 
 def _swap_counts(comm: CountedComm, send_counts: list[int], label: str) -> list[int]:
     """Tell every rank how many items it gets from this one; learn how many to expect."""
-    send = torch.tensor(send_counts, dtype=torch.long)
-    recv = torch.empty(comm.size, dtype=torch.long)
+    send = torch.tensor(send_counts, dtype=torch.long)  # host: control (counts, read as a list)
+    recv = torch.empty(comm.size, dtype=torch.long)  # host: control
     comm.alltoallv_(send, [1] * comm.size, recv, [1] * comm.size, label=label, op="alltoallv")
     return recv.tolist()
 
@@ -82,6 +87,7 @@ def allgather_sum_rows(comm: CountedComm, indices: torch.Tensor, values: torch.T
     all-gather of the indices and one of the rows follow. Traffic per rank: all the others' rows,
     so it grows with P.
     """
+    indices = indices.to(values.device)
     if comm.size == 1:
         return coalesce_rows(indices, values)
     if counts is None:
@@ -114,6 +120,7 @@ def push_rows(comm: CountedComm, rows: CyclicRows, indices: torch.Tensor, values
               label: str = "sparse push") -> tuple[torch.Tensor, torch.Tensor]:
     """Send each row to its owner; return the rows this rank owns that anyone sent (its own
     included), summed and coalesced. Traffic per rank: its own rows, whatever P."""
+    indices = indices.to(values.device)
     if comm.size == 1:
         return coalesce_rows(indices, values)
     order, send_counts, own = _by_owner(rows, indices, comm.rank)
@@ -137,6 +144,7 @@ def pull_rows(comm: CountedComm, rows: CyclicRows, wanted: torch.Tensor, table: 
     """The rows `wanted` (unique indices) of the table whose owned rows are authoritative on
     their owners: a request to each owner, then its answer. Rows this rank owns are read locally.
     `table` is this rank's (num_rows, ...) copy, read only at the rows it owns."""
+    wanted = wanted.to(table.device)
     out = table.new_empty((len(wanted), *table.shape[1:]))
     if comm.size == 1:
         return out.copy_(table[wanted])
