@@ -6,7 +6,7 @@ by a grid with backend "torch").
 """
 
 from runner.core.comm import BACKENDS, Backend, CommCounter, CommRecord, CountedComm, PendingOp
-from runner.core.grid import GridShape, ProcessGrid
+from runner.core.grid import DevicePaths, GridShape, ProcessGrid
 from runner.core.partition import Partition, balanced_sizes, balanced_slice
 from runner.core.watchdog import CommWatchdog, describe_timeout
 
@@ -17,6 +17,7 @@ __all__ = [
     "CommRecord",
     "CommWatchdog",
     "CountedComm",
+    "DevicePaths",
     "GridShape",
     "Partition",
     "PendingOp",

@@ -10,6 +10,11 @@ The groups are MPI Cartesian communicators; `backend` says how their collectives
 ranks, in the same order: `runner.core.torchdist`, which needs `init_torch_distributed` first).
 Under either backend the grid keeps its MPI communicators (`CountedComm.communicator`): the
 one-sided windows of `runner.core.rma` (the EASGD family's centre) are MPI's and stay on MPI.
+
+Device tensors (`devices`, a `DevicePaths`): a transport that moves host memory only (an MPI
+without CUDA support; gloo) is wrapped in `runner.core.staging.StagedTransport`, which copies
+device buffers through pinned host buffers; with `direct` the device buffers go to the
+transport as they are (a CUDA-aware MPI; NCCL groups under "torch", one GPU per rank).
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runner.core.comm import BACKENDS, Backend, CommCounter, CountedComm, Transport
+from runner.core.comm import (
+    BACKENDS,
+    Backend,
+    CommCounter,
+    CountedComm,
+    MpiTransport,
+    Transport,
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,31 @@ class GridShape:
         return self.pr * self.pc
 
 
+@dataclass(frozen=True)
+class DevicePaths:
+    """How a grid's collectives reach tensors that live on a device."""
+
+    device_type: str = "cpu"
+    """Where the run's tensors live: "cpu" (nothing to arrange), "cuda"."""
+    direct: bool = False
+    """Device buffers go to the transport as they are (CUDA-aware MPI; NCCL under "torch");
+    otherwise they are staged through host buffers."""
+    stage_host: bool = False
+    """Stage host tensors too (`debug.stage_host_tensors`: the staged path without a GPU)."""
+
+    @property
+    def staged(self) -> bool:
+        return self.stage_host or (self.device_type != "cpu" and not self.direct)
+
+    def describe(self, backend: Backend) -> str:
+        """One phrase for the summary: how device buffers travel."""
+        if self.device_type == "cpu" and not self.stage_host:
+            return "host"
+        if self.staged:
+            return f"staged through host buffers ({'gloo' if backend == 'torch' else 'MPI'})"
+        return "direct (NCCL)" if backend == "torch" else "direct (CUDA-aware MPI)"
+
+
 class ProcessGrid:
     """Process grid over a world communicator; `mpi_comm=None` means a 1 × 1 grid, no MPI.
 
@@ -37,7 +74,8 @@ class ProcessGrid:
     creates their process groups: collective over those ranks)."""
 
     def __init__(self, pr: int, pc: int, mpi_comm: Any | None = None,
-                 counter: CommCounter | None = None, backend: Backend = "mpi") -> None:
+                 counter: CommCounter | None = None, backend: Backend = "mpi",
+                 devices: DevicePaths | None = None) -> None:
         if pr < 1 or pc < 1:
             raise ValueError(f"grid dimensions must be >= 1, got pr={pr}, pc={pc}")
         if backend not in BACKENDS:
@@ -45,6 +83,7 @@ class ProcessGrid:
                              f"{', '.join(BACKENDS)}")
         self.shape = GridShape(pr, pc)
         self.backend: Backend = backend
+        self.devices = devices if devices is not None else DevicePaths()
         self.counter = counter if counter is not None else CommCounter()
         world_size = 1 if mpi_comm is None else mpi_comm.Get_size()
         if world_size != pr * pc:
@@ -55,11 +94,21 @@ class ProcessGrid:
             cart = mpi_comm.Create_cart([pc, pr], periods=[False, False], reorder=False)
             self.batch_index, self.model_index = cart.Get_coords(cart.Get_rank())
             model, batch = cart.Sub([False, True]), cart.Sub([True, False])
-            transports: list[Transport | None] = [None, None, None]  # None: mpi4py on each
+            comms = [cart, model, batch]
+            transports: list[Transport]
             if backend == "torch":
                 from runner.core.torchdist import grid_transports
 
-                transports = list(grid_transports([cart, model, batch]))
+                nccl = self.devices.direct and self.devices.device_type == "cuda"
+                transports = list(grid_transports(comms, device_types=(
+                    ("cpu", "cuda") if nccl else ("cpu",))))
+            else:
+                transports = [MpiTransport(comm) for comm in comms]
+            if self.devices.staged:
+                from runner.core.staging import StagedTransport
+
+                transports = [StagedTransport(t, force=self.devices.stage_host)
+                              for t in transports]
             self.world = CountedComm(cart, self.counter, "world", transports[0])
             self.model = CountedComm(model, self.counter, "model", transports[1])
             self.batch = CountedComm(batch, self.counter, "batch", transports[2])

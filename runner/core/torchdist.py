@@ -22,9 +22,13 @@ opposite orders. The default group `init_process_group` makes stays for any othe
 torch.distributed code of the run (a benchmark's DDP); the grids' traffic does not use it.
 
 Backends by device: a group's backend is chosen by the device of the tensors an operation
-moves (`backend_for`): gloo for host tensors. NCCL for CUDA tensors is the place left for
-device training (`_new_backend`, `TorchTransport._group`): not built yet, and a CUDA tensor is
-refused with a message.
+moves (`backend_for`): gloo for host tensors, NCCL for CUDA tensors when the grid asks for it
+(`grid_transports(..., device_types=("cpu", "cuda"))`: every rank has a GPU of its own; NCCL
+refuses two ranks on one GPU, "Duplicate GPU detected"). Otherwise the grid stages CUDA tensors
+through host buffers into gloo (`runner.core.staging`). Under NCCL, point-to-point exchanges
+(halos, the sparse exchange's rows) still go through gloo on host copies: NCCL's send and
+receive must be issued as one group call on both sides, or two ranks that each post a receive
+first wait for each other for ever, and a group call of a backend object is not public API.
 
 Speed on host tensors: gloo on one host goes through TCP on the loopback and hands every
 operation to a worker thread. Measured on 2 cores, a 1 KiB all-reduce takes 1.2–2 ms on 2 ranks
@@ -243,13 +247,18 @@ def shutdown_torch_distributed(barrier: bool = True) -> None:
 
 def _new_backend(device_type: str, store: dist.Store, rank: int, size: int,
                  timeout: datetime.timedelta) -> Group:
-    """A group's backend for tensors on `device_type`. The place for NCCL (CUDA tensors:
-    `dist.ProcessGroupNCCL` on the same store, made for each group when the run trains on CUDA,
-    and `TorchTransport` given it under "cuda")."""
+    """A group's backend for tensors on `device_type`: gloo on the host, NCCL on CUDA (on this
+    rank's current GPU: `torch.cuda.set_device` comes first)."""
     if device_type == "cpu":
         return cast(Group, dist.ProcessGroupGloo(store, rank, size, timeout))
-    raise ValueError(f"no {backend_for(torch.device(device_type))} groups yet: backend 'torch' "
-                     f"moves host tensors (gloo) only so far")
+    if device_type == "cuda":
+        if not dist.is_nccl_available():
+            raise RuntimeError("backend 'torch' on CUDA tensors needs NCCL, and this torch has "
+                               "none: use comm.backend=mpi (staged), or a CUDA build of torch")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return cast(Group, dist.ProcessGroupNCCL(store, rank, size, options))
+    raise ValueError(f"backend 'torch' has no process groups for {device_type} tensors")
 
 
 def process_group(ranks: Sequence[int], device_type: str = "cpu") -> Group:
@@ -277,14 +286,17 @@ def _require_session() -> _Session:
     return _session
 
 
-def grid_transports(mpi_comms: Sequence[Any]) -> list[Transport]:
+def grid_transports(mpi_comms: Sequence[Any],
+                    device_types: Sequence[str] = ("cpu",)) -> list[Transport]:
     """A transport per MPI communicator of a grid (world, model, batch, in that order on every
-    rank), over the same ranks in the same order. Collective over each communicator."""
+    rank), over the same ranks in the same order, with groups for tensors on each of
+    `device_types`. Collective over each communicator."""
     session = _require_session()
     members = [list(comm.allgather(session.rank)) for comm in mpi_comms]
     transports: list[Transport] = []
     for comm, ranks in zip(mpi_comms, members, strict=True):
-        transport: Transport = LocalTransport() if len(ranks) == 1 else TorchTransport(ranks)
+        transport: Transport = (LocalTransport() if len(ranks) == 1
+                                else TorchTransport(ranks, device_types))
         assert transport.rank == comm.Get_rank(), (transport, comm.Get_rank())
         transports.append(transport)
     return transports
@@ -335,13 +347,17 @@ class TorchTransport:
 
     backend: Backend = "torch"
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    def __init__(self, ranks: Sequence[int], device_types: Sequence[str] = ("cpu",)) -> None:
+        from runner.core.staging import StagedTransport
+
         session = _require_session()
         self.global_ranks = list(ranks)
         self.size: int = len(self.global_ranks)
         self.rank: int = self.global_ranks.index(session.rank)
-        self._groups = {"cpu": process_group(self.global_ranks, "cpu")}
+        self._groups = {kind: process_group(self.global_ranks, kind)
+                        for kind in dict.fromkeys(("cpu", *device_types))}
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._host_exchange = StagedTransport(self)  # device point-to-point (module docstring)
 
     def __repr__(self) -> str:
         return f"TorchTransport(rank {self.rank} of ranks {self.global_ranks})"
@@ -351,9 +367,9 @@ class TorchTransport:
         would be collective over ranks that may not all be in this operation)."""
         group = self._groups.get(tensor.device.type)
         if group is None:
-            raise ValueError(f"backend 'torch' moves host tensors (gloo) only so far; "
-                             f"{tensor.device.type} tensors need "
-                             f"{backend_for(tensor.device)} groups, not built yet")
+            raise ValueError(f"{self!r} has no {backend_for(tensor.device)} group for "
+                             f"{tensor.device.type} tensors: the grid stages them through the "
+                             f"host (runner.core.grid.DevicePaths)")
         return group
 
     def _buffer(self, tag: str, count: int, like: torch.Tensor) -> torch.Tensor:
@@ -389,6 +405,8 @@ class TorchTransport:
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
                  recvs: list[tuple[torch.Tensor, int]], tag: int) -> Request:
+        if any(buf.device.type != "cpu" for buf, _ in sends + recvs):
+            return self._host_exchange.exchange(sends, recvs, tag)
         works = [self._group(buf).recv([buf], src, tag) for buf, src in recvs]
         works += [self._group(buf).send([buf], dst, tag) for buf, dst in sends]
         return _TorchRequest(works)
