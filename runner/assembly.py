@@ -24,6 +24,7 @@ from runner.config import Plugin, RunConfig
 from runner.core.cost import DEFAULT_COSTS, MachineCosts
 from runner.datasets import DatasetSpec
 from runner.optim import ReplicaOptimizer
+from runner.precision import HALF_TYPES
 from runner.registry import (
     DATASETS,
     MODELS,
@@ -145,11 +146,13 @@ def probe_model(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.fl
 
 
 def build_strategy(plugin: Plugin, costs: MachineCosts = DEFAULT_COSTS,
-                   rows_touched: Callable[[int], float] | None = None) -> Strategy:
-    """The strategy with its options, the machine's costs and what the data says of the rows
-    an embedding table's batch touches."""
+                   rows_touched: Callable[[int], float] | None = None,
+                   precision: str = "fp32") -> Strategy:
+    """The strategy with its options, the machine's costs, what the data says of the rows
+    an embedding table's batch touches, and the autocast type of `trainer.precision`."""
     load_plugins()  # the built-in strategies; a user's come with the run's `plugins`
-    return STRATEGIES.get(plugin.name)(**plugin.options, costs=costs, rows_touched=rows_touched)
+    return STRATEGIES.get(plugin.name)(**plugin.options, costs=costs, rows_touched=rows_touched,
+                                       compute_dtype=HALF_TYPES.get(precision))
 
 
 def optimizer_class(plugin: Plugin) -> type[ReplicaOptimizer]:
@@ -197,5 +200,6 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
     dataset = build_dataset(run.dataset)
     spec = dataset.spec()
     return RunParts(dataset, spec, model_for(run.model, spec, dtype_of(run), device),
-                    build_strategy(run.strategy, costs, rows_touched(dataset)),
+                    build_strategy(run.strategy, costs, rows_touched(dataset),
+                                   run.trainer.precision),
                     optimizer_class(run.optimizer))

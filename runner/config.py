@@ -31,6 +31,9 @@ DTYPES = ("float32", "float64")  # float64: to check a strategy's mathematics be
 FAILURE_MODES = ("raise", "kill", "hang", "nan")
 LOGGERS = ("none", "tensorboard")
 COMM_BACKENDS = ("mpi", "torch")
+DEVICES = ("cpu", "cuda", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CUDA_AWARE = ("auto", "true", "false")
 PLUGIN_GROUPS = ("model", "dataset", "strategy", "optimizer")
 # What a run's task returns to a Hydra sweeper (Optuna...): a summary key, and its direction.
 OBJECTIVES = {"val_loss": "minimize", "val_accuracy": "maximize", "final_loss": "minimize",
@@ -85,6 +88,13 @@ class TrainerConfig:
     """torch threads per rank (null: the node's cores / its ranks)."""
     dtype: str = "float32"
     """float32, or float64 to check a strategy against one process beyond float32 rounding."""
+    device: str = "cpu"
+    """cpu; cuda (rank r uses GPU `local rank % GPUs on its node`; model, batches and the whole
+    step live there); auto (cuda where torch sees a GPU, else cpu)."""
+    precision: str = "fp32"
+    """fp32; bf16 or fp16: the forward and the loss under autocast (the parameters, their
+    gradients and the optimizer stay float32), floating inputs stored in that dtype; fp16 with
+    dynamic loss scaling (a step whose gradients overflow is skipped on every rank)."""
 
 
 @dataclass
@@ -112,6 +122,10 @@ class CommConfig:
     """mpi (mpi4py on host buffers), or torch (torch.distributed process groups over the same
     grid, gloo for CPU tensors, bootstrapped from the MPI job). The EASGD family's one-sided
     windows stay on MPI under both."""
+    cuda_aware: str = "auto"
+    """Under mpi with trainer.device=cuda: true hands GPU buffers to MPI as they are (an MPI
+    built with CUDA support); false stages them through pinned host buffers; auto: true only
+    when the MPI library says it was built with CUDA."""
 
 
 @dataclass
@@ -139,6 +153,9 @@ class DebugConfig:
     """This rank sleeps `slow_seconds` in every step: a straggler (null: none)."""
     slow_seconds: float = 0.0
     """How long the straggler sleeps per step."""
+    stage_host_tensors: bool = False
+    """Send host tensors through the staging path that GPU tensors take under an MPI without
+    CUDA support (copied into pooled host buffers and back): tests that path without a GPU."""
 
 
 @dataclass

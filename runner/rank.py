@@ -186,6 +186,7 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
     from runner.config import load_run_config
     from runner.core import Backend, ProcessGrid
     from runner.core.torchdist import init_torch_distributed, shutdown_torch_distributed
+    from runner.devices import device_paths, place_rank
     from runner.step import StepFailure
     from runner.train import train
 
@@ -201,13 +202,15 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
         # An earlier run's record is not this rank's progress (the grid's set-up below is
         # collective: no peer reads before every rank has removed its own).
         _forget_progress(directory, rank)
+        placement = place_rank(run.trainer.device, mpi_comm)  # before any NCCL group
         if run.comm.backend == "torch":  # collective over the job; nothing for one process
             init_torch_distributed(mpi_comm, timeout_s=run.trainer.comm_timeout_s)
         backend: Backend = "torch" if run.comm.backend == "torch" else "mpi"  # validated
-        grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm, backend=backend)
+        grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm, backend=backend,
+                           devices=device_paths(run, placement, mpi_comm))
         watchdog = _start_watchdog(run.trainer.comm_timeout_s, grid, directory, mpi_comm)
         try:
-            train(run, directory, grid)
+            train(run, directory, grid, placement.device)
         finally:
             if watchdog is not None:
                 watchdog.stop()

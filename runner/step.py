@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from runner.config import DebugConfig
 from runner.core import CountedComm
 from runner.optim import ReplicaOptimizer
+from runner.precision import DynamicLossScale, Precision
 from strategies import ParallelModel
 
 
@@ -44,35 +45,51 @@ def inject_failure(mode: str, rank: int, step: int, loss: torch.Tensor) -> torch
     return loss
 
 
-def mean_loss(loss: torch.Tensor, comm: CountedComm, stop: bool) -> tuple[float, bool]:
+def mean_loss(loss: torch.Tensor, comm: CountedComm, stop: bool,
+              overflow: bool | None = None) -> tuple[float, bool, bool]:
     """The mean over the rows of the ranks of `comm` (the mean of their (P/B)-scaled sums: over
-    the world the global batch, over a model group that replica's rows), and whether any of
-    them was asked to stop: one all-reduce, so they all stop after the same step."""
-    buffer = torch.tensor([loss.item(), float(stop)], dtype=loss.dtype)
+    the world the global batch, over a model group that replica's rows), whether any of them
+    was asked to stop, and (fp16: `overflow` given) whether any of their gradients overflowed:
+    one all-reduce, so they all stop, or skip, at the same step."""
+    values = [loss.item(), float(stop)] + ([] if overflow is None else [float(overflow)])
+    buffer = torch.tensor(values, dtype=loss.dtype)  # host: control (and the logged loss)
     comm.allreduce_(buffer, label="loss")
-    return buffer[0].item() / comm.size, bool(buffer[1].item())
+    overflowed = overflow is not None and bool(buffer[2].item())
+    return buffer[0].item() / comm.size, bool(buffer[1].item()), overflowed
 
 
 def forward_backward_step(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
-                          loss_scale: float, step: int, rank: int,
-                          debug: DebugConfig) -> torch.Tensor:
-    """Forward, loss, backward and the gradient exchanges started during backward, completed."""
+                          loss_scale: float, step: int, rank: int, debug: DebugConfig,
+                          precision: Precision, scaler: DynamicLossScale | None = None
+                          ) -> torch.Tensor:
+    """Forward and loss (under the precision's autocast), backward (of the loss times fp16's
+    scale), and the gradient exchanges started during backward, completed. Returns the loss
+    (unscaled; float32 under autocast, whose cross-entropy is float32)."""
     model.zero_grad()
-    loss = F.cross_entropy(model(x), y, reduction="sum") * loss_scale
+    with precision.autocast():
+        loss = F.cross_entropy(model(x), y, reduction="sum") * loss_scale
     if debug.fail_at_step == step and rank == debug.fail_on_rank:
         loss = inject_failure(debug.fail_mode, rank, step, loss)
-    loss.backward()
+    (loss if scaler is None else loss * scaler.scale).backward()
     model.finish_gradient_sync()
     return loss
 
 
 def train_step(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
                y: torch.Tensor, step: int, loss_scale: float, loss_comm: CountedComm,
-               stop_requested: bool, rank: int, debug: DebugConfig) -> tuple[float, bool]:
-    """Step `step` (1-based): the gradients, the replica optimizer's update, then one
-    all-reduce for the mean loss over `loss_comm` and whether any rank is stopping."""
+               stop_requested: bool, rank: int, debug: DebugConfig,
+               precision: Precision, scaler: DynamicLossScale | None = None
+               ) -> tuple[float, bool]:
+    """Step `step` (1-based): the gradients, then one all-reduce over `loss_comm` for the mean
+    loss, whether any rank is stopping and (fp16) whether any rank's gradients overflowed, then
+    the replica optimizer's update (skipped by every rank on an overflow)."""
     if debug.slow_rank == rank and debug.slow_seconds:  # a straggler on purpose
         time.sleep(debug.slow_seconds)
-    loss = forward_backward_step(model, x, y, loss_scale, step, rank, debug)
-    optimizer.step(step - 1)
-    return mean_loss(loss, loss_comm, stop_requested)
+    loss = forward_backward_step(model, x, y, loss_scale, step, rank, debug, precision, scaler)
+    overflow = None if scaler is None else scaler.unscale(model.parameters())
+    mean, stopping, overflowed = mean_loss(loss, loss_comm, stop_requested, overflow)
+    if scaler is not None:
+        scaler.update(step, overflowed)
+    if not overflowed:
+        optimizer.step(step - 1)
+    return mean, stopping

@@ -13,6 +13,7 @@ from runner.config import OBJECTIVES, RunConfig
 from runner.core import ProcessGrid
 from runner.core.cost import CommOp, MachineCosts, step_bytes, step_time
 from runner.logs import get_logger
+from runner.precision import DynamicLossScale, Precision
 from runner.resume import Start
 from runner.rundir import RunDir, git_commit, versions, write_json
 from strategies import ParallelModel
@@ -115,3 +116,12 @@ def objective_value(summary: dict[str, Any]) -> float:
     trial)."""
     value = summary.get("objective", {}).get("value")
     return float("nan") if value is None else float(value)
+
+
+def precision_summary(precision: Precision, scaler: DynamicLossScale | None) -> dict[str, Any]:
+    """`trainer.precision` as run, with fp16's loss scale at the end and the steps it skipped."""
+    record: dict[str, Any] = {"name": precision.name}
+    if scaler is not None:
+        record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps,
+                      skipped=scaler.history[-20:])
+    return record

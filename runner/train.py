@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from runner.assembly import assemble, dtype_of
+from runner.assembly import RunParts, assemble, dtype_of
 from runner.board import TensorBoardWriter
 from runner.checkpoint import CheckpointError, TrainingProgress, save_checkpoint
 from runner.config import RunConfig
@@ -27,16 +27,24 @@ from runner.core import CountedComm, ProcessGrid
 from runner.core.cost import CommOp, MachineCosts, loss_op
 from runner.core.placement import place_whole
 from runner.datasets import ClassificationData
+from runner.devices import describe_device
 from runner.evaluation import validation
 from runner.interrupt import StopRequest
 from runner.logs import get_logger
 from runner.machine import load_machine_costs
 from runner.optim import ReplicaOptimizer
+from runner.precision import DynamicLossScale, Precision
 from runner.resume import Start, start_or_resume
 from runner.rundir import MetricsWriter, RunDir, git_commit, write_json
 from runner.sampling import EpochSampler
 from runner.step import StepFailure, train_step
-from runner.summary import StepHistory, completed_summary, interrupted_summary, sparse_line
+from runner.summary import (
+    StepHistory,
+    completed_summary,
+    interrupted_summary,
+    precision_summary,
+    sparse_line,
+)
 from strategies import ParallelModel
 
 __all__ = ["StepFailure", "Training", "build_training", "train"]
@@ -57,6 +65,9 @@ class Training:
     loss_comm: CountedComm  # over whose rows the logged loss is the mean
     predicted_ops: list[CommOp] | None  # a step's collectives (synchronous exchange only)
     costs: MachineCosts
+    device: torch.device
+    precision: Precision
+    scaler: DynamicLossScale | None  # fp16's loss scale
     sinks: list[Any] = field(default_factory=list)  # metrics.jsonl, TensorBoard (rank 0)
     run_info: dict[str, Any] = field(default_factory=dict)  # what each checkpoint records
     history: StepHistory = field(default_factory=StepHistory)
@@ -71,8 +82,10 @@ class Training:
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch: its inputs and its outputs' targets."""
         rows, size = self.sampler.next_batch(), self.run.trainer.batch_size
-        return (self.data.train_x[rows[self.model.input_rows(size)]],
-                self.data.train_y[rows[self.model.output_rows(size)]])
+        x = self.data.train_x[rows[self.model.input_rows(size)]]
+        y = self.data.train_y[rows[self.model.output_rows(size)]]
+        # A no-op for a dataset already on the device; a user's lazily read one comes per batch.
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -121,8 +134,9 @@ class Training:
         asynchronous = self.optimizer.asynchronous
         if at_end and asynchronous:
             self.grid.world.barrier()  # every worker's last exchange is in the centre
-        result = validation(self.model, self.optimizer, self.data.val_x, self.data.val_y,
-                            everyone=at_end or not asynchronous)
+        with self.precision.autocast():
+            result = validation(self.model, self.optimizer, self.data.val_x, self.data.val_y,
+                                everyone=at_end or not asynchronous)
         if result is not None:
             self.evaluation = result
             get_logger().info("step %d val %s", step, json.dumps(result))
@@ -136,22 +150,42 @@ class Training:
         self.optimizer.close()
 
 
-def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> Training:
-    """This rank's run, ready for its first step (fresh, or resumed from a checkpoint)."""
+def load_data(run: RunConfig, parts: RunParts, device: torch.device,
+              precision: Precision) -> ClassificationData:
+    """The dataset, floating inputs in the run's dtype (the half type under bf16/fp16), on the
+    run's device when it is held in memory (a user's lazily read one moves batch by batch)."""
+    data: ClassificationData = parts.dataset.load()
+    if data.train_x.is_floating_point():  # token ids stay integers
+        dtype = precision.compute_dtype or dtype_of(run)
+        data.train_x, data.val_x = data.train_x.to(dtype), data.val_x.to(dtype)
+    if device.type != "cpu":
+        for name in ("train_x", "train_y", "val_x", "val_y"):
+            value = getattr(data, name)
+            if isinstance(value, torch.Tensor):
+                setattr(data, name, value.to(device))
+    return data
+
+
+def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
+                   device: torch.device | None = None) -> Training:
+    """This rank's run on `device` (cpu when None), ready for its first step (fresh, or resumed
+    from a checkpoint)."""
     torch.manual_seed(run.seed)  # every rank builds the same initial model
+    device = torch.device("cpu") if device is None else device
+    precision = Precision(run.trainer.precision, device.type)
     costs = load_machine_costs()
     parts = assemble(run, costs)
-    data: ClassificationData = parts.dataset.load()
+    data = load_data(run, parts, device, precision)
     dtype = dtype_of(run)
-    if data.train_x.is_floating_point():  # token ids stay integers
-        data.train_x, data.val_x = data.train_x.to(dtype), data.val_x.to(dtype)
+    parts.model.to(device)  # initialised on the host: the same values on every device
     place_whole(parts.model)  # every shard a strategy makes knows where it sits (checkpoints)
     syncs = parts.optimizer_cls.syncs_gradients
     # The planner models synchronous gradient exchange only: no prediction for other optimizers.
     itemsize = torch.empty((), dtype=dtype).element_size()
     predicted = (parts.strategy.predict_ops(parts.model, parts.spec.input_shape, grid.shape,
                                             run.trainer.batch_size)
-                 + loss_op(grid.size, itemsize) if syncs else None)
+                 + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
+                 if syncs else None)
     model = parts.strategy.parallelize(parts.model, parts.spec.input_shape, grid,
                                        sync_replica_gradients=syncs)
     optimizer, start = start_or_resume(
@@ -168,7 +202,8 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> Traini
                       grid, sum(p.numel() for p in model.parameters()), run.dataset.name,
                       parts.spec.train_size, parts.spec.val_size)
     training = Training(run, run_dir, grid, model, optimizer, data, sampler, start, loss_comm,
-                        predicted, costs, last_checkpoint=start.checkpoint_path)
+                        predicted, costs, device, precision, precision.loss_scale(),
+                        last_checkpoint=start.checkpoint_path)
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
             run_dir.metrics, continue_after=start.step if start.continues_here else None))
@@ -180,14 +215,16 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> Traini
     return training
 
 
-def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
-    """Train `run` as this rank of `grid`; returns the summary (rank 0 also writes it)."""
+def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
+          device: torch.device | None = None) -> dict[str, Any]:
+    """Train `run` as this rank of `grid` on `device` (cpu when None); returns the summary
+    (rank 0 also writes it)."""
     started = time.perf_counter()
     grid.counter.isolate = run.debug.isolate_comm
     # A file-size limit (ulimit -f) then fails the write with EFBIG, which is reported, instead
     # of killing the rank without a word.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    t = build_training(run, run_dir, grid)
+    t = build_training(run, run_dir, grid, device)
     trainer = run.trainer
     steps, every, eval_every = trainer.steps, trainer.checkpoint_every, trainer.eval_every
     loss_scale = grid.size / trainer.batch_size
@@ -198,7 +235,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
             began, before = time.perf_counter(), grid.counter.snapshot()
             x, y = t.batch()
             loss, stopping = train_step(t.model, t.optimizer, x, y, step, loss_scale,
-                                        t.loss_comm, stop.requested, grid.rank, run.debug)
+                                        t.loss_comm, stop.requested, grid.rank, run.debug,
+                                        t.precision, t.scaler)
             seconds = time.perf_counter() - began
             t.log_step(step, loss, seconds, grid.counter.since(before), progress)
             at_end = step == steps
@@ -217,9 +255,12 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid) -> dict[str, Any]:
     if stopped_by is not None:
         return interrupted_summary(run_dir, grid, step, stopped_by, t.last_checkpoint)
     rates = grid.world.allgather_object(len(t.history.seconds) / t.history.total_s)
+    devices = grid.world.allgather_object(describe_device(t.device))
     summary = completed_summary(run, run_dir, grid, t.model, t.history, loss, t.evaluation,
                                 rates, time.perf_counter() - started, t.predicted_ops, t.costs,
                                 t.start, t.last_checkpoint)
+    summary.update(devices=devices, device_buffers=grid.devices.describe(grid.backend),
+                   precision=precision_summary(t.precision, t.scaler))
     if grid.rank == 0:
         write_json(run_dir.summary, summary)
         make_console().print(summary_table(summary))

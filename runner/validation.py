@@ -16,10 +16,13 @@ from omegaconf import DictConfig
 
 from runner.config import (
     COMM_BACKENDS,
+    CUDA_AWARE,
+    DEVICES,
     DTYPES,
     FAILURE_MODES,
     LOGGERS,
     OBJECTIVES,
+    PRECISIONS,
     ConfigError,
     Plugin,
     RunConfig,
@@ -27,6 +30,33 @@ from runner.config import (
 )
 from runner.core.registry import UnknownPluginError
 from runner.options import option_problems, with_defaults
+
+
+def device_problems(run: RunConfig) -> list[str]:
+    """trainer.device, trainer.precision and comm.cuda_aware; a GPU asked for where torch sees
+    none is refused here, before any rank starts (the head runs where the ranks do)."""
+    trainer, problems = run.trainer, []
+    if trainer.device not in DEVICES:
+        problems.append(f"trainer.device={trainer.device}: must be one of {', '.join(DEVICES)}")
+    elif trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            why = ("this torch was built without CUDA" if not torch.backends.cuda.is_built()
+                   else "torch sees no GPU here")
+            problems.append(f"trainer.device=cuda: {why} (torch {torch.__version__}); use "
+                            f"trainer.device=cpu, or auto")
+    if trainer.precision not in PRECISIONS:
+        problems.append(f"trainer.precision={trainer.precision}: must be one of "
+                        f"{', '.join(PRECISIONS)}")
+    elif trainer.precision != "fp32" and trainer.dtype != "float32":
+        problems.append(f"trainer.precision={trainer.precision} with trainer.dtype="
+                        f"{trainer.dtype}: mixed precision keeps float32 parameters; use "
+                        f"trainer.dtype=float32")
+    if str(run.comm.cuda_aware).lower() not in CUDA_AWARE:
+        problems.append(f"comm.cuda_aware={run.comm.cuda_aware}: must be one of "
+                        f"{', '.join(CUDA_AWARE)}")
+    return problems
 
 
 def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
@@ -52,6 +82,7 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     at_least("debug.slow_rank", debug.slow_rank, 0)
     if trainer.dtype not in DTYPES:
         problems.append(f"trainer.dtype={trainer.dtype}: must be one of {', '.join(DTYPES)}")
+    problems += device_problems(run)
     if trainer.resume is not None and not trainer.resume:
         problems.append("trainer.resume='': must be null, auto or a checkpoint path")
     elif trainer.resume not in (None, "auto"):

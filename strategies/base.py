@@ -119,11 +119,12 @@ class Strategy:
     name: ClassVar[str] = ""
 
     # Keyword arguments the runner passes itself (never config options).
-    CONTEXT_ARGUMENTS: ClassVar[tuple[str, ...]] = ("costs", "rows_touched")
+    CONTEXT_ARGUMENTS: ClassVar[tuple[str, ...]] = ("costs", "rows_touched", "compute_dtype")
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, *,
                  costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None) -> None:
+                 rows_touched: Callable[[int], float] | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         # Gradient buckets: the first one small so the first all-reduce starts early.
         self.bucket_cap_bytes = int(bucket_cap_mb * MB)
         self.first_bucket_bytes = int(first_bucket_mb * MB)
@@ -132,6 +133,9 @@ class Strategy:
         # rows of an embedding table a given number of samples touches (None: no token data).
         self.costs = costs
         self.rows_touched = rows_touched
+        # trainer.precision's autocast type (None: fp32): the dtype of the activations the
+        # strategy moves, for its predictions (`strategies.sharded.output_itemsizes`).
+        self.compute_dtype = compute_dtype
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""

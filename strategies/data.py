@@ -49,8 +49,10 @@ class DataParallelModel(ParallelModel):
 class DataParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  sparse: SparseChoice = "auto", *, costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched)
+                 rows_touched: Callable[[int], float] | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
+                         compute_dtype=compute_dtype)
         self.sparse = sparse
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
@@ -118,4 +120,5 @@ class DataParallel(Strategy):
                                  grid: GridShape, global_batch: int) -> int:
         layers = list(model.children()) or [model]
         rows = Partition(global_batch, grid.size).sizes[0]
-        return rows * sum(feature_sizes(layers, sample_shape)) * activation_itemsize(layers)
+        return (rows * sum(feature_sizes(layers, sample_shape))
+                * activation_itemsize(layers, self.compute_dtype))

@@ -37,6 +37,7 @@ from strategies.sharded import (
     body_activation_elements,
     build_sharded,
     layer_label,
+    output_itemsizes,
     output_shapes,
     plan_layers,
     rank0_param_items,
@@ -150,8 +151,10 @@ def spatial_end(layers: Sequence[nn.Module]) -> int:
 class DomainParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  overlap: bool = True, *, costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched)
+                 rows_touched: Callable[[int], float] | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
+                         compute_dtype=compute_dtype)
         self.overlap = overlap
 
     def splits_parameters(self, grid: GridShape) -> bool:
@@ -221,7 +224,7 @@ class DomainParallel(Strategy):
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
         rows = Partition(global_batch, grid.pc).sizes[0]
-        itemsize = activation_itemsize(layers)
+        itemsizes = output_itemsizes(layers, self.compute_dtype)
         ops: list[CommOp] = []
         if grid.pr > 1:
             inputs = [tuple(sample_shape), *shapes[:end]]
@@ -230,7 +233,7 @@ class DomainParallel(Strategy):
                     continue
                 channels, height, width = inputs[i]
                 plan = HaloPlan(height, height_window(layer), grid.pr, 0)
-                row_bytes = rows * channels * width * itemsize
+                row_bytes = rows * channels * width * itemsizes[i]
                 received = [piece for piece in plan.pieces if piece[0] != 0]
                 label = layer_label(i, layer)
                 if plan.sends or received:  # forward: rank 0's rows that others read
@@ -240,11 +243,12 @@ class DomainParallel(Strategy):
                     # backward (not for the data itself): the halos' gradients go back
                     ops.append(CommOp("exchange", "model", grid.pr, plan.recv_rows * row_bytes,
                                       label, max(len(plan.sends), len(received))))
-            n = rows * math.prod(shapes[end - 1]) * itemsize
+            n = rows * math.prod(shapes[end - 1]) * itemsizes[end]
             ops += [CommOp("allgather", "model", grid.pr, n, "boundary"),
                     CommOp("reduce_scatter", "model", grid.pr, n, "boundary")]
         steps = plan_layers(layers, end, grid.pr)
-        return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr)
+        return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr,
+                                     self.compute_dtype)
                 + predict_gradient_ops(rank0_param_items(layers, steps, grid.pr), "batch",
                                        grid.pc, *self.bucket_caps)
                 + predict_gradient_ops(whole_param_items(layers[:end]), "world", grid.size,
@@ -270,4 +274,4 @@ class DomainParallel(Strategy):
             elements += rows * math.prod(shapes[end - 1])
         elements += body_activation_elements(layers, plan_layers(layers, end, grid.pr),
                                              sample_shape, rows, grid.pr)
-        return elements * activation_itemsize(layers)
+        return elements * activation_itemsize(layers, self.compute_dtype)

@@ -28,6 +28,7 @@ from strategies.sharded import (
     body_activation_elements,
     build_sharded,
     feature_sizes,
+    output_itemsizes,
     plan_layers,
     rank0_param_items,
     split_param_bytes,
@@ -101,7 +102,8 @@ def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
 
 
 def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, ...],
-                     grid: GridShape, global_batch: int, caps: tuple[int, int]) -> list[CommOp]:
+                     grid: GridShape, global_batch: int, caps: tuple[int, int],
+                     compute_dtype: torch.dtype | None = None) -> list[CommOp]:
     """Rank 0's collectives per step: activations over the model group, the split layers'
     gradients over the batch group, the batch-parallel layers' over the world."""
     layers = list(model)
@@ -110,10 +112,11 @@ def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, 
     prefix = whole_param_items(layers[:split])
     ops: list[CommOp] = []
     if prefix and grid.pr > 1:  # the boundary gather and its reduce-scatter
-        n = rows * feature_sizes(layers[:split], sample_shape)[-1] * activation_itemsize(layers)
+        n = (rows * feature_sizes(layers[:split], sample_shape)[-1]
+             * output_itemsizes(layers, compute_dtype)[split])
         ops += [CommOp("allgather", "model", grid.pr, n, "boundary"),
                 CommOp("reduce_scatter", "model", grid.pr, n, "boundary")]
-    return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr)
+    return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr, compute_dtype)
             + predict_gradient_ops(rank0_param_items(layers, steps, grid.pr), "batch", grid.pc,
                                    *caps)
             + predict_gradient_ops(prefix, "world", grid.size, *caps))
@@ -139,7 +142,7 @@ class GridParallel(Strategy):
                     global_batch: int) -> list[CommOp]:
         assert isinstance(model, nn.Sequential)
         return predict_grid_ops(model, self.split(model), sample_shape, grid, global_batch,
-                                self.bucket_caps)
+                                self.bucket_caps, self.compute_dtype)
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
@@ -160,4 +163,4 @@ class GridParallel(Strategy):
             elements += rows * sum(prefix_sizes)
         elements += body_activation_elements(layers, plan_layers(layers, split, grid.pr),
                                              sample_shape, rows, grid.pr)
-        return elements * activation_itemsize(layers)
+        return elements * activation_itemsize(layers, self.compute_dtype)

@@ -225,10 +225,39 @@ def feature_sizes(layers: Sequence[nn.Module], sample_shape: Sequence[int]) -> l
     return [math.prod(shape) for shape in output_shapes(layers, sample_shape)]
 
 
-def activation_itemsize(layers: Sequence[nn.Module]) -> int:
-    """Bytes per activation element: the parameters' dtype (float32 unless trainer.dtype says)."""
+def activation_itemsize(layers: Sequence[nn.Module],
+                        compute_dtype: torch.dtype | None = None) -> int:
+    """Bytes per activation element: the autocast type's under mixed precision, else the
+    parameters' dtype (float32 unless trainer.dtype says)."""
+    if compute_dtype is not None:
+        return compute_dtype.itemsize
     param = next((p for layer in layers for p in layer.parameters()), None)
     return 4 if param is None else param.element_size()
+
+
+# Layers whose output autocast makes the half type, whatever their input's type.
+AUTOCAST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def output_itemsizes(layers: Sequence[nn.Module],
+                     compute_dtype: torch.dtype | None = None) -> list[int]:
+    """Bytes per element of what moves between ranks: index 0 the model's input, index i + 1
+    layer i's output. Under mixed precision (`compute_dtype`) floating inputs are stored in the
+    half type (`runner.precision`), matrix products and convolutions output it, an embedding
+    outputs its table's dtype, and every other layer keeps its input's."""
+    whole = activation_itemsize(layers)
+    if compute_dtype is None:
+        return [whole] * (len(layers) + 1)
+    half = activation_itemsize(layers, compute_dtype)
+    sizes = [half]
+    for layer in layers:
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
+            sizes.append(whole)
+        elif isinstance(layer, AUTOCAST_LAYERS):
+            sizes.append(half)
+        else:
+            sizes.append(sizes[-1])
+    return sizes
 
 
 def layer_label(index: int, layer: nn.Module) -> str:
@@ -236,19 +265,20 @@ def layer_label(index: int, layer: nn.Module) -> str:
 
 
 def activation_ops(layers: Sequence[nn.Module], steps: list[PlanStep],
-                   sample_shape: Sequence[int], rows: int, group_size: int) -> list[CommOp]:
+                   sample_shape: Sequence[int], rows: int, group_size: int,
+                   compute_dtype: torch.dtype | None = None) -> list[CommOp]:
     """What model-group rank 0 moves for a forward+backward of `rows` samples: a gather and its
     adjoint reduce-scatter each move the whole gathered activation; the final repartition moves
     rank 0's feature shard forward and its row shard of the gradient back."""
     if group_size == 1:
         return []
-    itemsize = activation_itemsize(layers)
+    itemsizes = output_itemsizes(layers, compute_dtype)
     per_sample = feature_sizes(layers, sample_shape)
     ops: list[CommOp] = []
     for step in steps:
         if step.kind == "gather":
             label = layer_label(step.after, layers[step.after])
-            n = rows * per_sample[step.after] * itemsize
+            n = rows * per_sample[step.after] * itemsizes[step.after + 1]
             ops += [CommOp("allgather", "model", group_size, n, label),
                     CommOp("reduce_scatter", "model", group_size, n, label)]
         elif step.kind == "to_rows":
@@ -256,6 +286,7 @@ def activation_ops(layers: Sequence[nn.Module], steps: list[PlanStep],
             whole = per_sample[step.after]
             shard = whole // step.total * Partition(step.total, group_size).sizes[0]
             own_rows = Partition(rows, group_size).sizes[0]
+            itemsize = itemsizes[step.after + 1]
             ops += [CommOp("alltoall", "model", group_size, rows * shard * itemsize, label),
                     CommOp("alltoall", "model", group_size, own_rows * whole * itemsize, label)]
     return ops

@@ -48,6 +48,13 @@ RUNS: dict[str, tuple[list[str], int | None]] = {
                                      *BATCH2, "comm.backend=torch"], None),
     "tokens_p4_auto_torch": ([*DATA, "grid.pc=4", *TOKENS, "strategy.sparse=auto",
                               "comm.backend=torch"], None),
+    # The path GPU tensors take through an MPI without CUDA support, on host tensors
+    "grid_default_2x2_staged": (["debug.stage_host_tensors=true"], None),
+    # Mixed precision: bf16 activations between the model group's ranks (MPI sums them in
+    # float32); fp16 with loss scaling through gloo
+    "grid_2x1_bf16": (["grid.pr=2", "grid.pc=1", "trainer.precision=bf16"], None),
+    "mlp_p2_fp16_torch": ([*DATA, "grid.pc=2", "trainer.precision=fp16",
+                           "comm.backend=torch"], None),
 }
 
 
@@ -305,3 +312,30 @@ def test_the_torch_backend_reproduces_one_process_and_moves_the_predicted_bytes(
     else:
         assert all(m["comm_bytes"] == predicted for m in read_metrics(run_dir)
                    if "split" not in m)
+
+
+def test_staged_host_buffers_change_nothing_but_the_copies(runs: Runs) -> None:
+    """debug.stage_host_tensors sends every buffer through the host staging GPU tensors take
+    under an MPI without CUDA support: the same losses bit for bit, the same counted bytes."""
+    staged, plain = runs("grid_default_2x2_staged"), runs("grid_default_2x2")
+    assert read_summary(staged)["device_buffers"] == "staged through host buffers (MPI)"
+    assert train_losses(staged) == train_losses(plain)
+    predicted = read_summary(staged)["predicted_comm_bytes_per_step"]
+    assert all(m["comm_bytes"] == predicted for m in read_metrics(staged) if "split" not in m)
+
+
+@pytest.mark.parametrize("name,precision", [("grid_2x1_bf16", "bf16"),
+                                            ("mlp_p2_fp16_torch", "fp16")])
+def test_half_precision_learns_like_fp32_and_moves_the_predicted_bytes(
+        runs: Runs, name: str, precision: str) -> None:
+    """bf16 and fp16 autocast train digits to fp32's accuracy band; the bytes counted are the
+    planner's, activations in the half type (bf16 at 2x1 moves half of fp32's)."""
+    run_dir = runs(name)
+    summary, reference = read_summary(run_dir), read_summary(runs("mlp_p1"))
+    assert summary["precision"]["name"] == precision and summary["devices"] == ["cpu"] * 2
+    assert abs(summary["val_accuracy"] - reference["val_accuracy"]) <= 0.03
+    assert _relative_gap(train_losses(runs("mlp_p1")), train_losses(run_dir)) <= 0.05
+    predicted = summary["predicted_comm_bytes_per_step"]
+    assert all(m["comm_bytes"] == predicted for m in read_metrics(run_dir) if "split" not in m)
+    if precision == "fp16":
+        assert summary["precision"]["skipped_steps"] == 0  # digits never overflow at 2^16

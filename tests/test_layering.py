@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the step", {"runner.step", "runner.evaluation", "runner.sampling"}),
     ("checkpoints, signals, boards", {"runner.checkpoint", "runner.interrupt", "runner.board"}),
     ("assembly", {"runner.assembly"}),
+    ("devices and precision", {"runner.devices", "runner.precision"}),
     ("plugins", {"runner.easgd", "runner.optim", "runner.models", "runner.datasets",
                  "runner.corpus", "runner.userdata", "runner.plan", "runner.plan.planner",
                  "runner.plan.calibration"}),

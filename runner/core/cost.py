@@ -76,11 +76,13 @@ def step_bytes(ops: list[CommOp]) -> int:
     return sum(op.nbytes for op in ops)
 
 
-def loss_op(world_size: int, itemsize: int) -> list[CommOp]:
+def loss_op(world_size: int, itemsize: int, overflow_flag: bool = False) -> list[CommOp]:
     """The all-reduce every training step adds after the strategy's own collectives: the loss
-    and the stop flag, two values of the loss's dtype."""
-    return [CommOp("allreduce", "world", world_size, 2 * itemsize, "loss")] if world_size > 1 \
-        else []
+    and the stop flag, two values of the loss's dtype (three under fp16: and whether any rank's
+    gradients overflowed)."""
+    values = 3 if overflow_flag else 2
+    return [CommOp("allreduce", "world", world_size, values * itemsize, "loss")] \
+        if world_size > 1 else []
 
 
 # -- the sparse exchange of an embedding table's gradient (DESIGN.md, "Sparse exchange") ----------

@@ -213,13 +213,15 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     for name in plan_cfg.strategies:
         # the configured strategy with its options; the others with their defaults
         options = run.strategy.options if name == run.strategy.name else {}
-        strategies[name] = assembly.build_strategy(Plugin(name, options), costs, rows_touched)
+        strategies[name] = assembly.build_strategy(Plugin(name, options), costs, rows_touched,
+                                                   run.trainer.precision)
     if "data" in strategies and sparse_tables(model):
         # one row per sparse exchange mode: the comparison a user of embedding tables wants
         options = run.strategy.options if run.strategy.name == "data" else {}
         for mode in SPARSE_CHOICES:
             strategies[f"data sparse={mode}"] = assembly.build_strategy(
-                Plugin("data", {**options, "sparse": mode}), costs, rows_touched)
+                Plugin("data", {**options, "sparse": mode}), costs, rows_touched,
+                run.trainer.precision)
         del strategies["data"]
     return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch)
 
