@@ -1,0 +1,151 @@
+"""On a GPU, through the real command line: devices, staging, NCCL and mixed precision.
+
+Skipped where torch sees no GPU (CI, the 2-core development machine): the whole module is marked.
+On a GPU machine every run is small (the default 64→128→128→10 MLP on digits), so the module
+takes about a minute, most of it interpreters importing torch and initialising CUDA.
+
+Losses are compared per step by the largest gap relative to the reference loss, <= 1e-4, as
+tests/test_cli_runs.py compares at 1e-5 on the CPU: relative, so that the tolerance reads the same
+whatever the size of the loss (here ~2.3 falling to ~2.0 over the 20 steps); 1e-4 because a
+GPU's kernels sum in another order than the CPU's, and four ranks' all-reduce in another order
+than one process, a few float32 ulps per operation compounded over 20 steps (seen on the CPU:
+2e-7 between 1 and 4 ranks). It holds only with TF32 matmuls off
+(`torch.backends.cuda.matmul.allow_tf32`, False by default in PyTorch): the runner must not turn
+them on in fp32 (TF32 keeps 10 mantissa bits, ~5e-4 relative per product: these tests would
+likely, not surely, see it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import assert_ok, read_metrics, read_summary, run_cli, train_losses
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+STEPS = 20
+LONG_STEPS = 300  # bf16 against fp32 on accuracy: trained, not 20 steps into it
+GAP = 1e-4
+COMMON = ["trainer.eval_every=null", "seed=1"]  # null: evaluated once, at the end
+DATA = ["strategy=data", "grid.pr=1"]
+CUDA = ["trainer.device=cuda"]
+STAGED = ["comm.backend=mpi", "comm.cuda_aware=false"]  # GPU tensors through pinned host buffers
+RUNS: dict[str, list[str]] = {
+    "cpu_p1": [*DATA, "grid.pc=1", "trainer.device=cpu", f"trainer.steps={STEPS}"],
+    "cuda_p1": [*DATA, "grid.pc=1", *CUDA, "trainer.precision=fp32", f"trainer.steps={STEPS}"],
+    # four ranks sharing the one GPU
+    "cuda_data_1x4_mpi": [*DATA, "grid.pc=4", *CUDA, *STAGED, f"trainer.steps={STEPS}"],
+    "cuda_grid_2x2_mpi": ["strategy=grid", "grid.pr=2", "grid.pc=2", *CUDA, *STAGED,
+                          f"trainer.steps={STEPS}"],
+    # ranks that share a GPU cannot use NCCL: gloo, through host copies
+    "cuda_data_1x4_torch": [*DATA, "grid.pc=4", *CUDA, "comm.backend=torch",
+                            f"trainer.steps={STEPS}"],
+    # one rank with a GPU of its own: NCCL
+    "cuda_p1_torch": [*DATA, "grid.pc=1", *CUDA, "comm.backend=torch", f"trainer.steps={STEPS}"],
+    "cuda_fp32_long": [*DATA, "grid.pc=1", *CUDA, "trainer.precision=fp32",
+                       f"trainer.steps={LONG_STEPS}"],
+    "cuda_bf16_long": [*DATA, "grid.pc=1", *CUDA, "trainer.precision=bf16",
+                       f"trainer.steps={LONG_STEPS}"],
+}
+
+
+class Runs:
+    """Each run launched once per session, on first use; several tests read its directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def __call__(self, name: str) -> Path:
+        run_dir = self.root / name
+        if name not in self.results:
+            self.results[name] = run_cli(*COMMON, *RUNS[name], f"hydra.run.dir={run_dir}")
+        assert_ok(self.results[name])
+        return run_dir
+
+
+@pytest.fixture(scope="session")
+def gpu_runs(session_tmp: Path) -> Runs:
+    root = session_tmp / "gpu"
+    root.mkdir()
+    return Runs(root)
+
+
+def _relative_gap(reference: list[float], other: list[float]) -> float:
+    assert reference and len(reference) == len(other)
+    return max(abs(a - b) / abs(a) for a, b in zip(reference, other, strict=True))
+
+
+def _precision(summary: dict) -> str:
+    """summary.json's `precision`: "fp32", or a record naming it ({"name": "fp32", ...})."""
+    value = summary["precision"]
+    return value["name"] if isinstance(value, dict) else value
+
+
+def test_one_process_on_cuda_reproduces_the_cpu_losses(gpu_runs: Runs) -> None:
+    cpu, cuda = train_losses(gpu_runs("cpu_p1")), train_losses(gpu_runs("cuda_p1"))
+    assert len(cuda) == STEPS
+    assert _relative_gap(cpu, cuda) <= GAP
+
+
+def _check_buffers(summary: dict, expected: str) -> None:
+    """How device tensors travelled, where the summary says (`device_buffers`)."""
+    if "device_buffers" in summary:
+        assert summary["device_buffers"].startswith(expected), summary["device_buffers"]
+
+
+@pytest.mark.parametrize("name,buffers", [
+    ("cuda_data_1x4_mpi", "staged"), ("cuda_grid_2x2_mpi", "staged"),
+    ("cuda_data_1x4_torch", "staged"),  # four ranks on one GPU: no NCCL
+])
+def test_four_ranks_sharing_the_gpu_reproduce_one_process_and_move_the_predicted_bytes(
+        gpu_runs: Runs, name: str, buffers: str) -> None:
+    run_dir = gpu_runs(name)
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 4
+    _check_buffers(summary, buffers)
+    assert _relative_gap(train_losses(gpu_runs("cuda_p1")), train_losses(run_dir)) <= GAP
+    predicted = summary["predicted_comm_bytes_per_step"]
+    assert predicted > 0 and summary["comm_bytes_per_step"] == predicted
+    assert all(m["comm_bytes"] == predicted for m in read_metrics(run_dir) if "split" not in m)
+
+
+def test_the_torch_backend_on_one_gpu_runs_and_equals_the_mpi_run(gpu_runs: Runs) -> None:
+    run_dir = gpu_runs("cuda_p1_torch")
+    summary = read_summary(run_dir)
+    assert summary["comm_backend"] == "torch"
+    _check_buffers(summary, "direct (NCCL)")
+    losses = train_losses(run_dir)
+    assert len(losses) == STEPS
+    assert _relative_gap(train_losses(gpu_runs("cuda_p1")), losses) <= GAP
+
+
+def test_bf16_trains_digits_to_the_accuracy_of_fp32(gpu_runs: Runs) -> None:
+    fp32, bf16 = read_summary(gpu_runs("cuda_fp32_long")), read_summary(gpu_runs("cuda_bf16_long"))
+    assert _precision(fp32) == "fp32" and _precision(bf16) == "bf16"
+    assert fp32["steps"] == bf16["steps"] == LONG_STEPS
+    assert fp32["val_accuracy"] > 0.9, fp32["val_accuracy"]  # trained: chance is 0.1
+    assert abs(bf16["val_accuracy"] - fp32["val_accuracy"]) <= 0.02, (bf16["val_accuracy"],
+                                                                      fp32["val_accuracy"])
+
+
+@pytest.mark.parametrize("name,precision", [
+    ("cuda_p1", "fp32"), ("cuda_data_1x4_mpi", "fp32"), ("cuda_grid_2x2_mpi", "fp32"),
+    ("cuda_data_1x4_torch", "fp32"), ("cuda_p1_torch", "fp32"), ("cuda_bf16_long", "bf16"),
+])
+def test_the_summary_names_each_ranks_gpu_and_the_precision(gpu_runs: Runs, name: str,
+                                                           precision: str) -> None:
+    summary = read_summary(gpu_runs(name))
+    devices = summary["devices"]
+    assert len(devices) == summary["world_size"]
+    gpus = torch.cuda.device_count()  # rank r on GPU local_rank % GPUs: one node here
+    for rank, device in enumerate(devices):
+        assert device.startswith(f"cuda:{rank % gpus} ("), (rank, device)
+        assert torch.cuda.get_device_name(rank % gpus) in device
+    assert _precision(summary) == precision
+    assert read_summary(gpu_runs("cpu_p1"))["devices"] == ["cpu"]
