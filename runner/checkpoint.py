@@ -310,6 +310,7 @@ class TrainingProgress:
     step: int
     time_s: float  # training seconds so far (metrics' `time_s` continues from it)
     sampler: dict[str, Any]  # EpochSampler.state(): epoch, position, generator, order
+    loss_scale: dict[str, float | int] | None = None  # fp16's DynamicLossScale.state()
 
 
 @dataclass(frozen=True)
@@ -398,6 +399,8 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
             writer.setdefault(entry.key, rank)
     payload = {e.key: t for e, t in held if writer[e.key] == grid.rank}
     payload["rng"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # a run on a GPU: its draws
+        payload["cuda_rng"] = torch.cuda.get_rng_state()
     if grid.rank == 0:
         payload["sampler/generator"] = _host_copy(progress.sampler["generator"])
         payload["sampler/order"] = _host_copy(progress.sampler["order"])
@@ -417,6 +420,7 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
             "files": {shard_file(rank): [e.to_json() for e in entries if writer[e.key] == rank]
                       for rank, (entries, _, _) in enumerate(everyone)},
             "scalars": [scalar.to_json() for scalar in scalars],
+            **({} if progress.loss_scale is None else {"loss_scale": progress.loss_scale}),
             "shards": {shard_file(rank): record.to_json()
                        for rank, (_, record) in enumerate(written) if record is not None}}
         error = _attempt(lambda: atomic_write_text(path / MANIFEST,
@@ -944,7 +948,12 @@ def load_training_state(checkpoint: Checkpoint, plan: ResumePlan, model: Paralle
     if states:
         optimizer.load_param_states(states)
     same_grid = checkpoint.manifest["grid"] == {"pr": grid.pr, "pc": grid.pc}
-    torch.set_rng_state(checkpoint.rank_state(grid.rank if same_grid else 0)["rng"])
+    state = checkpoint.rank_state(grid.rank if same_grid else 0)
+    torch.set_rng_state(state["rng"])
+    cuda_rng = state.get("cuda_rng")  # written on a GPU; a CPU resume has no use for it
+    if (isinstance(cuda_rng, torch.Tensor) and cuda_rng.dtype == torch.uint8
+            and torch.cuda.is_available()):
+        torch.cuda.set_rng_state(cuda_rng)
     if not same_grid:
         notes.append("random state taken from rank 0 (the checkpoint's grid differs)")
     return notes

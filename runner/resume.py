@@ -53,6 +53,7 @@ class Start:
     sampler_state: dict[str, Any] | None = None
     checkpoint: Checkpoint | None = None
     continues_here: bool = False  # from this run directory's own checkpoint: metrics continue
+    loss_scale: dict[str, Any] | None = None  # fp16's loss scale as the checkpoint left it
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -133,6 +134,7 @@ def start_or_resume(resume: str | None, total_steps: int, run_dir: RunDir, grid:
         make_console().print(f"resuming from {checkpoint.path} at step {checkpoint.step}")
     start = Start(checkpoint.step, float(checkpoint.manifest["time_s"]),
                   sampler_state(checkpoint), checkpoint,
-                  checkpoint.path.parent == run_dir.checkpoints)
+                  checkpoint.path.parent == run_dir.checkpoints,
+                  checkpoint.manifest.get("loss_scale"))
     checkpoint.release()  # the shards' tensors are copied out: training keeps none of them
     return optimizer, start

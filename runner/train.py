@@ -120,7 +120,8 @@ class Training:
         return bool(flag.item())
 
     def checkpoint(self, step: int) -> None:
-        progress = TrainingProgress(step, self.time_s, self.sampler.state())
+        progress = TrainingProgress(step, self.time_s, self.sampler.state(),
+                                    None if self.scaler is None else self.scaler.state())
         try:
             self.last_checkpoint = save_checkpoint(
                 self.run_dir.checkpoints, progress, self.model, self.optimizer, self.grid,
@@ -201,8 +202,11 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     get_logger().info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)",
                       grid, sum(p.numel() for p in model.parameters()), run.dataset.name,
                       parts.spec.train_size, parts.spec.val_size)
+    scaler = precision.loss_scale()
+    if scaler is not None and start.loss_scale is not None:  # a checkpoint of an fp16 run
+        scaler.load_state(start.loss_scale)
     training = Training(run, run_dir, grid, model, optimizer, data, sampler, start, loss_comm,
-                        predicted, costs, device, precision, precision.loss_scale(),
+                        predicted, costs, device, precision, scaler,
                         last_checkpoint=start.checkpoint_path)
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
