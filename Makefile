@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := bundled-mpi,dev,text,tensorboard,sweep
 
-.PHONY: setup run test lint bench dist clean
+.PHONY: setup run test test-backends lint bench dist clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Every strategy's equivalence checks under both communication backends (make test runs
+# check_model_grid and check_domain under mpi only, for its time).
+test-backends: $(STAMP)
+	GRIDRUN_TEST_ALL_BACKENDS=1 $(PY) -m pytest -q tests/test_mpi_checks.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -4,6 +4,7 @@ communication backend: mpi4py ("mpi") and torch.distributed on gloo ("torch").""
 from __future__ import annotations
 
 import ast
+import os
 import time
 from pathlib import Path
 
@@ -14,16 +15,19 @@ from tests.conftest import ROOT, run_mpi_script
 # script: the world sizes it runs at, per backend (check_core carves grids up to 2x3 out of 6
 # ranks). The torch variants run at one size each where the mpi ones run at two: the larger,
 # whose grids and uneven pieces cover more. check_easgd stays on mpi: its windows are MPI's
-# under either backend. check_model_grid and check_domain pass under torch too
-# (`--backend=torch`), but run here under mpi only, for the suite's time (~40 s on 2 cores,
-# where gloo is slow): their strategies' torch path is covered end to end by the command-line
-# runs of tests/test_cli_runs.py (grid 2 x 2, domain 2 x 2: one process's losses, the
-# predicted bytes), and every operation they use by check_core's adjoint tests.
+# under either backend. check_model_grid and check_domain run under torch with
+# `make test-backends` (GRIDRUN_TEST_ALL_BACKENDS=1: ~31 s more on 2 cores, where gloo is
+# slow) and under mpi only in `make test`, for its time: there their strategies' torch path is
+# covered end to end by the command-line runs of tests/test_cli_runs.py (grid 2 x 2, domain
+# 2 x 2: one process's losses, the predicted bytes), and every operation they use by
+# check_core's adjoint tests.
+ALL_BACKENDS = os.environ.get("GRIDRUN_TEST_ALL_BACKENDS") == "1"
+BOTH: dict[str, tuple[int, ...]] = {"mpi": (4,), **({"torch": (4,)} if ALL_BACKENDS else {})}
 SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_data_parallel.py": {"mpi": (2, 4), "torch": (4,)},
     "tests/mpi/check_core.py": {"mpi": (6,), "torch": (6,)},
-    "tests/mpi/check_model_grid.py": {"mpi": (4,)},
-    "tests/mpi/check_domain.py": {"mpi": (4,)},
+    "tests/mpi/check_model_grid.py": BOTH,
+    "tests/mpi/check_domain.py": BOTH,
     "tests/mpi/check_easgd.py": {"mpi": (4,)},
     "tests/mpi/check_sparse.py": {"mpi": (2, 4), "torch": (4,)},
 }
