@@ -74,6 +74,7 @@ MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
 SHARD_NAME = re.compile(r"rank-([0-9]{5,})\.pt")  # the only names a manifest may give a shard
 WHOLE_KINDS = ("model", "centre")  # every parameter is in these (other kinds may lack some)
+BUFFERS = "buffers"  # the model's running statistics (BatchNorm), placed like parameters
 _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                | getattr(os, "O_CLOEXEC", 0))
 
@@ -187,6 +188,19 @@ def _placements(model: ParallelModel) -> list[Placement]:
     return [_placement(param) for param in model.parameters()]
 
 
+def _placed_buffers(model: ParallelModel) -> list[torch.Tensor]:
+    """The buffers a checkpoint keeps (a BatchNorm's running statistics), by placement like the
+    parameters (`runner.core.placement.place_whole` tags them)."""
+    return [buffer for buffer in model.buffers() if placement_of(buffer) is not None]
+
+
+def _buffers_source(plan: ResumePlan) -> tuple[str, int | None]:
+    """Whose buffers a resume reads: the replica whose weights it reads, replica 0's where it
+    reads the centre (which has none of its own)."""
+    kind, replica = plan.weights
+    return BUFFERS, replica if kind == "model" else 0
+
+
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A host tensor of its own (not a view: a slice would save its whole storage): what a
     checkpoint holds, wherever `tensor` lives (torch.save records a tensor's device, so a
@@ -258,6 +272,8 @@ def _held_tensors(model: ParallelModel, optimizer: ReplicaOptimizer, grid: Proce
     replica = grid.batch_index if optimizer.per_replica else None
     params = list(model.parameters())
     held = list(_entries("model", replica, places, params))
+    buffers = _placed_buffers(model)
+    held += _entries(BUFFERS, replica, [_placement(b) for b in buffers], buffers)
     scalar_kinds = optimizer.scalar_kinds()
     for kind, tensors in states.items():
         if kind not in scalar_kinds:
@@ -884,7 +900,7 @@ class Checkpoint:
         return self._file(shard_file(rank))
 
 
-def _copy_into(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
+def _copy_into(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
     with torch.no_grad():
         for param, value in zip(params, values, strict=True):
             param.copy_(value)
@@ -936,6 +952,14 @@ def load_training_state(checkpoint: Checkpoint, plan: ResumePlan, model: Paralle
     params = list(model.parameters())
     _copy_into(params, checkpoint.read_tensors(*plan.weights, params))
     notes = []
+    buffers = _placed_buffers(model)
+    if buffers and checkpoint.has(BUFFERS):
+        kind, replica = _buffers_source(plan)
+        saved = checkpoint.read_states(kind, replica, buffers)
+        _copy_into([b for b, v in zip(buffers, saved, strict=True) if v is not None],
+                   [v for v in saved if v is not None])
+    elif buffers:
+        notes.append("running statistics start afresh (the checkpoint has none)")
     states: dict[str, list[torch.Tensor | None]] = {}
     scalar_kinds = optimizer.scalar_kinds()
     for kind in (*optimizer.state_kinds(), *scalar_kinds):
@@ -974,6 +998,10 @@ def prepare_resume(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelMode
     bytes hashed are the bytes loaded, so a file changed since the head's check is caught."""
     places = _placements(model)
     files = checkpoint.files_for(*plan.weights, places)
+    if checkpoint.has(BUFFERS):
+        files |= checkpoint.files_for(*_buffers_source(plan),
+                                      [_placement(b) for b in _placed_buffers(model)],
+                                      optional=True)
     if plan.centre is not None:
         files |= checkpoint.files_for(*plan.centre, places)
     if plan.same_replicas:  # the optimizer's state: read only for the same replicas
@@ -1022,9 +1050,10 @@ def find_resume_checkpoint(resume: str | None, checkpoints: Path | None,
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """The sequential model's parameters by `state_dict` name: what a checkpoint's entries
+    """The model's parameters and buffers by `state_dict` name: what a checkpoint's entries
     name (`runner.core.placement.place_whole`)."""
-    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+    return {name: tuple(tensor.shape)
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
 
 
 def verify_resume(resume: str | None, checkpoints: Path, model: torch.nn.Module

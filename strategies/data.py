@@ -24,6 +24,7 @@ from runner.core.cost import (
 )
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
+from strategies.norm import batch_norm_ops, batch_norm_problems, distribute_batch_norms
 from strategies.registry import register_strategy
 from strategies.sharded import activation_itemsize, feature_sizes
 from strategies.sparse_exchange import (
@@ -67,6 +68,12 @@ class DataParallel(Strategy):
                     f"splits each sample)"]
         return super().check(grid, global_batch)
 
+    def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape) -> list[str]:
+        if grid.size == 1:
+            return []
+        return [f"strategy=data cannot split {p}" for p in batch_norm_problems(model)]
+
     def _split(self, model: nn.Module) -> tuple[list[tuple[str, EmbeddingTable]],
                                                list[nn.Parameter]]:
         """The embedding tables exchanged sparsely, and the parameters the buckets carry."""
@@ -76,6 +83,8 @@ class DataParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
+        if sync_replica_gradients and grid.size > 1:  # one process's batch statistics
+            distribute_batch_norms(model, grid.world)  # (an EASGD replica: its own rows')
         pmodel = DataParallelModel(model, grid)
         if sync_replica_gradients:
             tables, dense = self._split(model)
@@ -94,6 +103,7 @@ class DataParallel(Strategy):
                   for name, p in model.named_parameters()
                   if p.requires_grad and id(p) in exchanged]
         ops = predict_gradient_ops(params, "world", grid.size, *self.bucket_caps)
+        ops += batch_norm_ops(model, "world", grid.size, activation_itemsize([model]))
         for name, module in tables:
             ops += self.predict_sparse_ops(name, module.weight, grid.size,
                                            global_batch // grid.size)

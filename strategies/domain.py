@@ -29,12 +29,14 @@ from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
 from strategies.grid import sequential_problems
+from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
 from strategies.sharded import (
     CHANNEL_LOCAL,
     activation_itemsize,
     activation_ops,
     body_activation_elements,
+    body_norm_ops,
     build_sharded,
     layer_label,
     output_itemsizes,
@@ -47,7 +49,10 @@ from strategies.sharded import (
 
 Windowed = nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d
 WINDOWED = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)  # left to inference: isinstance narrows
-ROW_LOCAL = tuple(t for t in CHANNEL_LOCAL if t not in (nn.MaxPool2d, nn.AvgPool2d))
+# Row-local: activations; and BatchNorm2d, whose statistics are reduced over the slabs and rows
+# of every rank (`strategies.norm`).
+ROW_LOCAL = (*(t for t in CHANNEL_LOCAL if t not in (nn.MaxPool2d, nn.AvgPool2d)),
+             nn.BatchNorm2d)
 
 
 def _pair(value: int | Sequence[int]) -> tuple[int, int]:
@@ -200,8 +205,12 @@ class DomainParallel(Strategy):
             SpatialWindowed(layer, grid.model, heights[i], self.overlap)
             if isinstance(layer, WINDOWED) and grid.pr > 1 else layer
             for i, layer in enumerate(layers[:end])])
+        # A spatial BatchNorm's statistics: every rank's slabs of every row (an EASGD replica,
+        # a model group: its own rows' slabs).
+        distribute_batch_norms(spatial, grid.world if sync_replica_gradients else grid.model)
         steps = plan_layers(layers, end, grid.pr)
-        body = build_sharded(layers, steps, grid.model, grid.model_index)
+        body = build_sharded(layers, steps, grid.model, grid.model_index,
+                             grid.batch if sync_replica_gradients else None)
         ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
         pmodel = DomainParallelModel(grid, spatial, heights[0], heights[end], body,
                                      ends_on_own_rows)
@@ -247,6 +256,9 @@ class DomainParallel(Strategy):
             ops += [CommOp("allgather", "model", grid.pr, n, "boundary"),
                     CommOp("reduce_scatter", "model", grid.pr, n, "boundary")]
         steps = plan_layers(layers, end, grid.pr)
+        stats = activation_itemsize(layers)  # batch statistics: the parameters' dtype
+        ops += batch_norm_ops(model[:end], "world", grid.size, stats)
+        ops += body_norm_ops(layers, steps, grid.pr, grid.pc, stats)
         return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr,
                                      self.compute_dtype)
                 + predict_gradient_ops(rank0_param_items(layers, steps, grid.pr), "batch",

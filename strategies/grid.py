@@ -21,11 +21,13 @@ from runner.core.cost import CommOp
 from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
+from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
 from strategies.sharded import (
     activation_itemsize,
     activation_ops,
     body_activation_elements,
+    body_norm_ops,
     build_sharded,
     feature_sizes,
     output_itemsizes,
@@ -83,7 +85,12 @@ def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
     steps = plan_layers(layers, split, grid.pr)
     prefix = nn.Sequential(*layers[:split])
     prefix_params = list(prefix.parameters())
-    body = build_sharded(layers, steps, grid.model, grid.model_index)
+    # BatchNorm statistics: over every rank's rows in the batch-parallel prefix, over the batch
+    # group in the split body (a model group's ranks hold the same rows); an EASGD replica (a
+    # model group) normalizes by its own rows.
+    distribute_batch_norms(prefix, grid.world if sync_replica_gradients else grid.model)
+    body = build_sharded(layers, steps, grid.model, grid.model_index,
+                         grid.batch if sync_replica_gradients else None)
     ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
     pmodel = GridParallelModel(grid, prefix, bool(prefix_params), body, ends_on_own_rows)
     pmodel.replicated_in_model_group = prefix_params
@@ -116,6 +123,9 @@ def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, 
              * output_itemsizes(layers, compute_dtype)[split])
         ops += [CommOp("allgather", "model", grid.pr, n, "boundary"),
                 CommOp("reduce_scatter", "model", grid.pr, n, "boundary")]
+    stats = activation_itemsize(layers)  # batch statistics: the parameters' dtype
+    ops += batch_norm_ops(model[:split], "world", grid.size, stats)
+    ops += body_norm_ops(layers, steps, grid.pr, grid.pc, stats)
     return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr, compute_dtype)
             + predict_gradient_ops(rank0_param_items(layers, steps, grid.pr), "batch", grid.pc,
                                    *caps)

@@ -2,11 +2,13 @@
 
 A `Linear` keeps only its rows of W (output features) and of the bias; a `Conv2d` only its output
 channels. Layers that act on each feature/channel alone (activations, pooling) run on the shard
-as it is; before any layer that needs every feature (the next Linear or Conv2d, a Flatten), the
-shards are all-gathered along dim 1. The last sharded output is not gathered but repartitioned:
-features-split becomes rows-split, so each rank of the model group ends with the logits of its own
-rows of the batch (and its loss counts each sample once). The communication itself is in
-`runner.core.primitives`; these modules only say where it happens.
+as it is; a BatchNorm keeps its channels' slice of weight, bias and running statistics and takes
+its batch statistics over the batch group (`strategies.norm`: every rank of a model group holds
+all of its group's rows). Before any layer that needs every feature (the next Linear or
+Conv2d, a Flatten), the shards are all-gathered along dim 1. The last sharded output is not
+gathered but repartitioned: features-split becomes rows-split, so each rank of the model group
+ends with the logits of its own rows of the batch (and its loss counts each sample once). The
+communication itself is in `runner.core.primitives`; these modules only say where it happens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from runner.core import CountedComm, Partition
 from runner.core.cost import CommOp
 from runner.core.placement import place_rows
 from runner.core.primitives import all_gather, repartition
+from strategies.norm import BATCH_NORMS, DistributedBatchNorm, batch_norm_problem
 
 # Layers that act on each feature or channel separately: they run on a shard unchanged.
 CHANNEL_LOCAL: tuple[type[nn.Module], ...] = (
@@ -85,6 +88,10 @@ def unsupported_layers(layers: Sequence[nn.Module]) -> list[str]:
         elif isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
             problems.append(f"layer {i} ({type(layer).__name__}): an embedding table, which "
                             f"strategy=data replicates and exchanges sparsely (strategy.sparse)")
+        elif isinstance(layer, BATCH_NORMS):
+            problem = batch_norm_problem(layer)
+            if problem is not None:
+                problems.append(f"layer {i}: {problem}")
         elif not isinstance(layer, SHARDABLE) and any(True for _ in layer.parameters()):
             problems.append(f"layer {i} ({type(layer).__name__}) has parameters and is neither "
                             f"Linear nor Conv2d")
@@ -103,7 +110,7 @@ def plan_layers(layers: Sequence[nn.Module], start: int, group_size: int) -> lis
                 steps.append(GatherStep(total=sharded, after=last))
             sharded = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
             steps.append(ShardStep(layer=i, total=sharded))
-        elif isinstance(layer, CHANNEL_LOCAL):
+        elif isinstance(layer, CHANNEL_LOCAL + BATCH_NORMS):
             steps.append(LocalStep(layer=i))
         else:
             if sharded is not None:
@@ -183,19 +190,28 @@ class ShardsToRows(nn.Module):
 
 
 def build_sharded(layers: Sequence[nn.Module], steps: list[PlanStep], comm: CountedComm,
-                  index: int) -> nn.Sequential:
-    """The modules of `steps` for model-group rank `index`, weights sliced from `layers`."""
+                  index: int, stats_comm: CountedComm | None = None) -> nn.Sequential:
+    """The modules of `steps` for model-group rank `index`, weights sliced from `layers`; a
+    BatchNorm's statistics over `stats_comm` (the batch group; None: this rank's rows)."""
     modules: list[nn.Module] = []
+    sharded: Partition | None = None  # dim 1's split while it is split
     for step in steps:
         if step.kind == "shard":
             layer = layers[step.layer]
             assert isinstance(layer, SHARDABLE), "plan_layers shards only these"
-            part = Partition(step.total, comm.size)
+            sharded = part = Partition(step.total, comm.size)
             modules.append(ShardedLinear(layer, part, index) if isinstance(layer, nn.Linear)
                            else ShardedConv2d(layer, part, index))
+        elif step.kind == "local" and isinstance(layers[step.layer], BATCH_NORMS):
+            layer = layers[step.layer]
+            assert isinstance(layer, BATCH_NORMS)
+            modules.append(DistributedBatchNorm(
+                layer, stats_comm or CountedComm(None, comm.counter, "self"),
+                f"bn:{step.layer}", None if sharded is None else sharded.slice(index)))
         elif step.kind == "local":
             modules.append(layers[step.layer])
         elif step.kind == "gather":
+            sharded = None
             modules.append(GatherShards(comm, step.total))
         else:
             modules.append(ShardsToRows(comm, step.total))
@@ -212,11 +228,17 @@ def output_shapes(layers: Sequence[nn.Module],
     shapes = []
     if layers and isinstance(layers[0], (nn.Embedding, nn.EmbeddingBag)):
         dtype = torch.long  # the samples are token ids
+    # In evaluation mode: a BatchNorm then neither needs two samples nor moves its running
+    # statistics (nor a Dropout its random state).
+    modes = [layer.training for layer in layers]
     with torch.no_grad():
         h = torch.zeros(1, *sample_shape, device=device, dtype=dtype)
         for layer in layers:
+            layer.eval()
             h = layer(h)
             shapes.append(tuple(h.shape[1:]))
+    for layer, mode in zip(layers, modes, strict=True):
+        layer.train(mode)
     return shapes
 
 
@@ -296,15 +318,48 @@ def rank0_param_items(layers: Sequence[nn.Module], steps: list[PlanStep],
                       group_size: int) -> list[tuple[str, list[tuple[int, torch.dtype]]]]:
     """(layer label, [(bytes, dtype)]) of model-group rank 0's shard of each split layer."""
     out = []
+    sharded: int | None = None  # dim 1's whole size while it is split
     for step in steps:
-        if step.kind != "shard":
+        if step.kind == "gather" or step.kind == "to_rows":
+            sharded = None
             continue
+        if step.kind == "shard":
+            sharded = step.total
         layer = layers[step.layer]
-        rows = Partition(step.total, group_size).sizes[0]
+        if not any(True for _ in layer.parameters()):
+            continue
+        total = sharded or 1
+        rows = Partition(sharded, group_size).sizes[0] if sharded else 1
         out.append((layer_label(step.layer, layer),
-                    [(p.numel() // step.total * rows * p.element_size(), p.dtype)
+                    [(p.numel() // total * rows * p.element_size(), p.dtype)
                      for p in layer.parameters()]))
     return out
+
+
+def body_norm_ops(layers: Sequence[nn.Module], steps: list[PlanStep], group_size: int,
+                  batch_groups: int, itemsize: int) -> list[CommOp]:
+    """What the split part's BatchNorms move per step: rank 0's 2C + 1 statistics (C its
+    channels) all-gathered over the batch group of `batch_groups` ranks, and reduce-scattered
+    back in the backward."""
+    if batch_groups == 1:
+        return []
+    ops: list[CommOp] = []
+    sharded: int | None = None
+    for step in steps:
+        if step.kind == "gather" or step.kind == "to_rows":
+            sharded = None
+        elif step.kind == "shard":
+            sharded = step.total
+        elif isinstance(layers[step.layer], BATCH_NORMS):
+            layer = layers[step.layer]
+            assert isinstance(layer, BATCH_NORMS)
+            channels = (Partition(sharded, group_size).sizes[0] if sharded
+                        else layer.num_features)
+            n = batch_groups * (2 * channels + 1) * itemsize
+            label = f"bn:{step.layer}"
+            ops += [CommOp("allgather", "batch", batch_groups, n, label),
+                    CommOp("reduce_scatter", "batch", batch_groups, n, label)]
+    return ops
 
 
 def whole_param_items(layers: Sequence[nn.Module],

@@ -49,10 +49,11 @@ def as_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def place_whole(model: nn.Module) -> None:
-    """Tag every parameter of the sequential `model` with its name and whole extent."""
-    for name, param in model.named_parameters():
-        shape = tuple(param.shape)
-        setattr(param, _ATTRIBUTE, Placement(name, shape, 0, global_rows(shape)))
+    """Tag every parameter and buffer (a BatchNorm's running statistics) of `model` with its
+    name and whole extent."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        shape = tuple(tensor.shape)
+        setattr(tensor, _ATTRIBUTE, Placement(name, shape, 0, global_rows(shape)))
 
 
 def place_rows(shard: torch.Tensor, source: torch.Tensor, rows: slice) -> None:

@@ -110,6 +110,70 @@ def counted_bytes_equal_the_parameter_bytes() -> None:
     assert predicted == param_bytes
 
 
+class ResidualNet(nn.Module):
+    """A user's module tree with BatchNorm and a residual addition (not a Sequential)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.relu1, self.relu2 = nn.ReLU(), nn.ReLU()
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        out = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(h)))))
+        return self.head(self.relu2(out + h))
+
+
+@check
+def batch_norm_over_ranks_is_the_single_process_batch_norm() -> None:
+    """Each rank normalizes its rows by every rank's statistics: the same outputs, gradients
+    and running statistics as one process on the whole batch (float64, uneven rows), and the
+    bytes the planner predicts."""
+    from runner.core.placement import place_whole
+    from strategies.norm import batch_norm_ops
+
+    torch.manual_seed(3)
+    model = ResidualNet().double()
+    reference = ResidualNet().double()
+    reference.load_state_dict(model.state_dict())
+    place_whole(model)
+    grid = ProcessGrid(1, SIZE, COMM, counter=CommCounter(keep_records=True), backend=BACKEND)
+    pmodel = DataParallel().parallelize(model, (2, 6, 6), grid)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(2):
+        batch = 8 * SIZE
+        x = torch.randn(batch, 2, 6, 6, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (batch,), generator=gen)
+        rows = balanced_slice(batch, SIZE, RANK)
+        before = len(grid.counter.records)
+        pmodel.zero_grad()
+        F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+        pmodel.finish_gradient_sync()
+        reference.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        want = [p.grad for p in reference.parameters()]
+        got = [p.grad for p in pmodel.parameters()]
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.allclose(g, w, rtol=1e-10, atol=1e-12), (step, i, (g - w).abs().max())
+        for got_buffer, want_buffer in zip(model.buffers(), reference.buffers(), strict=True):
+            assert torch.allclose(got_buffer.double(), want_buffer.double(), rtol=1e-12), step
+        with torch.no_grad():
+            for p, q in zip(pmodel.parameters(), reference.parameters(), strict=True):
+                p -= 0.1 * p.grad
+                q -= 0.1 * q.grad
+        moved = [r for r in grid.counter.records[before:] if r.label.startswith("bn:")]
+        predicted = batch_norm_ops(reference, "world", SIZE, 8)
+        assert sorted((r.op, r.label, r.nbytes) for r in moved) == sorted(
+            (o.op, o.layer, o.nbytes) for o in predicted), (moved, predicted)
+    pmodel.eval()
+    x = torch.randn(5, 2, 6, 6, generator=gen, dtype=torch.float64)
+    reference.eval()
+    assert torch.allclose(pmodel(x), reference(x), rtol=1e-10, atol=1e-12)
+
+
 @check
 def an_unused_parameter_does_not_hang_the_exchange() -> None:
     class WithUnused(nn.Module):

@@ -55,6 +55,12 @@ def layer_stacks() -> dict[str, tuple[nn.Sequential, tuple[int, ...]]]:
         "conv_pool_flatten_linear": (nn.Sequential(nn.Conv2d(2, 5, 3, padding=1), nn.ReLU(),
                                                    nn.MaxPool2d(2), nn.Flatten(),
                                                    nn.Linear(5 * 3 * 2, 9)), (2, 6, 4)),
+        # A bias before a BatchNorm has a gradient of exactly zero, and float32 noise there:
+        # without one, as ResNets have it.
+        "conv_bn_linear_bn": (nn.Sequential(nn.Conv2d(2, 5, 3, padding=1, bias=False),
+                                            nn.BatchNorm2d(5), nn.ReLU(), nn.MaxPool2d(2),
+                                            nn.Flatten(), nn.Linear(5 * 3 * 2, 9, bias=False),
+                                            nn.BatchNorm1d(9)), (2, 6, 4)),
     }
 
 
@@ -98,6 +104,8 @@ def compare_stack(name: str, seq: nn.Sequential, sample: tuple[int, ...], grid: 
         part = Partition(total, grid.pr)
         for pname in ("weight", "bias"):
             local = getattr(shard, pname)
+            if local is None:
+                continue
             assert local.shape[0] == part.sizes[grid.model_index], (name, local.shape, part)
             grad = all_gather_op(local.grad * grid.size, grid.model, 0, part)
             close(grad, seq_grads[id(getattr(whole, pname))], f"{name} {pname} gradient")
@@ -154,7 +162,8 @@ def every_measured_collective_is_predicted() -> None:
         for model_name, build, sample in (
                 ("mlp", lambda: mlp((1, 8, 8), 10, hidden=(30, 21)), (1, 8, 8)),
                 ("cnn", lambda: cnn((1, 8, 8), 10, channels=(6, 10), hidden=(30, 21)),
-                 (1, 8, 8))):
+                 (1, 8, 8)),
+                ("cnn_bn", cnn_with_batch_norm, (1, 8, 8))):
             for name in ("data", "model", "grid", "domain"):
                 strategy = STRATEGIES.get(name)(bucket_cap_mb=0.004, first_bucket_mb=0.001)
                 if (strategy.check(grid.shape, 32)
@@ -177,6 +186,16 @@ def every_measured_collective_is_predicted() -> None:
                     assert measured == predicted, (
                         f"{name} {model_name} {pr}x{pc}: measured-only {measured - predicted}, "
                         f"predicted-only {predicted - measured}")
+
+
+def cnn_with_batch_norm() -> nn.Sequential:
+    """BatchNorm where each strategy puts it somewhere else: after a convolution (batch-parallel
+    under grid, split by channel under model, on height slabs under domain) and after a
+    fully-connected layer (split by feature under model and grid)."""
+    return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(6, 10, 3, padding=1), nn.BatchNorm2d(10),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(160, 30), nn.BatchNorm1d(30),
+                         nn.ReLU(), nn.Linear(30, 10))
 
 
 def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
