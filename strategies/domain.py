@@ -80,7 +80,9 @@ def _without_height_padding(layer: Windowed) -> Callable[[torch.Tensor], torch.T
                                   layer.dilation)
     if isinstance(layer, nn.MaxPool2d):
         return lambda x: F.max_pool2d(x, kernel, stride, (0, pad_w), layer.dilation)
-    return lambda x: F.avg_pool2d(x, kernel, stride, (0, pad_w), count_include_pad=True)
+    # divisor_override: a constant divisor, the same for a window wherever its rows come from.
+    return lambda x: F.avg_pool2d(x, kernel, stride, (0, pad_w), count_include_pad=True,
+                                  divisor_override=layer.divisor_override)
 
 
 class SpatialWindowed(nn.Module):
@@ -179,6 +181,13 @@ class DomainParallel(Strategy):
                     f"of shape {tuple(sample_shape)}"]
         shapes = output_shapes(layers, sample_shape)
         for i, layer in enumerate(layers[:end]):
+            if isinstance(layer, nn.Conv2d) and isinstance(layer.padding, str):
+                problems.append(f"layer {i} ({layer}): padding='{layer.padding}' is not "
+                                f"supported under strategy=domain; give the padding in rows")
+                continue
+            if isinstance(layer, nn.Conv2d) and layer.padding_mode != "zeros":
+                problems.append(f"layer {i} ({layer}): padding_mode='{layer.padding_mode}' "
+                                f"pads at the image's edges, which a height slab does not hold")
             if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)) and layer.ceil_mode:
                 problems.append(f"layer {i} ({layer}): ceil_mode is not supported")
             if (isinstance(layer, nn.AvgPool2d) and not layer.count_include_pad

@@ -157,12 +157,19 @@ class ShardedConv2d(nn.Module):
         super().__init__()
         channels = part.slice(index)
         self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        # A padding mode other than zeros pads the input first, as nn.Conv2d does (a channel
+        # split leaves every image whole, so any mode is the layer's own).
+        self.padding_mode = conv.padding_mode
+        self.explicit_padding = conv._reversed_padding_repeated_twice
         self.weight = nn.Parameter(conv.weight.detach()[channels].clone())
         self.bias = (None if conv.bias is None
                      else nn.Parameter(conv.bias.detach()[channels].clone()))
         _place(self, conv, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            return F.conv2d(F.pad(x, self.explicit_padding, mode=self.padding_mode), self.weight,
+                            self.bias, self.stride, 0, self.dilation)
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
 

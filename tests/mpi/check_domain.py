@@ -56,6 +56,7 @@ def layers():
     yield "maxpool k3 s2 p1", nn.MaxPool2d(3, 2, 1)
     yield "avgpool k2", nn.AvgPool2d(2)
     yield "avgpool k3 s1 p1", nn.AvgPool2d(3, 1, 1)
+    yield "avgpool k3 s1 p1 divisor 5", nn.AvgPool2d(3, 1, 1, divisor_override=5)
 
 
 @check

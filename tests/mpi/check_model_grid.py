@@ -55,6 +55,11 @@ def layer_stacks() -> dict[str, tuple[nn.Sequential, tuple[int, ...]]]:
         "conv_pool_flatten_linear": (nn.Sequential(nn.Conv2d(2, 5, 3, padding=1), nn.ReLU(),
                                                    nn.MaxPool2d(2), nn.Flatten(),
                                                    nn.Linear(5 * 3 * 2, 9)), (2, 6, 4)),
+        # Padding modes other than zeros: the sharded convolution pads as nn.Conv2d does.
+        "conv_reflect_same": (nn.Sequential(nn.Conv2d(3, 7, 3, padding=1, padding_mode="reflect"),
+                                            nn.ReLU(), nn.Conv2d(7, 4, 3, padding="same",
+                                                                 padding_mode="circular")),
+                              (3, 6, 5)),
         # A bias before a BatchNorm has a gradient of exactly zero, and float32 noise there:
         # without one, as ResNets have it.
         "conv_bn_linear_bn": (nn.Sequential(nn.Conv2d(2, 5, 3, padding=1, bias=False),

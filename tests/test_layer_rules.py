@@ -1,0 +1,46 @@
+"""Layers a strategy cannot split correctly are refused by name before anything starts; layers
+it can split are (the MPI checks prove the equalities: tests/mpi/check_model_grid.py,
+check_domain.py, check_data_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from runner.core import GridShape
+from runner.registry import load_plugins
+from strategies import STRATEGIES
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _strategies() -> None:
+    load_plugins()
+
+
+def _problems(strategy: str, *layers: nn.Module, pr: int = 2) -> list[str]:
+    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+    return STRATEGIES.get(strategy)().check_model(model, (1, 8, 8), GridShape(pr, 1))
+
+
+@pytest.mark.parametrize("layer,fragment", [
+    (nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"), "padding_mode='reflect'"),
+    (nn.Conv2d(1, 4, 3, padding="same"), "padding='same'"),
+])
+def test_domain_refuses_what_a_height_slab_cannot_compute(layer: nn.Module,
+                                                          fragment: str) -> None:
+    problems = _problems("domain", layer)
+    assert len(problems) == 1 and problems[0].startswith("layer 0 (Conv2d(") and \
+        fragment in problems[0], problems
+
+
+@pytest.mark.parametrize("strategy", ["model", "grid"])
+def test_a_channel_split_takes_any_padding(strategy: str) -> None:
+    assert _problems(strategy, nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect")) == []
+    assert _problems(strategy, nn.Conv2d(1, 4, 3, padding="same")) == []
+
+
+def test_batch_norm_without_running_statistics_is_refused_by_name() -> None:
+    layers = (nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False))
+    for strategy in ("data", "model", "grid"):
+        problems = _problems(strategy, *layers)
+        assert any("track_running_stats=False" in p for p in problems), (strategy, problems)
