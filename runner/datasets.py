@@ -217,3 +217,117 @@ class ZipfTokens:
         embedding table, for the planner."""
         absent_from_one = (1 - self.token_probabilities()).pow(self.seq_len).mean(dim=0)
         return float((1 - absent_from_one.pow(samples)).sum())
+
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                   "ship", "truck")
+CIFAR10_RECORD = 1 + 3 * 32 * 32  # a label byte, then 1024 red, 1024 green, 1024 blue bytes
+CIFAR10_TARBALL_DIR = "cifar-10-batches-bin"  # where cifar-10-binary.tar.gz unpacks its files
+# The per-channel mean and standard deviation of the 50,000 training images' pixels (in
+# [0, 1]): the published figures, used whatever `train_batches` and `limit` select, so a small
+# run sees its images exactly as the full one does.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+@register_dataset("cifar10")
+class Cifar10:
+    """CIFAR-10 (Krizhevsky, 2009) from its binary version in a local directory (never
+    downloaded): `data_batch_1.bin` … `data_batch_5.bin` train, `test_batch.bin` validates.
+    Each file is a run of 3073-byte records: the label (0–9), then the 32×32 image's red, green
+    and blue planes, row-major. `root` may also be the directory holding `cifar-10-batches-bin`
+    (cifar-10-binary.tar.gz unpacked). Images (3, 32, 32) float32 in [0, 1], normalised per
+    channel with the published training-set mean and standard deviation when `normalize`."""
+
+    def __init__(self, root: str | None = None, train_batches: Sequence[int] = (1, 2, 3, 4, 5),
+                 limit: int | None = None, normalize: bool = True,
+                 classes: Sequence[str] = CIFAR10_CLASSES) -> None:
+        problems = []
+        if root is None or not str(root).strip():
+            problems.append("dataset.root is required: the directory holding CIFAR-10's binary "
+                            "files (data_batch_1.bin ... data_batch_5.bin, test_batch.bin, as "
+                            "cifar-10-binary.tar.gz unpacks them); nothing is downloaded")
+        batches = [int(b) for b in train_batches]
+        if not batches or any(not 1 <= b <= 5 for b in batches) or len(set(batches)) < len(
+                batches):
+            problems.append(f"dataset.train_batches must be distinct numbers from 1 to 5, got "
+                            f"{list(train_batches)}")
+        if limit is not None and limit < 1:
+            problems.append(f"dataset.limit must be null or >= 1, got {limit}")
+        if len(classes) < 2 or len(set(classes)) < len(classes):
+            problems.append(f"dataset.classes must be >= 2 distinct names (label i is the i-th), "
+                            f"got {list(classes)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.root = Path(str(root)).expanduser()
+        self.train_batches, self.limit, self.normalize = batches, limit, normalize
+        self.classes = tuple(str(c) for c in classes)
+
+    def directory(self) -> Path:
+        """`root`, or its `cifar-10-batches-bin` when the files are there."""
+        if not self.root.is_dir():
+            raise ValueError(f"dataset.root={self.root}: no such directory")
+        nested = self.root / CIFAR10_TARBALL_DIR
+        if not (self.root / "test_batch.bin").exists() and nested.is_dir():
+            return nested
+        return self.root
+
+    def _records(self, name: str) -> tuple[Path, int]:
+        """A file of the dataset and its number of records; ValueError naming it when it is
+        missing or not a whole number of records."""
+        directory = self.directory()
+        path = directory / name
+        if not path.is_file():
+            where = (f"{self.root} or {self.root / CIFAR10_TARBALL_DIR}" if directory == self.root
+                     else str(directory))
+            raise ValueError(f"dataset.root={self.root}: CIFAR-10 file {name} is missing (looked "
+                             f"in {where})")
+        size = path.stat().st_size
+        if size == 0 or size % CIFAR10_RECORD:
+            raise ValueError(f"dataset.root={self.root}: {path} has {size} bytes, not a whole "
+                             f"number of {CIFAR10_RECORD}-byte CIFAR-10 records (a truncated "
+                             f"or foreign file)")
+        return path, size // CIFAR10_RECORD
+
+    def _train_files(self) -> list[tuple[Path, int]]:
+        """The training files and how many records of each are used (`limit`)."""
+        used, left = [], self.limit
+        for batch in self.train_batches:
+            path, records = self._records(f"data_batch_{batch}.bin")
+            take = records if left is None else min(records, left)
+            if take:
+                used.append((path, take))
+            if left is not None:
+                left -= take
+        return used
+
+    def spec(self) -> DatasetSpec:
+        # sizes from the files' lengths: the head checks every file without reading it
+        train = sum(take for _, take in self._train_files())
+        _, val = self._records("test_batch.bin")
+        return DatasetSpec((3, 32, 32), len(self.classes), train, val)
+
+    def _read(self, files: list[tuple[Path, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        import numpy as np
+
+        chunks = [np.fromfile(path, dtype=np.uint8, count=take * CIFAR10_RECORD).reshape(
+            take, CIFAR10_RECORD) for path, take in files]
+        for (path, _), chunk in zip(files, chunks, strict=True):
+            if chunk.size and int(chunk[:, 0].max()) >= len(self.classes):
+                raise ValueError(f"dataset.root={self.root}: {path} has label "
+                                 f"{int(chunk[:, 0].max())}, but dataset.classes names "
+                                 f"{len(self.classes)} classes")
+        records = np.concatenate(chunks)
+        y = torch.from_numpy(records[:, 0].astype(np.int64))
+        x = torch.from_numpy(np.ascontiguousarray(records[:, 1:])).view(-1, 3, 32, 32)
+        x = x.to(torch.float32).div_(255.0)
+        if self.normalize:
+            mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
+            std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
+            x = x.sub_(mean).div_(std)
+        return x, y
+
+    def load(self) -> ClassificationData:
+        train_x, train_y = self._read(self._train_files())
+        val_x, val_y = self._read([self._records("test_batch.bin")])
+        return ClassificationData(train_x, train_y, val_x, val_y)
