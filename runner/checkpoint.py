@@ -773,13 +773,17 @@ class Checkpoint:
         for name in self.files:
             self.read_shard(name)
 
-    def model_problem(self, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-        """Why this checkpoint is not one of the model whose parameters have `shapes` (by
-        `state_dict` name): a tensor that is not a parameter, or of another shape, or rows
-        that do not tile the parameter exactly (weights and centre: every parameter)."""
+    def model_problem(self, shapes: Mapping[str, tuple[int, ...]],
+                      buffers: Mapping[str, tuple[int, ...]] | None = None) -> str | None:
+        """Why this checkpoint is not one of the model whose parameters have `shapes` and
+        whose buffers `buffers` (by `state_dict` name): a tensor that is not one of them, or of
+        another shape, or rows that do not tile it exactly (weights and centre: every
+        parameter)."""
         spans: dict[tuple[str, int | None, str], list[tuple[int, int]]] = {}
+        known = {**(buffers or {}), **shapes}
         for _, entry in self.entries:
-            shape = shapes.get(entry.name)
+            shape = (buffers or {}).get(entry.name) if entry.kind == BUFFERS else \
+                shapes.get(entry.name)
             if shape is None:
                 return f"its {entry.kind} tensor {entry.name!r} is not a parameter of this model"
             if entry.shape != shape:
@@ -798,9 +802,9 @@ class Checkpoint:
                     what = "overlap" if start < reached else "leave a gap"
                     return f"its {kind} rows of {name} {what} at row {min(start, reached)}"
                 reached = stop
-            if reached != global_rows(shapes[name]):
+            if reached != global_rows(known[name]):
                 return (f"its {kind} rows of {name} stop at {reached} of "
-                        f"{global_rows(shapes[name])}")
+                        f"{global_rows(known[name])}")
         whole = {(kind, replica) for kind, replica, _ in spans if kind in WHOLE_KINDS}
         if not any(kind == "model" for kind, _ in whole):
             return "it holds no model weights"
@@ -1050,10 +1054,14 @@ def find_resume_checkpoint(resume: str | None, checkpoints: Path | None,
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """The model's parameters and buffers by `state_dict` name: what a checkpoint's entries
-    name (`runner.core.placement.place_whole`)."""
-    return {name: tuple(tensor.shape)
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+    """The model's parameters by `state_dict` name: what a checkpoint's entries name
+    (`runner.core.placement.place_whole`)."""
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def buffer_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The model's buffers (running statistics) by `state_dict` name."""
+    return {name: tuple(buffer.shape) for name, buffer in model.named_buffers()}
 
 
 def verify_resume(resume: str | None, checkpoints: Path, model: torch.nn.Module
@@ -1068,7 +1076,7 @@ def verify_resume(resume: str | None, checkpoints: Path, model: torch.nn.Module
     older checkpoint of the same run would not fit either)."""
     path, notes = find_resume_checkpoint(resume, checkpoints)
     if path is not None:
-        problem = Checkpoint(path).model_problem(parameter_shapes(model))
+        problem = Checkpoint(path).model_problem(parameter_shapes(model), buffer_shapes(model))
         if problem is not None:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST}: not a checkpoint of this "
                                   f"model: {problem} (another model or dataset?)")

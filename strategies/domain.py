@@ -44,6 +44,7 @@ from strategies.sharded import (
     plan_layers,
     rank0_param_items,
     split_param_bytes,
+    whole_norm_problems,
     whole_param_items,
 )
 
@@ -201,6 +202,9 @@ class DomainParallel(Strategy):
                                 f"or taller inputs)")
         if sample_shape[1] < grid.pr:
             problems.append(f"input height {sample_shape[1]} is smaller than grid.pr={grid.pr}")
+        if grid.pr > 1:
+            problems += [f"strategy=domain cannot split {p}"
+                         for p in whole_norm_problems(layers, end)]
         return problems
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,

@@ -35,6 +35,7 @@ from strategies.sharded import (
     rank0_param_items,
     split_param_bytes,
     unsupported_layers,
+    whole_norm_problems,
     whole_param_items,
 )
 
@@ -140,7 +141,12 @@ class GridParallel(Strategy):
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
-        return sequential_problems(model, self.name)
+        problems = sequential_problems(model, self.name)
+        if problems or grid.pr == 1:
+            return problems
+        assert isinstance(model, nn.Sequential)
+        return [f"strategy={self.name} cannot split {p}"
+                for p in whole_norm_problems(list(model), self.split(model))]
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:

@@ -98,6 +98,25 @@ def unsupported_layers(layers: Sequence[nn.Module]) -> list[str]:
     return problems
 
 
+def whole_norm_problems(layers: Sequence[nn.Module], start: int) -> list[str]:
+    """BatchNorms of the split part that would normalize whole features (after a gather, or
+    before the first split layer): every rank of the model group would hold a partial
+    gradient of their weights (its share of the next split layer's input gradient), which no
+    exchange here sums. Refused by name rather than trained wrongly."""
+    problems = []
+    sharded = False
+    for step in plan_layers(layers, start, 2):
+        if step.kind == "shard":
+            sharded = True
+        elif step.kind == "gather" or step.kind == "to_rows":
+            sharded = False
+        elif isinstance(layers[step.layer], BATCH_NORMS) and not sharded:
+            problems.append(f"layer {step.layer} ({type(layers[step.layer]).__name__}): a "
+                            f"BatchNorm on features no Linear or Conv2d before it has split "
+                            f"(put it right after one)")
+    return problems
+
+
 def plan_layers(layers: Sequence[nn.Module], start: int, group_size: int) -> list[PlanStep]:
     """Where shards, gathers and the final repartition go for `layers[start:]`."""
     steps: list[PlanStep] = []

@@ -339,3 +339,51 @@ def test_half_precision_learns_like_fp32_and_moves_the_predicted_bytes(
     assert all(m["comm_bytes"] == predicted for m in read_metrics(run_dir) if "split" not in m)
     if precision == "fp16":
         assert summary["precision"]["skipped_steps"] == 0  # digits never overflow at 2^16
+
+
+RESNET = ["model=resnet", "model.widths=[4,8]", "model.blocks=[1,1]", "trainer.steps=20",
+          "trainer.dtype=float64", "trainer.eval_every=null"]
+
+
+def test_a_resnet_with_batch_norm_trains_data_parallel_as_one_process(session_tmp: Path) -> None:
+    """A module tree with residual additions and BatchNorm under strategy=data: the statistics
+    of every rank's rows, so 2 ranks give one process's losses (float64) and running
+    statistics (the validation loss reads them)."""
+    losses, summaries = [], []
+    for ranks in (1, 2):
+        run_dir = session_tmp / f"resnet_data_p{ranks}"
+        assert_ok(run_cli(*RESNET, "strategy=data", "grid.pr=1", f"grid.pc={ranks}",
+                          f"hydra.run.dir={run_dir}"))
+        losses.append(train_losses(run_dir))
+        summaries.append(read_summary(run_dir))
+    assert _relative_gap(losses[0], losses[1]) <= 1e-9
+    assert abs(summaries[0]["val_loss"] - summaries[1]["val_loss"]) <= 1e-9
+    assert summaries[1]["comm_bytes_per_step"] == summaries[1]["predicted_comm_bytes_per_step"]
+
+
+VGG_BN = ["model=vgg", "model.config=[6,M,10]", "model.batch_norm=true", "model.hidden=30",
+          "model.dropout=0.0", "trainer.dtype=float64", "trainer.steps=20",
+          "trainer.eval_every=null", "trainer.batch_size=32"]
+
+
+def test_a_batch_norm_checkpoint_resumes_on_other_grids_and_strategies(
+        session_tmp: Path) -> None:
+    """Written at grid 2x2 (BatchNorm batch-parallel, statistics over the world), resumed under
+    model 4x1 (BatchNorm split by channel) and data 1x4: the continued losses and the final
+    validation (which reads the running statistics) equal the uninterrupted run's."""
+    first = session_tmp / "vgg_bn_grid_2x2"
+    assert_ok(run_cli(*VGG_BN, "strategy=grid", "grid.pr=2", "grid.pc=2",
+                      "trainer.checkpoint_every=10", f"hydra.run.dir={first}"))
+    checkpoint = first / "checkpoints" / "step-00000010"
+    whole = read_metrics(first)
+    for strategy, pr, pc in (("model", 4, 1), ("data", 1, 4)):
+        resumed = session_tmp / f"vgg_bn_{strategy}_{pr}x{pc}_resumed"
+        assert_ok(run_cli(*VGG_BN, f"strategy={strategy}", f"grid.pr={pr}", f"grid.pc={pc}",
+                          f"trainer.resume={checkpoint}", f"hydra.run.dir={resumed}"))
+        later = [m for m in read_metrics(resumed) if "split" not in m]
+        assert [m["step"] for m in later] == list(range(11, 21))
+        before = {m["step"]: m["loss"] for m in whole if "split" not in m}
+        assert max(abs(m["loss"] - before[m["step"]]) / before[m["step"]] for m in later) <= 1e-9
+        summary = read_summary(resumed)
+        assert abs(summary["val_loss"] - read_summary(first)["val_loss"]) <= 1e-9
+        assert all(m["comm_bytes"] == summary["predicted_comm_bytes_per_step"] for m in later)

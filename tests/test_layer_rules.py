@@ -44,3 +44,17 @@ def test_batch_norm_without_running_statistics_is_refused_by_name() -> None:
     for strategy in ("data", "model", "grid"):
         problems = _problems(strategy, *layers)
         assert any("track_running_stats=False" in p for p in problems), (strategy, problems)
+
+
+def test_a_batch_norm_on_gathered_features_is_refused_not_trained_wrongly() -> None:
+    """After a gather every rank of the model group holds the whole features, and only a
+    partial gradient for the BatchNorm's weights: refused under the splitting strategies."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Flatten(), nn.BatchNorm1d(256),
+                          nn.Linear(256, 10))
+    for strategy in ("model", "domain"):
+        problems = STRATEGIES.get(strategy)().check_model(model, (1, 8, 8), GridShape(2, 1))
+        assert any("layer 2 (BatchNorm1d)" in p for p in problems), (strategy, problems)
+    # grid runs everything before the first Linear batch-parallel: the BatchNorm is whole there
+    # and its statistics are the world's
+    assert STRATEGIES.get("grid")().check_model(model, (1, 8, 8), GridShape(2, 1)) == []
+    assert STRATEGIES.get("data")().check_model(model, (1, 8, 8), GridShape(1, 2)) == []

@@ -204,9 +204,14 @@ def cnn_with_batch_norm() -> nn.Sequential:
 
 
 def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
-    model_cfg = ({"name": "mlp", "hidden": [30, 21], "activation": "relu"} if model == "mlp" else
-                 {"name": "cnn", "channels": [6, 10], "kernel_size": 3, "hidden": [30, 21],
-                  "activation": "relu"})
+    model_cfg = {
+        "mlp": {"name": "mlp", "hidden": [30, 21], "activation": "relu"},
+        "cnn": {"name": "cnn", "channels": [6, 10], "kernel_size": 3, "hidden": [30, 21],
+                "activation": "relu"},
+        # BatchNorm after every convolution; no dropout (its draws are per rank)
+        "vgg_bn": {"name": "vgg", "config": [6, "M", 10], "batch_norm": True, "hidden": 30,
+                   "dropout": 0.0},
+    }[model]
     return {
         "seed": 1, "grid": {"pr": pr, "pc": pc},
         "trainer": {"steps": 50, "batch_size": 32, "log_every": 1, "eval_every": 50,
@@ -225,7 +230,7 @@ def run(strategy: str, model: str, pr: int, pc: int, grid: ProcessGrid) -> Path:
 
 @check
 def training_reproduces_the_single_process_losses() -> None:
-    for model in ("mlp", "cnn"):
+    for model in ("mlp", "cnn", "vgg_bn"):
         reference = None
         if RANK == 0:
             reference = train_losses(run("grid", model, 1, 1, ProcessGrid(1, 1)))[0]
