@@ -38,6 +38,13 @@ from strategies.sharded import (
     whole_norm_problems,
     whole_param_items,
 )
+from strategies.tree import (
+    build_tree_model,
+    predict_tree_ops,
+    tree_activation_bytes,
+    tree_param_bytes,
+    tree_problems,
+)
 
 
 class GridParallelModel(ParallelModel):
@@ -135,12 +142,21 @@ def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, 
 
 @register_strategy("grid")
 class GridParallel(Strategy):
+    """A Sequential by the layer plan of `sharded.py`; any other module tree by the rules of
+    `strategies.tree` (torch.fx), which keep grid's layout: batch-parallel before the first
+    Linear, split from it on."""
+
+    batch_parallel_prefix = True  # model: False, every Linear and Conv2d split
+
     def split(self, model: nn.Sequential) -> int:
         """Layers before this index run batch-parallel; the rest are split over the model group."""
         return split_at_first_linear(model)
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
+        if not isinstance(model, nn.Sequential):
+            return tree_problems(model, sample_shape, self.name, self.batch_parallel_prefix,
+                                 grid.pr)
         problems = sequential_problems(model, self.name)
         if problems or grid.pr == 1:
             return problems
@@ -150,24 +166,35 @@ class GridParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            return build_tree_model(model, sample_shape, grid, self.batch_parallel_prefix,
+                                    sync_replica_gradients, self.bucket_cap_bytes,
+                                    self.first_bucket_bytes)
         return build_grid_model(model, grid, self.split(model), sync_replica_gradients,
                                 self.bucket_cap_bytes, self.first_bucket_bytes)
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            return predict_tree_ops(model, sample_shape, grid, global_batch,
+                                    self.batch_parallel_prefix, self.bucket_caps,
+                                    activation_itemsize([model], self.compute_dtype),
+                                    activation_itemsize([model]))
         return predict_grid_ops(model, self.split(model), sample_shape, grid, global_batch,
                                 self.bucket_caps, self.compute_dtype)
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            return tree_param_bytes(model, sample_shape, self.batch_parallel_prefix, grid.pr)
         return split_param_bytes(list(model), self.split(model), grid.pr)
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            return tree_activation_bytes(model, sample_shape, grid, global_batch,
+                                         self.batch_parallel_prefix,
+                                         activation_itemsize([model], self.compute_dtype))
         layers, split = list(model), self.split(model)
         rows = Partition(global_batch, grid.pc).sizes[0]
         prefix_sizes = feature_sizes(layers[:split], sample_shape) if split else []

@@ -16,6 +16,7 @@ from strategies.registry import register_strategy
 
 @register_strategy("model")
 class ModelParallel(GridParallel):
+    batch_parallel_prefix = False
     def split(self, model: nn.Sequential) -> int:
         return 0  # every layer split, none batch-parallel
 

@@ -361,25 +361,21 @@ def test_a_resnet_with_batch_norm_trains_data_parallel_as_one_process(session_tm
     assert summaries[1]["comm_bytes_per_step"] == summaries[1]["predicted_comm_bytes_per_step"]
 
 
-VGG_BN = ["model=vgg", "model.config=[6,M,10]", "model.batch_norm=true", "model.hidden=30",
-          "model.dropout=0.0", "trainer.dtype=float64", "trainer.steps=20",
-          "trainer.eval_every=null", "trainer.batch_size=32"]
-
-
-def test_a_batch_norm_checkpoint_resumes_on_other_grids_and_strategies(
-        session_tmp: Path) -> None:
-    """Written at grid 2x2 (BatchNorm batch-parallel, statistics over the world), resumed under
-    model 4x1 (BatchNorm split by channel) and data 1x4: the continued losses and the final
-    validation (which reads the running statistics) equal the uninterrupted run's."""
-    first = session_tmp / "vgg_bn_grid_2x2"
-    assert_ok(run_cli(*VGG_BN, "strategy=grid", "grid.pr=2", "grid.pc=2",
-                      "trainer.checkpoint_every=10", f"hydra.run.dir={first}"))
+def test_a_resnet_checkpoint_resumes_on_other_grids_and_strategies(session_tmp: Path) -> None:
+    """A ResNet written at grid 2x2 (convolutions and BatchNorm batch-parallel, statistics over
+    the world), resumed under model 4x1 (every convolution and BatchNorm split by channel, the
+    running statistics re-sharded) and data 1x4: the continued losses and the final validation
+    (which reads the running statistics) equal the uninterrupted run's."""
+    first = session_tmp / "resnet_grid_2x2"
+    assert_ok(run_cli(*RESNET, "trainer.batch_size=32", "strategy=grid", "grid.pr=2",
+                      "grid.pc=2", "trainer.checkpoint_every=10", f"hydra.run.dir={first}"))
     checkpoint = first / "checkpoints" / "step-00000010"
     whole = read_metrics(first)
     for strategy, pr, pc in (("model", 4, 1), ("data", 1, 4)):
-        resumed = session_tmp / f"vgg_bn_{strategy}_{pr}x{pc}_resumed"
-        assert_ok(run_cli(*VGG_BN, f"strategy={strategy}", f"grid.pr={pr}", f"grid.pc={pc}",
-                          f"trainer.resume={checkpoint}", f"hydra.run.dir={resumed}"))
+        resumed = session_tmp / f"resnet_{strategy}_{pr}x{pc}_resumed"
+        assert_ok(run_cli(*RESNET, "trainer.batch_size=32", f"strategy={strategy}",
+                          f"grid.pr={pr}", f"grid.pc={pc}", f"trainer.resume={checkpoint}",
+                          f"hydra.run.dir={resumed}"))
         later = [m for m in read_metrics(resumed) if "split" not in m]
         assert [m["step"] for m in later] == list(range(11, 21))
         before = {m["step"]: m["loss"] for m in whole if "split" not in m}

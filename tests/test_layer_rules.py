@@ -5,6 +5,7 @@ check_domain.py, check_data_parallel.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from runner.core import GridShape
@@ -58,3 +59,41 @@ def test_a_batch_norm_on_gathered_features_is_refused_not_trained_wrongly() -> N
     # and its statistics are the world's
     assert STRATEGIES.get("grid")().check_model(model, (1, 8, 8), GridShape(2, 1)) == []
     assert STRATEGIES.get("data")().check_model(model, (1, 8, 8), GridShape(1, 2)) == []
+
+
+class _Gate(nn.Module):
+    """A user's module with parameters and no rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.view(1, -1, 1, 1)
+
+
+class _Net(nn.Module):
+    def __init__(self, middle: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.middle = nn.Conv2d(1, 4, 3, padding=1), middle
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.middle(self.conv(x)) + self.conv(x))
+
+
+def test_module_trees_are_split_by_rule_and_a_module_without_one_refused_by_name() -> None:
+    from strategies.tree import plan_tree
+
+    for strategy in ("model", "grid"):
+        assert STRATEGIES.get(strategy)().check_model(_Net(nn.ReLU()), (1, 8, 8),
+                                                      GridShape(2, 1)) == []
+    problems = STRATEGIES.get("model")().check_model(_Net(_Gate()), (1, 8, 8), GridShape(2, 1))
+    assert len(problems) == 1 and problems[0].startswith(
+        "strategy=model cannot split middle (_Gate) uses its tensor middle.scale directly in "
+        "forward, which has no rule"), problems
+    plan = plan_tree(_Net(nn.ReLU()), (1, 8, 8), batch_parallel_prefix=False, pr=2)
+    rules = {step.node.name: (step.rule, step.out) for step in plan.steps}
+    assert rules["conv"] == ("split", "split") and rules["middle"] == ("local", "split")
+    assert rules["add"] == ("function", "split")  # both branches split the same way
+    assert rules["head_1"] == ("split", "split") and rules["head_0"][1] == "whole"

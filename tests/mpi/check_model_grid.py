@@ -156,7 +156,7 @@ def every_measured_collective_is_predicted() -> None:
     strategy's prediction, for every strategy and grid, MLP and CNN with uneven widths."""
     from collections import Counter
 
-    from runner.models import cnn, mlp
+    from runner.models import cnn, mlp, resnet
     from strategies import STRATEGIES
 
     for pr, pc in [*GRIDS, (1, 2)]:
@@ -168,7 +168,9 @@ def every_measured_collective_is_predicted() -> None:
                 ("mlp", lambda: mlp((1, 8, 8), 10, hidden=(30, 21)), (1, 8, 8)),
                 ("cnn", lambda: cnn((1, 8, 8), 10, channels=(6, 10), hidden=(30, 21)),
                  (1, 8, 8)),
-                ("cnn_bn", cnn_with_batch_norm, (1, 8, 8))):
+                ("cnn_bn", cnn_with_batch_norm, (1, 8, 8)),
+                ("resnet", lambda: resnet((1, 8, 8), 10, widths=(4, 6), blocks=(1, 1)),
+                 (1, 8, 8))):
             for name in ("data", "model", "grid", "domain"):
                 strategy = STRATEGIES.get(name)(bucket_cap_mb=0.004, first_bucket_mb=0.001)
                 if (strategy.check(grid.shape, 32)
@@ -203,6 +205,10 @@ def cnn_with_batch_norm() -> nn.Sequential:
                          nn.ReLU(), nn.Linear(30, 10))
 
 
+# The newer models' runs are shorter: their rules are checked step by step all the same.
+STEPS = {"mlp": 50, "cnn": 50, "vgg_bn": 20, "resnet": 20}
+
+
 def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
     model_cfg = {
         "mlp": {"name": "mlp", "hidden": [30, 21], "activation": "relu"},
@@ -211,10 +217,13 @@ def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
         # BatchNorm after every convolution; no dropout (its draws are per rank)
         "vgg_bn": {"name": "vgg", "config": [6, "M", 10], "batch_norm": True, "hidden": 30,
                    "dropout": 0.0},
+        # a module tree: residual additions, projection shortcuts (widths that do not divide
+        # by Pr), BatchNorm (strategies/tree.py)
+        "resnet": {"name": "resnet", "widths": [4, 6], "blocks": [1, 1]},
     }[model]
     return {
         "seed": 1, "grid": {"pr": pr, "pc": pc},
-        "trainer": {"steps": 50, "batch_size": 32, "log_every": 1, "eval_every": 50,
+        "trainer": {"steps": STEPS[model], "batch_size": 32, "log_every": 1, "eval_every": 50,
                     "checkpoint_every": None, "resume": None, "threads": None},
         "model": model_cfg, "dataset": {"name": "digits", "val_fraction": 0.2},
         "strategy": {"name": strategy}, "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
@@ -230,7 +239,7 @@ def run(strategy: str, model: str, pr: int, pc: int, grid: ProcessGrid) -> Path:
 
 @check
 def training_reproduces_the_single_process_losses() -> None:
-    for model in ("mlp", "cnn", "vgg_bn"):
+    for model in ("mlp", "cnn", "vgg_bn", "resnet"):
         reference = None
         if RANK == 0:
             reference = train_losses(run("grid", model, 1, 1, ProcessGrid(1, 1)))[0]
@@ -246,7 +255,7 @@ def training_reproduces_the_single_process_losses() -> None:
                 if grid.rank != 0:
                     continue
                 got, lines = train_losses(path)
-                assert len(got) == 50
+                assert len(got) == STEPS[model]
                 gap = max(abs(a - b) / abs(a) for a, b in zip(reference, got, strict=True))
                 assert gap <= 1e-5, f"{strategy} {model} {pr}x{pc}: relative gap {gap}"
                 summary = json.loads((path / "summary.json").read_text())

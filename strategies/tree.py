@@ -1,0 +1,530 @@
+"""`model` and `grid` over module trees (ResNets, a user's own modules), not only sequences.
+
+The model is traced by torch.fx into a graph of its modules and functions in the order they
+run (a residual block's shortcut reads the block's input; the addition is a node of its own),
+and each node gets a rule by its module type or function. A rule says in which *layout* it
+needs its inputs and which layout its output has; where a value's layout differs from what a
+node needs, the conversion between them is the communication (`runner.core.primitives`, each
+with its adjoint as its backward). Layouts of an activation within a model group (the batch
+group always splits the rows of the global batch):
+
+- `whole`: every rank of the model group holds all of the group's rows, all channels;
+- `split`: all of the group's rows, this rank's slice of the channels (dim 1), as a split
+  Linear or Conv2d outputs them (`Partition(C, Pr)`);
+- `rows`: this rank's sub-shard of the group's rows, all channels (batch-parallel).
+
+Conversions: split → whole is an all-gather of dim 1 over the model group (adjoint:
+reduce-scatter); rows → whole an all-gather of dim 0; whole → rows keeps this rank's rows (no
+communication: the gather that made the value whole sums the gradients back); split → rows a
+repartition (an all-to-all each way). A value converted once is reused by every node that
+needs it in that layout (a block's input feeds its first convolution and its projection).
+
+Rules:
+- Linear, Conv2d (ungrouped): under `model`, and under `grid` from the first Linear on, split
+  by output features/channels (`sharded.py`): input whole, output split, gradients summed over
+  the batch group. Under `grid`, nodes before the first Linear run batch-parallel (`rows`),
+  their weights whole and summed over every rank.
+- BatchNorm: in `split`, its channels' slice with statistics over the batch group; in `rows`,
+  whole with statistics over every rank (`strategies.norm`). On whole features it is refused
+  (each rank would hold a partial gradient of its weights).
+- Channel-local modules (activations, pooling incl. adaptive, Dropout, Identity; a user adds
+  types with `register_channel_local`) and elementwise functions: any layout, kept.
+- Flatten, view/reshape/flatten: whole or rows (a split input is gathered first).
+- Additions and other elementwise joins: inputs in one layout (split with split, else all made
+  whole, or rows where one already is).
+- Concatenation along dim 1: whole or rows inputs.
+- A module without parameters that has no rule runs on whole (or rows) inputs, on every rank of
+  the group: correct for anything that treats samples independently; one with parameters and
+  no rule is refused with its name and type, before any rank starts, as is any function with
+  no rule.
+- The output: each rank's own rows (the row contract of `strategies.base`).
+
+What moves is predicted from the same plan (`TreePlan.ops`), node by node, so measured bytes
+equal predicted bytes by construction of one plan for both.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core.cost import CommOp
+from runner.core.primitives import all_gather, repartition
+from strategies.base import ParallelModel, gradient_exchange
+from strategies.buckets import predict_gradient_ops
+from strategies.norm import BATCH_NORMS, DistributedBatchNorm, batch_norm_problem
+from strategies.sharded import CHANNEL_LOCAL, SHARDABLE, ShardedConv2d, ShardedLinear
+
+Layout = Literal["whole", "split", "rows"]
+
+_channel_local: list[type[nn.Module]] = [
+    *CHANNEL_LOCAL, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Dropout, nn.Dropout2d,
+    nn.Hardtanh, nn.Softplus, nn.Mish, nn.Hardswish, nn.PReLU]
+
+
+def register_channel_local(module_type: type[nn.Module]) -> type[nn.Module]:
+    """Declare a user's module type as acting on each channel (and sample) alone: it then runs
+    on split channels, whole or rows as they come. Usable as a class decorator."""
+    _channel_local.append(module_type)
+    return module_type
+
+
+_ELEMENTWISE_FUNCTIONS: set[Any] = {
+    F.relu, torch.relu, F.gelu, torch.sigmoid, torch.tanh, F.silu, F.leaky_relu, F.dropout,
+    F.relu6, F.elu, F.hardtanh}
+_JOIN_FUNCTIONS: set[Any] = {operator.add, operator.iadd, torch.add, operator.mul, torch.mul,
+                             operator.sub, torch.sub}
+_ELEMENTWISE_METHODS = {"relu", "relu_", "sigmoid", "tanh", "add", "add_", "mul", "mul_",
+                        "contiguous"}
+_RESHAPING_METHODS = {"view", "reshape", "flatten"}
+_PASS_METHODS = {"size", "dim"}
+
+
+class TreeRefused(ValueError):
+    """A node no rule can split correctly (the message names it)."""
+
+
+@dataclass
+class Step:
+    """One node of the traced graph, with what its rule decided."""
+
+    node: torch.fx.Node
+    rule: str  # input, split, local, norm_split, norm_rows, join, flatten, function, output
+    needs: dict[str, Layout]  # per tensor input node name: the layout it is used in
+    out: Layout | None  # None: not a tensor in a layout (a size)
+    batch_parallel: bool = False  # under grid, before the first Linear
+
+
+@dataclass
+class TreePlan:
+    """The rules and layouts of every node, and the conversions between them."""
+
+    graph: torch.fx.GraphModule
+    steps: list[Step]
+    shapes: dict[str, tuple[int, ...]]  # per node: its output's per-sample shape
+    channels: dict[str, int] = field(default_factory=dict)  # per split node: its whole dim 1
+
+    def modules(self) -> dict[str, nn.Module]:
+        return dict(self.graph.named_modules())
+
+
+def trace(model: nn.Module, sample_shape: Sequence[int]) -> tuple[torch.fx.GraphModule,
+                                                                  dict[str, tuple[int, ...]]]:
+    """The model's graph, and every node's per-sample output shape (one sample pushed through
+    in evaluation mode, on the model's device: no memory or compute on the meta device)."""
+    try:
+        graph = torch.fx.GraphModule(model, _Tracer().trace(model))
+    except Exception as exc:  # data-dependent control flow, unsupported Python
+        raise TreeRefused(f"torch.fx cannot trace {type(model).__name__}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None else torch.float32
+    training = model.training
+    model.eval()
+    graph.eval()
+    with torch.no_grad():
+        ShapeProp(graph).propagate(torch.zeros(1, *sample_shape, device=device, dtype=dtype))
+    model.train(training)
+    graph.train(training)
+    shapes = {}
+    for node in graph.graph.nodes:
+        meta = node.meta.get("tensor_meta")
+        if meta is not None and hasattr(meta, "shape"):
+            shapes[node.name] = tuple(meta.shape[1:])
+    return graph, shapes
+
+
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer, with a user's registered module types kept whole (a leaf: their rule
+    applies to the module, not to what is inside)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, tuple(_channel_local)) or super().is_leaf_module(
+            m, module_qualified_name)
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return [n for n in dict.fromkeys(found)]
+
+
+def _function_name(target: Any) -> str:
+    return getattr(target, "__name__", str(target))
+
+
+def plan_tree(model: nn.Module, sample_shape: Sequence[int], batch_parallel_prefix: bool,
+              pr: int) -> TreePlan:
+    """The rule of every node (see the module docstring). `batch_parallel_prefix`: grid's
+    layout, nodes before the first Linear batch-parallel. Raises `TreeRefused`."""
+    graph, shapes = trace(model, sample_shape)
+    modules = dict(graph.named_modules())
+    first_linear = next((i for i, node in enumerate(graph.graph.nodes)
+                         if node.op == "call_module"
+                         and isinstance(modules[str(node.target)], nn.Linear)), None)
+    layout: dict[str, Layout | None] = {}
+    plan = TreePlan(graph, [], shapes)
+    for index, node in enumerate(graph.graph.nodes):
+        in_prefix = (batch_parallel_prefix and pr > 1
+                     and (first_linear is None or index < first_linear))
+        step = _rule(node, modules, layout, in_prefix, pr, model)
+        step.batch_parallel = in_prefix
+        layout[node.name] = step.out
+        if step.out == "split":
+            plan.channels[node.name] = shapes[node.name][0]
+        for name, needed in step.needs.items():
+            if layout[name] == "split" and needed != "split":
+                plan.channels.setdefault(name, shapes[name][0])
+        plan.steps.append(step)
+    return plan
+
+
+def _same_or_whole(layouts: list[Layout]) -> Layout:
+    if len(set(layouts)) == 1:
+        return layouts[0]
+    return "rows" if "rows" in layouts and "split" not in layouts else "whole"
+
+
+def _rule(node: torch.fx.Node, modules: dict[str, nn.Module],
+          layout: dict[str, Layout | None], in_prefix: bool, pr: int, model: nn.Module) -> Step:
+    inputs = [n for n in _tensor_inputs(node) if layout.get(n.name) is not None]
+    current = {n.name: layout[n.name] for n in inputs}
+    first: Layout | None = current[inputs[0].name] if inputs else None
+    keep = {name: value for name, value in current.items() if value is not None}
+
+    def unsplit(value: Layout | None) -> Layout:
+        return "whole" if value in (None, "split") else value
+
+    if node.op == "placeholder":
+        return Step(node, "input", {}, "whole")
+    if node.op == "output":
+        return Step(node, "output", {n: "rows" for n in keep}, None)
+    if node.op == "get_attr":
+        owner = str(node.target).rpartition(".")[0]
+        what = (f"{owner} ({type(model.get_submodule(owner)).__name__})" if owner
+                else "the model")
+        raise TreeRefused(f"{what} uses its tensor {node.target} directly in forward, which "
+                          f"has no rule: strategy=data trains it, or register its type with "
+                          f"strategies.tree.register_channel_local if it acts per channel")
+    if node.op == "call_module":
+        module = modules[str(node.target)]
+        name = f"{node.target} ({type(module).__name__})"
+        if isinstance(module, SHARDABLE) and not in_prefix:
+            if isinstance(module, nn.Conv2d) and module.groups != 1:
+                raise TreeRefused(f"{name}: a grouped convolution cannot be split by channel")
+            return Step(node, "split", {n: "whole" for n in keep}, "split")
+        if isinstance(module, BATCH_NORMS):
+            problem = batch_norm_problem(module)
+            if problem is not None:
+                raise TreeRefused(f"{name}: {problem}")
+            if in_prefix or first == "rows":
+                return Step(node, "norm_rows", {n: "rows" for n in keep}, "rows")
+            if first == "split":
+                return Step(node, "norm_split", dict(keep), "split")
+            raise TreeRefused(f"{name}: a BatchNorm on features no Linear or Conv2d before it "
+                              f"has split (put it right after one)")
+        if in_prefix:
+            if any(True for _ in module.parameters()) and not isinstance(module, SHARDABLE) \
+                    and not isinstance(module, tuple(_channel_local)):
+                raise TreeRefused(f"{name} has parameters and no rule")
+            return Step(node, "local", {n: "rows" for n in keep}, "rows")
+        if isinstance(module, tuple(_channel_local)):
+            if any(True for _ in module.parameters()) and first == "split":
+                raise TreeRefused(f"{name}: channel-local with parameters on split channels "
+                                  f"has no rule")
+            return Step(node, "local", dict(keep), first)
+        if any(True for _ in module.parameters()):
+            raise TreeRefused(f"{name} has parameters and no rule: strategy=data trains it, "
+                              f"or register a rule")
+        wanted = unsplit(first)  # Flatten, and any parameter-free module without a rule
+        return Step(node, "local", {n: wanted for n in keep}, wanted)
+    if node.op == "call_function":
+        function = node.target
+        values = [value for value in keep.values()]
+        if function in _ELEMENTWISE_FUNCTIONS:
+            return Step(node, "function", dict(keep), first)
+        if function in _JOIN_FUNCTIONS:
+            joined = _same_or_whole(values) if values else None
+            if in_prefix and joined is not None:
+                joined = "rows"
+            return Step(node, "function", {n: joined for n in keep}, joined)  # type: ignore[misc]
+        if function is torch.flatten:
+            out = "rows" if in_prefix else unsplit(first)
+            return Step(node, "function", {n: out for n in keep}, out)
+        if function is torch.cat:
+            out = "rows" if in_prefix else unsplit(_same_or_whole(values))
+            return Step(node, "function", {n: out for n in keep}, out)
+        raise TreeRefused(f"{node.name}: the function {_function_name(function)} has no rule")
+    if node.op == "call_method":
+        method = str(node.target)
+        if method in _PASS_METHODS:
+            return Step(node, "function", dict(keep), None)
+        if method in _ELEMENTWISE_METHODS:
+            values = list(keep.values())
+            joined = _same_or_whole(values)
+            if in_prefix:
+                joined = "rows"
+            return Step(node, "function", {n: joined for n in keep}, joined)
+        if method in _RESHAPING_METHODS:
+            out = "rows" if in_prefix else unsplit(first)
+            return Step(node, "function", {n: out for n in keep}, out)
+        raise TreeRefused(f"{node.name}: the method .{method}() has no rule")
+    raise TreeRefused(f"{node.name}: {node.op} has no rule")
+
+
+# -- the parallel model -----------------------------------------------------------------------
+
+
+class TreeParallelModel(ParallelModel):
+    """Runs the plan: each node's module (split where the plan splits it) or function on its
+    inputs converted to the layouts it needs."""
+
+    def __init__(self, grid: ProcessGrid, plan: TreePlan, split_modules: dict[str, nn.Module],
+                 stats_batch: CountedComm, stats_world: CountedComm) -> None:
+        super().__init__(grid)
+        self.plan = plan
+        self.graph_modules = nn.ModuleDict({_key(name): module
+                                            for name, module in split_modules.items()})
+        self.stats_batch, self.stats_world = stats_batch, stats_world
+
+    def _module(self, target: str) -> nn.Module:
+        return self.graph_modules[_key(target)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.grid.model
+        rows = Partition(x.shape[0], comm.size)
+        values: dict[str, torch.Tensor | Any] = {}
+        converted: dict[tuple[str, Layout], torch.Tensor] = {}
+        layouts: dict[str, Layout | None] = {}
+
+        def as_layout(node: torch.fx.Node, needed: Layout) -> Any:
+            value, have = values[node.name], layouts[node.name]
+            if have is None or have == needed or not isinstance(value, torch.Tensor):
+                return value
+            key = (node.name, needed)
+            if key not in converted:
+                converted[key] = convert(value, have, needed, comm, rows,
+                                         self.plan.channels.get(node.name, 0), node.name)
+            return converted[key]
+
+        result: Any = None
+        for step in self.plan.steps:
+            node = step.node
+            if step.rule == "input":
+                values[node.name], layouts[node.name] = x, "whole"
+                continue
+
+            def argument(n: torch.fx.Node, needs: dict[str, Layout] = step.needs) -> Any:
+                return as_layout(n, needs[n.name]) if n.name in needs else values[n.name]
+
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), argument)
+            if step.rule == "output":
+                result = args[0]
+                break
+            if node.op == "call_module":
+                out = self._module(str(node.target))(*args, **kwargs)
+            elif node.op == "call_function":
+                out = node.target(*args, **kwargs)  # type: ignore[operator]
+            else:
+                out = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            values[node.name], layouts[node.name] = out, step.out
+        assert isinstance(result, torch.Tensor), "the model must return one tensor"
+        return result
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__") or "root"
+
+
+def convert(value: torch.Tensor, have: Layout, needed: Layout, comm: CountedComm,
+            rows: Partition, channels: int, label: str) -> torch.Tensor:
+    """`value` from layout `have` to `needed` (module docstring)."""
+    if have == "split" and needed == "whole":
+        return all_gather(value, comm, 1, Partition(channels, comm.size), label=label)
+    if have == "rows" and needed == "whole":
+        return all_gather(value, comm, 0, rows, label=label)
+    if have == "whole" and needed == "rows":
+        return value[rows.slice(comm.rank)]
+    if have == "split" and needed == "rows":
+        return repartition(value, comm, 1, Partition(channels, comm.size), 0, rows, label=label)
+    raise AssertionError(f"no conversion from {have} to {needed}")
+
+
+def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: ProcessGrid,
+                     batch_parallel_prefix: bool, sync_replica_gradients: bool,
+                     bucket_cap_bytes: int, first_bucket_bytes: int) -> TreeParallelModel:
+    """This rank's part of `model` under the plan (see the module docstring)."""
+    plan = plan_tree(model, sample_shape, batch_parallel_prefix, grid.pr)
+    modules = plan.modules()
+    comm, index = grid.model, grid.model_index
+    local = CountedComm(None, grid.counter, "self")
+    stats_batch = grid.batch if sync_replica_gradients else local
+    stats_world = grid.world if sync_replica_gradients else grid.model
+    built: dict[str, nn.Module] = {}
+    split_params: list[nn.Parameter] = []
+    whole_params: list[nn.Parameter] = []
+    for step in plan.steps:
+        if step.node.op != "call_module":
+            continue
+        target = str(step.node.target)
+        if target in built:  # a module called at several nodes: one part, one set of weights
+            continue
+        module = modules[target]
+        channels = plan.channels.get(_input_name(step), 0)
+        if step.rule == "split":
+            assert isinstance(module, SHARDABLE)
+            total = module.out_features if isinstance(module, nn.Linear) else module.out_channels
+            part = Partition(total, comm.size)
+            built[target] = (ShardedLinear(module, part, index) if isinstance(module, nn.Linear)
+                             else ShardedConv2d(module, part, index))
+            split_params += list(built[target].parameters())
+        elif step.rule == "norm_split":
+            assert isinstance(module, BATCH_NORMS)
+            built[target] = DistributedBatchNorm(module, stats_batch, f"bn:{target}",
+                                                 Partition(channels, comm.size).slice(index))
+            split_params += list(built[target].parameters())
+        elif step.rule == "norm_rows":
+            assert isinstance(module, BATCH_NORMS)
+            built[target] = DistributedBatchNorm(module, stats_world, f"bn:{target}")
+            whole_params += list(built[target].parameters())
+        else:
+            built[target] = module
+            whole_params += list(module.parameters())
+    pmodel = TreeParallelModel(grid, plan, built, stats_batch, stats_world)
+    pmodel.replicated_in_model_group = whole_params
+    if sync_replica_gradients:
+        sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
+    else:
+        sharded_comm, replicated_comm, scale = local, grid.model, 1.0 / grid.pr
+    caps = (bucket_cap_bytes, first_bucket_bytes)
+    pmodel.reducers = (gradient_exchange(split_params, sharded_comm, scale, *caps)
+                       + gradient_exchange(whole_params, replicated_comm, scale, *caps))
+    return pmodel
+
+
+def _input_name(step: Step) -> str:
+    inputs = _tensor_inputs(step.node)
+    return inputs[0].name if inputs else ""
+
+
+# -- predictions ------------------------------------------------------------------------------
+
+
+def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridShape,
+                     global_batch: int, batch_parallel_prefix: bool, caps: tuple[int, int],
+                     itemsize: int, stats_itemsize: int) -> list[CommOp]:
+    """What model-group rank 0 of batch group 0 moves in one training step under the plan."""
+    plan = plan_tree(model, sample_shape, batch_parallel_prefix, grid.pr)
+    modules = plan.modules()
+    pr, pc = grid.pr, grid.pc
+    rows = Partition(global_batch, pc).sizes[0]
+    own_rows = Partition(rows, pr).sizes[0]
+    ops: list[CommOp] = []
+    layouts: dict[str, Layout | None] = {}
+    done: set[tuple[str, Layout]] = set()
+    split_items: list[tuple[str, list[tuple[int, torch.dtype]]]] = []
+    whole_items: list[tuple[str, list[tuple[int, torch.dtype]]]] = []
+    for step in plan.steps:
+        node = step.node
+        for name, needed in step.needs.items():
+            have = layouts.get(name)
+            if have is None or have == needed or (name, needed) in done:
+                continue
+            done.add((name, needed))
+            per_sample = math.prod(plan.shapes[name])
+            if pr > 1 and needed == "whole":  # a gather of dim 1 or dim 0, and its adjoint
+                n = rows * per_sample * itemsize
+                ops += [CommOp("allgather", "model", pr, n, name),
+                        CommOp("reduce_scatter", "model", pr, n, name)]
+            elif pr > 1 and have == "split" and needed == "rows":
+                channels = plan.channels[name]
+                shard = per_sample // channels * Partition(channels, pr).sizes[0]
+                ops += [CommOp("alltoall", "model", pr, rows * shard * itemsize, name),
+                        CommOp("alltoall", "model", pr, own_rows * per_sample * itemsize, name)]
+        layouts[node.name] = step.out
+        if node.op != "call_module":
+            continue
+        module = modules[str(node.target)]
+        label = str(node.target)
+        if step.rule in ("split", "norm_split"):
+            total = (plan.channels[_input_name(step)] if step.rule == "norm_split"
+                     else module.out_features if isinstance(module, nn.Linear)
+                     else getattr(module, "out_channels", 1))
+            mine = Partition(total, pr).sizes[0]
+            split_items.append((label, [(p.numel() // total * mine * p.element_size(), p.dtype)
+                                        for p in module.parameters()]))
+            if step.rule == "norm_split" and pc > 1:
+                n = pc * (2 * mine + 1) * stats_itemsize
+                ops += [CommOp("allgather", "batch", pc, n, f"bn:{label}"),
+                        CommOp("reduce_scatter", "batch", pc, n, f"bn:{label}")]
+        else:
+            params = [(p.numel() * p.element_size(), p.dtype) for p in module.parameters()]
+            if params:
+                whole_items.append((label, params))
+            if step.rule == "norm_rows" and grid.size > 1:
+                assert isinstance(module, BATCH_NORMS)
+                n = grid.size * (2 * module.num_features + 1) * stats_itemsize
+                ops += [CommOp("allgather", "world", grid.size, n, f"bn:{label}"),
+                        CommOp("reduce_scatter", "world", grid.size, n, f"bn:{label}")]
+    return (ops + predict_gradient_ops(split_items, "batch", pc, *caps)
+            + predict_gradient_ops(whole_items, "world", grid.size, *caps))
+
+
+def tree_problems(model: nn.Module, sample_shape: Sequence[int], strategy: str,
+                  batch_parallel_prefix: bool, pr: int) -> list[str]:
+    """Why the strategy cannot split `model` (empty: it can)."""
+    try:
+        plan_tree(model, sample_shape, batch_parallel_prefix, max(pr, 2))
+    except TreeRefused as exc:
+        return [f"strategy={strategy} cannot split {exc}"]
+    return []
+
+
+def tree_param_bytes(model: nn.Module, sample_shape: Sequence[int],
+                     batch_parallel_prefix: bool, pr: int) -> int:
+    """Rank 0's parameter bytes under the plan."""
+    plan = plan_tree(model, sample_shape, batch_parallel_prefix, pr)
+    modules = plan.modules()
+    total_bytes = 0
+    for step in plan.steps:
+        if step.node.op != "call_module":
+            continue
+        module = modules[str(step.node.target)]
+        params = list(module.parameters())
+        if step.rule in ("split", "norm_split"):
+            total = (plan.channels[_input_name(step)] if step.rule == "norm_split"
+                     else module.out_features if isinstance(module, nn.Linear)
+                     else getattr(module, "out_channels", 1))
+            mine = Partition(total, pr).sizes[0]
+            total_bytes += sum(p.numel() // total * mine * p.element_size() for p in params)
+        else:
+            total_bytes += sum(p.numel() * p.element_size() for p in params)
+    return total_bytes
+
+
+
+def tree_activation_bytes(model: nn.Module, sample_shape: Sequence[int], grid: GridShape,
+                          global_batch: int, batch_parallel_prefix: bool, itemsize: int) -> int:
+    """Bytes of node outputs rank 0 keeps for backward in one step (an estimate: split and
+    batch-parallel values are 1/Pr of the group's, whole ones all of it)."""
+    plan = plan_tree(model, sample_shape, batch_parallel_prefix, grid.pr)
+    rows = Partition(global_batch, grid.pc).sizes[0]
+    total = 0
+    for step in plan.steps:
+        shape = plan.shapes.get(step.node.name)
+        if shape is None or step.out is None:
+            continue
+        share = rows if step.out == "whole" else -(-rows // grid.pr)
+        total += share * math.prod(shape)
+    return total * itemsize
