@@ -66,6 +66,22 @@ def _padding(layer: Windowed) -> tuple[int, int]:
     return _pair(layer.padding)
 
 
+def windowed_problem(layer: Windowed) -> str | None:
+    """Why a height slab cannot compute `layer` as the whole image does (None: it can)."""
+    if isinstance(layer, nn.Conv2d) and isinstance(layer.padding, str):
+        return (f"padding='{layer.padding}' is not supported under strategy=domain; give the "
+                f"padding in rows")
+    if isinstance(layer, nn.Conv2d) and layer.padding_mode != "zeros":
+        return (f"padding_mode='{layer.padding_mode}' pads at the image's edges, which a "
+                f"height slab does not hold")
+    if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)) and layer.ceil_mode:
+        return "ceil_mode is not supported"
+    if isinstance(layer, nn.AvgPool2d) and not layer.count_include_pad and _pair(
+            layer.padding)[0]:
+        return "padding needs count_include_pad=True"
+    return None
+
+
 def height_window(layer: Windowed) -> Window:
     kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
     padding, dilation = _padding(layer), _pair(getattr(layer, "dilation", 1))
@@ -170,6 +186,13 @@ class DomainParallel(Strategy):
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
+        if not isinstance(model, nn.Sequential):  # a module tree (strategies/tree.py)
+            from strategies.tree import tree_problems
+
+            if len(sample_shape) != 3:
+                return [f"strategy=domain splits images in height: got inputs of shape "
+                        f"{tuple(sample_shape)}"]
+            return tree_problems(model, sample_shape, self.name, "domain", grid.pr)
         problems = sequential_problems(model, self.name)
         if problems:
             return problems
@@ -182,18 +205,9 @@ class DomainParallel(Strategy):
                     f"of shape {tuple(sample_shape)}"]
         shapes = output_shapes(layers, sample_shape)
         for i, layer in enumerate(layers[:end]):
-            if isinstance(layer, nn.Conv2d) and isinstance(layer.padding, str):
-                problems.append(f"layer {i} ({layer}): padding='{layer.padding}' is not "
-                                f"supported under strategy=domain; give the padding in rows")
-                continue
-            if isinstance(layer, nn.Conv2d) and layer.padding_mode != "zeros":
-                problems.append(f"layer {i} ({layer}): padding_mode='{layer.padding_mode}' "
-                                f"pads at the image's edges, which a height slab does not hold")
-            if isinstance(layer, (nn.MaxPool2d, nn.AvgPool2d)) and layer.ceil_mode:
-                problems.append(f"layer {i} ({layer}): ceil_mode is not supported")
-            if (isinstance(layer, nn.AvgPool2d) and not layer.count_include_pad
-                    and _pair(layer.padding)[0]):
-                problems.append(f"layer {i} ({layer}): padding needs count_include_pad=True")
+            problem = windowed_problem(layer) if isinstance(layer, WINDOWED) else None
+            if problem is not None:
+                problems.append(f"layer {i} ({layer}): {problem}")
             height = shapes[i][1]
             if height < grid.pr:
                 problems.append(f"strategy=domain splits each sample's height over grid.pr="
@@ -209,7 +223,11 @@ class DomainParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            from strategies.tree import build_tree_model
+
+            return build_tree_model(model, sample_shape, grid, "domain", sync_replica_gradients,
+                                    self.bucket_cap_bytes, self.first_bucket_bytes, self.overlap)
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
@@ -241,7 +259,13 @@ class DomainParallel(Strategy):
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            from strategies.tree import predict_tree_ops
+
+            return predict_tree_ops(model, sample_shape, grid, global_batch, "domain",
+                                    self.bucket_caps,
+                                    activation_itemsize([model], self.compute_dtype),
+                                    activation_itemsize([model]))
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
@@ -281,12 +305,19 @@ class DomainParallel(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            from strategies.tree import tree_param_bytes
+
+            return tree_param_bytes(model, sample_shape, "domain", grid.pr)
         return split_param_bytes(list(model), spatial_end(list(model)), grid.pr)
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
-        assert isinstance(model, nn.Sequential)
+        if not isinstance(model, nn.Sequential):
+            from strategies.tree import tree_activation_bytes
+
+            return tree_activation_bytes(model, sample_shape, grid, global_batch, "domain",
+                                         activation_itemsize([model], self.compute_dtype))
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)

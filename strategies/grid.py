@@ -39,6 +39,7 @@ from strategies.sharded import (
     whole_param_items,
 )
 from strategies.tree import (
+    Mode,
     build_tree_model,
     predict_tree_ops,
     tree_activation_bytes,
@@ -146,7 +147,7 @@ class GridParallel(Strategy):
     `strategies.tree` (torch.fx), which keep grid's layout: batch-parallel before the first
     Linear, split from it on."""
 
-    batch_parallel_prefix = True  # model: False, every Linear and Conv2d split
+    tree_mode: Mode = "grid"  # model: every Linear and Conv2d split
 
     def split(self, model: nn.Sequential) -> int:
         """Layers before this index run batch-parallel; the rest are split over the model group."""
@@ -155,7 +156,7 @@ class GridParallel(Strategy):
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
         if not isinstance(model, nn.Sequential):
-            return tree_problems(model, sample_shape, self.name, self.batch_parallel_prefix,
+            return tree_problems(model, sample_shape, self.name, self.tree_mode,
                                  grid.pr)
         problems = sequential_problems(model, self.name)
         if problems or grid.pr == 1:
@@ -167,7 +168,7 @@ class GridParallel(Strategy):
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
         if not isinstance(model, nn.Sequential):
-            return build_tree_model(model, sample_shape, grid, self.batch_parallel_prefix,
+            return build_tree_model(model, sample_shape, grid, self.tree_mode,
                                     sync_replica_gradients, self.bucket_cap_bytes,
                                     self.first_bucket_bytes)
         return build_grid_model(model, grid, self.split(model), sync_replica_gradients,
@@ -177,7 +178,7 @@ class GridParallel(Strategy):
                     global_batch: int) -> list[CommOp]:
         if not isinstance(model, nn.Sequential):
             return predict_tree_ops(model, sample_shape, grid, global_batch,
-                                    self.batch_parallel_prefix, self.bucket_caps,
+                                    self.tree_mode, self.bucket_caps,
                                     activation_itemsize([model], self.compute_dtype),
                                     activation_itemsize([model]))
         return predict_grid_ops(model, self.split(model), sample_shape, grid, global_batch,
@@ -186,14 +187,14 @@ class GridParallel(Strategy):
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
         if not isinstance(model, nn.Sequential):
-            return tree_param_bytes(model, sample_shape, self.batch_parallel_prefix, grid.pr)
+            return tree_param_bytes(model, sample_shape, self.tree_mode, grid.pr)
         return split_param_bytes(list(model), self.split(model), grid.pr)
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
         if not isinstance(model, nn.Sequential):
             return tree_activation_bytes(model, sample_shape, grid, global_batch,
-                                         self.batch_parallel_prefix,
+                                         self.tree_mode,
                                          activation_itemsize([model], self.compute_dtype))
         layers, split = list(model), self.split(model)
         rows = Partition(global_batch, grid.pc).sizes[0]

@@ -12,11 +12,12 @@ from torch import nn
 from runner.core import GridShape
 from strategies.grid import GridParallel
 from strategies.registry import register_strategy
+from strategies.tree import Mode
 
 
 @register_strategy("model")
 class ModelParallel(GridParallel):
-    batch_parallel_prefix = False
+    tree_mode: Mode = "model"
     def split(self, model: nn.Sequential) -> int:
         return 0  # every layer split, none batch-parallel
 

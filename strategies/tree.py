@@ -1,4 +1,5 @@
-"""`model` and `grid` over module trees (ResNets, a user's own modules), not only sequences.
+"""`model`, `grid` and `domain` over module trees (ResNets, a user's own modules), not only
+sequences.
 
 The model is traced by torch.fx into a graph of its modules and functions in the order they
 run (a residual block's shortcut reads the block's input; the addition is a node of its own),
@@ -11,12 +12,14 @@ group always splits the rows of the global batch):
 - `whole`: every rank of the model group holds all of the group's rows, all channels;
 - `split`: all of the group's rows, this rank's slice of the channels (dim 1), as a split
   Linear or Conv2d outputs them (`Partition(C, Pr)`);
-- `rows`: this rank's sub-shard of the group's rows, all channels (batch-parallel).
+- `rows`: this rank's sub-shard of the group's rows, all channels (batch-parallel);
+- `slab` (domain): all of the group's rows, this rank's rows of the image's height (dim 2).
 
 Conversions: split → whole is an all-gather of dim 1 over the model group (adjoint:
 reduce-scatter); rows → whole an all-gather of dim 0; whole → rows keeps this rank's rows (no
 communication: the gather that made the value whole sums the gradients back); split → rows a
-repartition (an all-to-all each way). A value converted once is reused by every node that
+repartition (an all-to-all each way); whole → slab keeps this rank's height rows, slab → whole
+all-gathers the height (domain's boundary). A value converted once is reused by every node that
 needs it in that layout (a block's input feeds its first convolution and its projection).
 
 Rules:
@@ -37,6 +40,12 @@ Rules:
   the group: correct for anything that treats samples independently; one with parameters and
   no rule is refused with its name and type, before any rank starts, as is any function with
   no rule.
+- Under `domain`, from the input on, as long as every node has a rule on height slabs: Conv2d
+  and pooling exchange halos (`SpatialWindowed`, overlapped), BatchNorm2d takes every rank's
+  slab statistics, row-local modules, elementwise functions and additions (a residual block's
+  branches are on the same slabs: one partition per height) run on the slab; every slab
+  output needs a row on each rank. The first node with no slab rule (a global pooling, a
+  Flatten) gathers the height, and the rest follows `model`'s rules.
 - The output: each rank's own rows (the row contract of `strategies.base`).
 
 What moves is predicted from the same plan (`TreePlan.ops`), node by node, so measured bytes
@@ -65,7 +74,8 @@ from strategies.buckets import predict_gradient_ops
 from strategies.norm import BATCH_NORMS, DistributedBatchNorm, batch_norm_problem
 from strategies.sharded import CHANNEL_LOCAL, SHARDABLE, ShardedConv2d, ShardedLinear
 
-Layout = Literal["whole", "split", "rows"]
+Layout = Literal["whole", "split", "rows", "slab"]
+Mode = Literal["model", "grid", "domain"]  # the strategy whose rules apply
 
 _channel_local: list[type[nn.Module]] = [
     *CHANNEL_LOCAL, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Dropout, nn.Dropout2d,
@@ -164,10 +174,11 @@ def _function_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def plan_tree(model: nn.Module, sample_shape: Sequence[int], batch_parallel_prefix: bool,
+def plan_tree(model: nn.Module, sample_shape: Sequence[int], mode: Mode,
               pr: int) -> TreePlan:
-    """The rule of every node (see the module docstring). `batch_parallel_prefix`: grid's
-    layout, nodes before the first Linear batch-parallel. Raises `TreeRefused`."""
+    """The rule of every node under `mode`'s rules (see the module docstring); under grid the
+    nodes before the first Linear run batch-parallel, under domain the nodes before the first
+    one with no rule on height slabs (`_slab_rule`). Raises `TreeRefused`."""
     graph, shapes = trace(model, sample_shape)
     modules = dict(graph.named_modules())
     first_linear = next((i for i, node in enumerate(graph.graph.nodes)
@@ -175,19 +186,83 @@ def plan_tree(model: nn.Module, sample_shape: Sequence[int], batch_parallel_pref
                          and isinstance(modules[str(node.target)], nn.Linear)), None)
     layout: dict[str, Layout | None] = {}
     plan = TreePlan(graph, [], shapes)
+    spatial = mode == "domain"
     for index, node in enumerate(graph.graph.nodes):
-        in_prefix = (batch_parallel_prefix and pr > 1
+        in_prefix = (mode == "grid" and pr > 1
                      and (first_linear is None or index < first_linear))
-        step = _rule(node, modules, layout, in_prefix, pr, model)
+        slab = _slab_rule(node, modules, layout, shapes, pr) if spatial else None
+        if slab is None:
+            spatial = False
+            # past the spatial part a slab is used whole: gathered where it is needed
+            seen_whole: dict[str, Layout | None] = {
+                name: "whole" if value == "slab" else value for name, value in layout.items()}
+            step = _rule(node, modules, seen_whole, in_prefix, pr, model)
+        else:
+            step = slab
         step.batch_parallel = in_prefix
         layout[node.name] = step.out
         if step.out == "split":
             plan.channels[node.name] = shapes[node.name][0]
+        if step.rule == "norm_split":
+            source = _tensor_inputs(node)[0].name
+            plan.channels.setdefault(source, shapes[source][0])
         for name, needed in step.needs.items():
             if layout[name] == "split" and needed != "split":
                 plan.channels.setdefault(name, shapes[name][0])
         plan.steps.append(step)
     return plan
+
+
+def _slab_rule(node: torch.fx.Node, modules: dict[str, nn.Module],
+               layout: dict[str, Layout | None], shapes: dict[str, tuple[int, ...]],
+               pr: int) -> Step | None:
+    """Under domain: the node's rule on height slabs, or None when it has none (the spatial
+    part ends there; a refused layer raises). Convolutions and pooling exchange halos,
+    BatchNorm takes every rank's statistics, row-local modules, elementwise functions and
+    additions run on the slab as it is. Every slab output needs a row on every rank."""
+    from strategies.domain import ROW_LOCAL, WINDOWED, windowed_problem
+
+    if node.op == "placeholder":
+        return Step(node, "input", {}, "whole")
+    inputs = {n.name: layout.get(n.name) for n in _tensor_inputs(node)}
+    if any(value not in ("slab", "whole") for value in inputs.values()) or not inputs:
+        return None
+    needs: dict[str, Layout] = {name: "slab" for name in inputs}
+    if node.op == "call_module":
+        module = modules[str(node.target)]
+        if isinstance(module, WINDOWED):
+            problem = windowed_problem(module)
+            if problem is not None:
+                raise TreeRefused(f"{node.target} ({module}): {problem}")
+            rule = "windowed"
+        elif isinstance(module, nn.BatchNorm2d):
+            problem = batch_norm_problem(module)
+            if problem is not None:
+                raise TreeRefused(f"{node.target}: {problem}")
+            rule = "norm_slab"
+        elif isinstance(module, ROW_LOCAL):
+            rule = "local"
+        else:
+            return None
+    elif _elementwise(node):
+        rule = "function"
+    else:
+        return None
+    shape = shapes.get(node.name, ())
+    if len(shape) != 3:
+        return None
+    if shape[1] < pr:
+        raise TreeRefused(f"{node.name}: strategy=domain splits each sample's height over "
+                          f"grid.pr={pr} ranks, but it outputs height {shape[1]}: every rank "
+                          f"needs a row (use a smaller grid.pr or taller inputs)")
+    return Step(node, rule, needs, "slab")
+
+
+def _elementwise(node: torch.fx.Node) -> bool:
+    """A function or method acting element by element (or joining same-shaped inputs)."""
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS or node.target in _JOIN_FUNCTIONS
+    return node.op == "call_method" and str(node.target) in _ELEMENTWISE_METHODS
 
 
 def _same_or_whole(layouts: list[Layout]) -> Layout:
@@ -230,7 +305,7 @@ def _rule(node: torch.fx.Node, modules: dict[str, nn.Module],
                 raise TreeRefused(f"{name}: {problem}")
             if in_prefix or first == "rows":
                 return Step(node, "norm_rows", {n: "rows" for n in keep}, "rows")
-            if first == "split":
+            if first == "split" or pr == 1:  # one rank: its split is everything
                 return Step(node, "norm_split", dict(keep), "split")
             raise TreeRefused(f"{name}: a BatchNorm on features no Linear or Conv2d before it "
                               f"has split (put it right after one)")
@@ -315,7 +390,8 @@ class TreeParallelModel(ParallelModel):
             key = (node.name, needed)
             if key not in converted:
                 converted[key] = convert(value, have, needed, comm, rows,
-                                         self.plan.channels.get(node.name, 0), node.name)
+                                         self.plan.channels.get(node.name, 0),
+                                         self.plan.shapes.get(node.name, ()), node.name)
             return converted[key]
 
         result: Any = None
@@ -343,13 +419,28 @@ class TreeParallelModel(ParallelModel):
         return result
 
 
+def _slab(height: int, comm: CountedComm) -> tuple[int, int]:
+    """This rank's rows of an image `height` rows high: (start, length)."""
+    rows = Partition(height, comm.size).slice(comm.rank)
+    return rows.start, rows.stop - rows.start
+
+
 def _key(name: str) -> str:
     return name.replace(".", "__") or "root"
 
 
 def convert(value: torch.Tensor, have: Layout, needed: Layout, comm: CountedComm,
-            rows: Partition, channels: int, label: str) -> torch.Tensor:
-    """`value` from layout `have` to `needed` (module docstring)."""
+            rows: Partition, channels: int, shape: tuple[int, ...],
+            label: str) -> torch.Tensor:
+    """`value` from layout `have` to `needed` (module docstring); `shape`: its per-sample
+    shape whole (a slab's whole height)."""
+    if have == "whole" and needed == "slab":  # every rank has the image: its rows, no message
+        return value.narrow(2, *_slab(value.shape[2], comm))
+    if have == "slab":  # the boundary: the slabs all-gathered in height (adjoint: scatter)
+        value = all_gather(value, comm, 2, Partition(shape[1], comm.size), label=label)
+        have = "whole"
+        if needed == "whole":
+            return value
     if have == "split" and needed == "whole":
         return all_gather(value, comm, 1, Partition(channels, comm.size), label=label)
     if have == "rows" and needed == "whole":
@@ -362,10 +453,12 @@ def convert(value: torch.Tensor, have: Layout, needed: Layout, comm: CountedComm
 
 
 def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: ProcessGrid,
-                     batch_parallel_prefix: bool, sync_replica_gradients: bool,
-                     bucket_cap_bytes: int, first_bucket_bytes: int) -> TreeParallelModel:
-    """This rank's part of `model` under the plan (see the module docstring)."""
-    plan = plan_tree(model, sample_shape, batch_parallel_prefix, grid.pr)
+                     mode: Mode, sync_replica_gradients: bool,
+                     bucket_cap_bytes: int, first_bucket_bytes: int,
+                     overlap: bool = True) -> TreeParallelModel:
+    """This rank's part of `model` under the plan (see the module docstring); `overlap`:
+    domain's halo exchanges overlap the rows that need none."""
+    plan = plan_tree(model, sample_shape, mode, grid.pr)
     modules = plan.modules()
     comm, index = grid.model, grid.model_index
     local = CountedComm(None, grid.counter, "self")
@@ -394,10 +487,17 @@ def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: Proces
             built[target] = DistributedBatchNorm(module, stats_batch, f"bn:{target}",
                                                  Partition(channels, comm.size).slice(index))
             split_params += list(built[target].parameters())
-        elif step.rule == "norm_rows":
+        elif step.rule in ("norm_rows", "norm_slab"):
             assert isinstance(module, BATCH_NORMS)
             built[target] = DistributedBatchNorm(module, stats_world, f"bn:{target}")
             whole_params += list(built[target].parameters())
+        elif step.rule == "windowed" and grid.pr > 1:
+            from strategies.domain import WINDOWED, SpatialWindowed
+
+            assert isinstance(module, WINDOWED)
+            height = plan.shapes[_input_name(step)][1]
+            built[target] = SpatialWindowed(module, comm, height, overlap)
+            whole_params += list(module.parameters())
         else:
             built[target] = module
             whole_params += list(module.parameters())
@@ -422,10 +522,10 @@ def _input_name(step: Step) -> str:
 
 
 def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridShape,
-                     global_batch: int, batch_parallel_prefix: bool, caps: tuple[int, int],
+                     global_batch: int, mode: Mode, caps: tuple[int, int],
                      itemsize: int, stats_itemsize: int) -> list[CommOp]:
     """What model-group rank 0 of batch group 0 moves in one training step under the plan."""
-    plan = plan_tree(model, sample_shape, batch_parallel_prefix, grid.pr)
+    plan = plan_tree(model, sample_shape, mode, grid.pr)
     modules = plan.modules()
     pr, pc = grid.pr, grid.pc
     rows = Partition(global_batch, pc).sizes[0]
@@ -435,15 +535,21 @@ def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridSh
     done: set[tuple[str, Layout]] = set()
     split_items: list[tuple[str, list[tuple[int, torch.dtype]]]] = []
     whole_items: list[tuple[str, list[tuple[int, torch.dtype]]]] = []
+    seen: set[str] = set()
+    needs_grad: dict[str, bool] = {}  # whether a value's gradient is computed (halos go back)
     for step in plan.steps:
         node = step.node
+        inputs = _tensor_inputs(node)
+        needs_grad[node.name] = any(needs_grad.get(n.name, False) for n in inputs)
         for name, needed in step.needs.items():
             have = layouts.get(name)
             if have is None or have == needed or (name, needed) in done:
                 continue
             done.add((name, needed))
             per_sample = math.prod(plan.shapes[name])
-            if pr > 1 and needed == "whole":  # a gather of dim 1 or dim 0, and its adjoint
+            # a gather (of channels, rows or height: a slab made rows is gathered first), and its
+            # adjoint
+            if pr > 1 and (needed == "whole" or (have == "slab" and needed == "rows")):
                 n = rows * per_sample * itemsize
                 ops += [CommOp("allgather", "model", pr, n, name),
                         CommOp("reduce_scatter", "model", pr, n, name)]
@@ -457,6 +563,14 @@ def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridSh
             continue
         module = modules[str(node.target)]
         label = str(node.target)
+        needs_grad[node.name] |= any(p.requires_grad for p in module.parameters())
+        if step.rule == "windowed" and pr > 1:
+            source = inputs[0].name
+            ops += _halo_ops(module, plan.shapes[source], rows, pr, itemsize, label,
+                             backward=needs_grad.get(source, False))
+        if label in seen:
+            continue
+        seen.add(label)
         if step.rule in ("split", "norm_split"):
             total = (plan.channels[_input_name(step)] if step.rule == "norm_split"
                      else module.out_features if isinstance(module, nn.Linear)
@@ -472,7 +586,7 @@ def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridSh
             params = [(p.numel() * p.element_size(), p.dtype) for p in module.parameters()]
             if params:
                 whole_items.append((label, params))
-            if step.rule == "norm_rows" and grid.size > 1:
+            if step.rule in ("norm_rows", "norm_slab") and grid.size > 1:
                 assert isinstance(module, BATCH_NORMS)
                 n = grid.size * (2 * module.num_features + 1) * stats_itemsize
                 ops += [CommOp("allgather", "world", grid.size, n, f"bn:{label}"),
@@ -481,20 +595,45 @@ def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridSh
             + predict_gradient_ops(whole_items, "world", grid.size, *caps))
 
 
+def _halo_ops(module: nn.Module, shape: tuple[int, ...], rows: int, pr: int, itemsize: int,
+              label: str, backward: bool) -> list[CommOp]:
+    """A windowed layer's halo exchanges on height slabs (as `strategies.domain` prices them):
+    rank 0's rows the others read, and in the backward (when its input has a gradient) the
+    halos' gradients sent back."""
+    from runner.core.halo import HaloPlan
+    from strategies.domain import WINDOWED, height_window
+
+    assert isinstance(module, WINDOWED)
+    channels, height, width = shape
+    plan = HaloPlan(height, height_window(module), pr, 0)
+    row_bytes = rows * channels * width * itemsize
+    received = [piece for piece in plan.pieces if piece[0] != 0]
+    if not (plan.sends or received):
+        return []
+    messages = max(len(plan.sends), len(received))
+    ops = [CommOp("exchange", "model", pr, plan.send_rows * row_bytes, label, messages)]
+    if backward:
+        ops.append(CommOp("exchange", "model", pr, plan.recv_rows * row_bytes, label, messages))
+    return ops
+
+
 def tree_problems(model: nn.Module, sample_shape: Sequence[int], strategy: str,
-                  batch_parallel_prefix: bool, pr: int) -> list[str]:
+                  mode: Mode, pr: int) -> list[str]:
     """Why the strategy cannot split `model` (empty: it can)."""
     try:
-        plan_tree(model, sample_shape, batch_parallel_prefix, max(pr, 2))
+        plan = plan_tree(model, sample_shape, mode, pr)
     except TreeRefused as exc:
         return [f"strategy={strategy} cannot split {exc}"]
+    if mode == "domain" and pr > 1 and not any(step.out == "slab" for step in plan.steps):
+        return [f"strategy=domain splits images in height: {type(model).__name__} must start "
+                f"with convolutions or pooling on (channels, height, width) inputs"]
     return []
 
 
 def tree_param_bytes(model: nn.Module, sample_shape: Sequence[int],
-                     batch_parallel_prefix: bool, pr: int) -> int:
+                     mode: Mode, pr: int) -> int:
     """Rank 0's parameter bytes under the plan."""
-    plan = plan_tree(model, sample_shape, batch_parallel_prefix, pr)
+    plan = plan_tree(model, sample_shape, mode, pr)
     modules = plan.modules()
     total_bytes = 0
     for step in plan.steps:
@@ -515,10 +654,10 @@ def tree_param_bytes(model: nn.Module, sample_shape: Sequence[int],
 
 
 def tree_activation_bytes(model: nn.Module, sample_shape: Sequence[int], grid: GridShape,
-                          global_batch: int, batch_parallel_prefix: bool, itemsize: int) -> int:
+                          global_batch: int, mode: Mode, itemsize: int) -> int:
     """Bytes of node outputs rank 0 keeps for backward in one step (an estimate: split and
     batch-parallel values are 1/Pr of the group's, whole ones all of it)."""
-    plan = plan_tree(model, sample_shape, batch_parallel_prefix, grid.pr)
+    plan = plan_tree(model, sample_shape, mode, grid.pr)
     rows = Partition(global_batch, grid.pc).sizes[0]
     total = 0
     for step in plan.steps:

@@ -92,7 +92,7 @@ def test_module_trees_are_split_by_rule_and_a_module_without_one_refused_by_name
     assert len(problems) == 1 and problems[0].startswith(
         "strategy=model cannot split middle (_Gate) uses its tensor middle.scale directly in "
         "forward, which has no rule"), problems
-    plan = plan_tree(_Net(nn.ReLU()), (1, 8, 8), batch_parallel_prefix=False, pr=2)
+    plan = plan_tree(_Net(nn.ReLU()), (1, 8, 8), "model", pr=2)
     rules = {step.node.name: (step.rule, step.out) for step in plan.steps}
     assert rules["conv"] == ("split", "split") and rules["middle"] == ("local", "split")
     assert rules["add"] == ("function", "split")  # both branches split the same way

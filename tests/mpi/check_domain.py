@@ -96,14 +96,23 @@ def split_layers_equal_whole_image_layers() -> None:
                         close(summed, grads[n], f"{what} {n} gradient")
 
 
-def run_config(pr: int, pc: int) -> dict:
+MODELS = {
+    "cnn": {"name": "cnn", "channels": [6, 8], "kernel_size": 5, "hidden": [32],
+            "activation": "relu"},
+    # a module tree: halos inside residual blocks, shortcut convolutions on the same slabs,
+    # BatchNorm statistics over every rank's slabs (strategies/tree.py)
+    "resnet": {"name": "resnet", "widths": [4, 6], "blocks": [1, 1]},
+}
+STEPS = {"cnn": 50, "resnet": 15}
+
+
+def run_config(pr: int, pc: int, model: str = "cnn") -> dict:
     return {
         "seed": 1, "grid": {"pr": pr, "pc": pc},
-        "trainer": {"steps": 50, "batch_size": 16, "log_every": 1, "eval_every": 50,
+        "trainer": {"steps": STEPS[model], "batch_size": 16, "log_every": 1, "eval_every": 50,
                     "checkpoint_every": None, "resume": None, "threads": None,
                     "dtype": "float64"},
-        "model": {"name": "cnn", "channels": [6, 8], "kernel_size": 5, "hidden": [32],
-                  "activation": "relu"},
+        "model": MODELS[model],
         "dataset": {"name": "synthetic", "shape": [2, 16, 16], "classes": 10, "samples": 512,
                     "noise": 5.0, "val_fraction": 0.25, "seed": 1},
         "strategy": {"name": "domain" if pr * pc > 1 else "grid"},
@@ -113,28 +122,32 @@ def run_config(pr: int, pc: int) -> dict:
     }
 
 
-def run(pr: int, pc: int, grid: ProcessGrid) -> Path:
-    return train_run(run_config(pr, pc), OUT / f"domain_{pr}x{pc}", grid)
+def run(pr: int, pc: int, grid: ProcessGrid, model: str) -> Path:
+    return train_run(run_config(pr, pc, model), OUT / f"domain_{model}_{pr}x{pc}", grid)
 
 
 @check
 def domain_training_reproduces_the_single_process_losses() -> None:
-    reference = train_losses(run(1, 1, ProcessGrid(1, 1)))[0] if RANK == 0 else None
-    reference = WORLD.bcast(reference, root=0)
-    for pr, pc in ((2, 1), (4, 1), (2, 2)):
-        grid = GRID_OF[pr, pc]
-        if grid is None:
-            continue
-        path = run(pr, pc, grid)
-        if grid.rank != 0:
-            continue
-        got, lines = train_losses(path)
-        gap = max(abs(a - b) / abs(a) for a, b in zip(reference, got, strict=True))
-        assert len(got) == 50 and gap <= 1e-5, f"domain {pr}x{pc}: relative gap {gap}"
-        predicted = json.loads((path / "summary.json").read_text())[
-            "predicted_comm_bytes_per_step"]
-        assert all(m["comm_bytes"] == predicted for m in lines), (
-            f"domain {pr}x{pc}: measured {lines[0]['comm_bytes']}, predicted {predicted}")
+    for model in MODELS:
+        reference = (train_losses(run(1, 1, ProcessGrid(1, 1), model))[0] if RANK == 0
+                     else None)
+        reference = WORLD.bcast(reference, root=0)
+        for pr, pc in ((2, 1), (4, 1), (2, 2)):
+            grid = GRID_OF[pr, pc]
+            if grid is None:
+                continue
+            path = run(pr, pc, grid, model)
+            if grid.rank != 0:
+                continue
+            got, lines = train_losses(path)
+            gap = max(abs(a - b) / abs(a) for a, b in zip(reference, got, strict=True))
+            assert len(got) == STEPS[model] and gap <= 1e-5, (
+                f"domain {model} {pr}x{pc}: relative gap {gap}")
+            predicted = json.loads((path / "summary.json").read_text())[
+                "predicted_comm_bytes_per_step"]
+            assert all(m["comm_bytes"] == predicted for m in lines), (
+                f"domain {model} {pr}x{pc}: measured {lines[0]['comm_bytes']}, predicted "
+                f"{predicted}")
 
 
 if __name__ == "__main__":
