@@ -128,6 +128,14 @@ class DataParallel(Strategy):
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
+        if not isinstance(model, nn.Sequential):  # every node's output, as the tree plan counts
+            from strategies.tree import TreeRefused, tree_activation_bytes
+
+            try:
+                return tree_activation_bytes(model, sample_shape, grid, global_batch, "model",
+                                             activation_itemsize([model], self.compute_dtype))
+            except TreeRefused:
+                pass  # a module no rule covers: the children's outputs below
         layers = list(model.children()) or [model]
         rows = Partition(global_batch, grid.size).sizes[0]
         return (rows * sum(feature_sizes(layers, sample_shape))
