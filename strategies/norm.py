@@ -11,9 +11,9 @@ The combination is exact and numerically stable (Chan et al.'s pairwise update):
 computes its count n_k, mean m_k and sum of squared deviations M2_k per channel (two passes over
 its own rows), the ranks all-gather these 2C + 1 numbers, and every rank forms
   N = Σ n_k,   mean = Σ n_k m_k / N,   M2 = Σ M2_k + Σ n_k (m_k − mean)²,   var = M2 / N.
-The all-gather is `runner.core.primitives.all_gather`, whose adjoint (a reduce-scatter) is its
-backward: autograd differentiates through the combination, so the backward is exact too, one
-reduce-scatter of the same 2C + 1 numbers per rank. Half-precision inputs (autocast) are
+The backward needs the global means of dy and dy·(x − mean): one all-reduce of 2C sums
+(`SyncBatchNormFunction`, which also keeps both directions to fused kernels: this runs at
+every BatchNorm of a ResNet, on its largest tensors). Half-precision inputs (autocast) are
 normalized in float32 and returned in their own type.
 
 Running statistics follow `nn.BatchNorm`'s rule with the global mean and the unbiased global
@@ -26,6 +26,8 @@ sharded convolution's rows).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +36,7 @@ from runner.core import CountedComm, Partition
 from runner.core.comm import GridGroup
 from runner.core.cost import CommOp
 from runner.core.placement import place_rows
-from runner.core.primitives import all_gather
+from runner.core.primitives import all_gather_op
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _HALF = (torch.float16, torch.bfloat16)
@@ -49,29 +51,84 @@ def batch_norm_problem(bn: nn.Module) -> str | None:
     return None
 
 
-def global_statistics(x: torch.Tensor, comm: CountedComm,
-                      label: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per channel (dim 1): the mean and biased variance over every row and position of `x` on
-    the ranks of `comm`, and the count (see the module docstring). Differentiable."""
-    dims = [0, *range(2, x.dim())]
-    channels = x.shape[1]
-    count = x.numel() // channels if channels else 0
-    if count:
-        mean = x.mean(dims)
-        m2 = (x - mean.view(1, -1, *([1] * (x.dim() - 2)))).square().sum(dims)
-    else:  # no rows here (an uneven split): contributes nothing
-        mean = x.new_zeros(channels)
-        m2 = x.new_zeros(channels)
-    total = x.new_full((1,), float(count))
-    if comm.size == 1:
-        return mean, m2 / max(count, 1), total
-    local = torch.cat([mean, m2, total]).unsqueeze(0)
-    every = all_gather(local, comm, 0, Partition(comm.size, comm.size), label=label)
-    means, m2s, counts = every[:, :channels], every[:, channels:2 * channels], every[:, -1:]
+def _combine(local: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """Every rank's (mean, M2, count) rows → the global mean, biased variance and count."""
+    means, m2s, counts = local[:, :channels], local[:, channels:2 * channels], local[:, -1:]
     n = counts.sum()
     mean = (counts * means).sum(0) / n
     m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
     return mean, m2 / n, n.reshape(1)
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch normalization over the rows (and positions) of every rank of `comm`.
+
+    Forward: each rank's per-channel mean and biased variance in one fused pass
+    (`torch.var_mean`), their all-gather (2C + 1 numbers per rank) and Chan's combination; the
+    normalization itself is the fused batch-norm kernel with the global statistics. Backward
+    (the standard derivation, as `nn.SyncBatchNorm` on GPUs): the sums of dy and dy·x̂ over this
+    rank's rows (the fused backward kernel's reduction), all-reduced (2C numbers), give the
+    global means that the input gradient needs, which is then two fused passes; the weight's
+    and bias's gradients are this rank's sums, which the
+    strategy's gradient exchange adds up like any other."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, comm: CountedComm, eps: float,
+                label: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        dims = [0, *range(2, x.dim())]
+        channels = x.shape[1]
+        count = x.numel() // channels if channels else 0
+        if count:
+            var, mean = torch.var_mean(x, dims, correction=0)
+        else:  # no rows here (an uneven split): contributes nothing
+            var, mean = x.new_zeros(channels), x.new_zeros(channels)
+        total = x.new_full((1,), float(count))
+        if comm.size > 1:
+            local = torch.cat([mean, var * count, total]).unsqueeze(0)
+            every = all_gather_op(local, comm, 0, Partition(comm.size, comm.size), label)
+            mean, var, total = _combine(every, channels)
+        invstd = torch.rsqrt(var + eps)
+        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        ctx.save_for_backward(x, weight, mean, invstd, total)
+        ctx.comm, ctx.label = comm, label
+        return y, mean, var, total
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        x, weight, mean, invstd, total = ctx.saved_tensors
+        comm: CountedComm = ctx.comm
+        shape = (1, -1, *([1] * (x.dim() - 2)))
+        channels = x.shape[1]
+        # This rank's Σ dy·x̂ and Σ dy per channel, in the fused kernel (x̂ = (x − mean)·invstd
+        # with the global statistics).
+        ones = x.new_ones(channels) if weight is None else weight
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, ones, None, None, mean, invstd, True, 0.0, [False, True, True])
+        global_sums = torch.cat([sum_dy, sum_dy_xhat])
+        if comm.size > 1:
+            comm.allreduce_(global_sums, label=ctx.label)
+        n = total.reshape(())
+        mean_dy, mean_dy_xhat = global_sums[:channels] / n, global_sums[channels:] / n
+        scale = invstd if weight is None else invstd * weight
+        # dx = scale·(dy − mean_dy − x̂·mean_dy_xhat): per channel, dy·s + x·a + c
+        a = -scale * invstd * mean_dy_xhat
+        c = -scale * mean_dy - a * mean
+        dx = torch.addcmul(c.view(shape), x, a.view(shape)).addcmul_(dy, scale.view(shape))
+        dweight = None if weight is None else sum_dy_xhat
+        dbias = None if weight is None else sum_dy
+        return dx, dweight, dbias, None, None, None
+
+
+def batch_norm_comm_ops(group: GridGroup, size: int, channels: int, itemsize: int,
+                        label: str) -> list[CommOp]:
+    """What one BatchNorm moves per training step over a group of `size`: the all-gather of
+    each rank's 2C + 1 statistics, and in the backward the all-reduce of 2C sums."""
+    if size == 1:
+        return []
+    return [CommOp("allgather", group, size, size * (2 * channels + 1) * itemsize, label),
+            CommOp("allreduce", group, size, 2 * channels * itemsize, label)]
 
 
 class DistributedBatchNorm(nn.Module):
@@ -112,13 +169,24 @@ class DistributedBatchNorm(nn.Module):
             assert isinstance(running_var, torch.Tensor)
             return F.batch_norm(compute, running_mean, running_var, self.weight, self.bias,
                                 False, 0.0, self.eps).to(x.dtype)
-        mean, var, count = global_statistics(compute, self.comm, self.label)
+        if self.comm.size == 1:  # nothing to combine: the native kernel, as nn.BatchNorm
+            return self._native(compute).to(x.dtype)
+        y, mean, var, count = SyncBatchNormFunction.apply(compute, self.weight, self.bias,
+                                                          self.comm, self.eps, self.label)
         self._update_running(mean.detach(), var.detach(), count.detach())
-        shape = (1, -1, *([1] * (x.dim() - 2)))
-        y = (compute - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if self.weight is not None and self.bias is not None:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y.to(x.dtype)
+        out: torch.Tensor = y.to(x.dtype)
+        return out
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        tracked = self.num_batches_tracked
+        assert isinstance(tracked, torch.Tensor)
+        tracked.add_(1)
+        momentum = 1.0 / float(tracked.item()) if self.momentum is None else self.momentum
+        running_mean, running_var = self.running_mean, self.running_var
+        assert isinstance(running_mean, torch.Tensor)
+        assert isinstance(running_var, torch.Tensor)
+        return F.batch_norm(x, running_mean, running_var, self.weight, self.bias, True,
+                            momentum, self.eps)
 
     @torch.no_grad()
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor,
@@ -177,16 +245,11 @@ def batch_norm_problems(module: nn.Module) -> list[str]:
 
 def batch_norm_ops(module: nn.Module, group: GridGroup, group_size: int,
                    itemsize: int) -> list[CommOp]:
-    """What every BatchNorm in `module` moves per training step over a group of `group_size`:
-    the all-gather of each rank's 2C + 1 statistics and, in the backward, its reduce-scatter
-    (each recorded as the whole gathered tensor)."""
-    if group_size == 1:
-        return []
+    """What every BatchNorm in `module` moves per training step over a group of `group_size`
+    (`batch_norm_comm_ops`)."""
     ops = []
     for name, child in module.named_modules():
         if isinstance(child, BATCH_NORMS):
-            n = group_size * (2 * child.num_features + 1) * itemsize
-            label = f"bn:{name}"
-            ops += [CommOp("allgather", group, group_size, n, label),
-                    CommOp("reduce_scatter", group, group_size, n, label)]
+            ops += batch_norm_comm_ops(group, group_size, child.num_features, itemsize,
+                                       f"bn:{name}")
     return ops

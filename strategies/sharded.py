@@ -26,7 +26,12 @@ from runner.core import CountedComm, Partition
 from runner.core.cost import CommOp
 from runner.core.placement import place_rows
 from runner.core.primitives import all_gather, repartition
-from strategies.norm import BATCH_NORMS, DistributedBatchNorm, batch_norm_problem
+from strategies.norm import (
+    BATCH_NORMS,
+    DistributedBatchNorm,
+    batch_norm_comm_ops,
+    batch_norm_problem,
+)
 
 # Layers that act on each feature or channel separately: they run on a shard unchanged.
 CHANNEL_LOCAL: tuple[type[nn.Module], ...] = (
@@ -364,9 +369,8 @@ def rank0_param_items(layers: Sequence[nn.Module], steps: list[PlanStep],
 
 def body_norm_ops(layers: Sequence[nn.Module], steps: list[PlanStep], group_size: int,
                   batch_groups: int, itemsize: int) -> list[CommOp]:
-    """What the split part's BatchNorms move per step: rank 0's 2C + 1 statistics (C its
-    channels) all-gathered over the batch group of `batch_groups` ranks, and reduce-scattered
-    back in the backward."""
+    """What the split part's BatchNorms move per step over the batch group of `batch_groups`
+    ranks, C rank 0's channels (`strategies.norm.batch_norm_comm_ops`)."""
     if batch_groups == 1:
         return []
     ops: list[CommOp] = []
@@ -381,10 +385,8 @@ def body_norm_ops(layers: Sequence[nn.Module], steps: list[PlanStep], group_size
             assert isinstance(layer, BATCH_NORMS)
             channels = (Partition(sharded, group_size).sizes[0] if sharded
                         else layer.num_features)
-            n = batch_groups * (2 * channels + 1) * itemsize
-            label = f"bn:{step.layer}"
-            ops += [CommOp("allgather", "batch", batch_groups, n, label),
-                    CommOp("reduce_scatter", "batch", batch_groups, n, label)]
+            ops += batch_norm_comm_ops("batch", batch_groups, channels, itemsize,
+                                       f"bn:{step.layer}")
     return ops
 
 

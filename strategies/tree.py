@@ -71,7 +71,12 @@ from runner.core.cost import CommOp
 from runner.core.primitives import all_gather, repartition
 from strategies.base import ParallelModel, gradient_exchange
 from strategies.buckets import predict_gradient_ops
-from strategies.norm import BATCH_NORMS, DistributedBatchNorm, batch_norm_problem
+from strategies.norm import (
+    BATCH_NORMS,
+    DistributedBatchNorm,
+    batch_norm_comm_ops,
+    batch_norm_problem,
+)
 from strategies.sharded import CHANNEL_LOCAL, SHARDABLE, ShardedConv2d, ShardedLinear
 
 Layout = Literal["whole", "split", "rows", "slab"]
@@ -578,19 +583,16 @@ def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridSh
             mine = Partition(total, pr).sizes[0]
             split_items.append((label, [(p.numel() // total * mine * p.element_size(), p.dtype)
                                         for p in module.parameters()]))
-            if step.rule == "norm_split" and pc > 1:
-                n = pc * (2 * mine + 1) * stats_itemsize
-                ops += [CommOp("allgather", "batch", pc, n, f"bn:{label}"),
-                        CommOp("reduce_scatter", "batch", pc, n, f"bn:{label}")]
+            if step.rule == "norm_split":
+                ops += batch_norm_comm_ops("batch", pc, mine, stats_itemsize, f"bn:{label}")
         else:
             params = [(p.numel() * p.element_size(), p.dtype) for p in module.parameters()]
             if params:
                 whole_items.append((label, params))
-            if step.rule in ("norm_rows", "norm_slab") and grid.size > 1:
+            if step.rule in ("norm_rows", "norm_slab"):
                 assert isinstance(module, BATCH_NORMS)
-                n = grid.size * (2 * module.num_features + 1) * stats_itemsize
-                ops += [CommOp("allgather", "world", grid.size, n, f"bn:{label}"),
-                        CommOp("reduce_scatter", "world", grid.size, n, f"bn:{label}")]
+                ops += batch_norm_comm_ops("world", grid.size, module.num_features,
+                                           stats_itemsize, f"bn:{label}")
     return (ops + predict_gradient_ops(split_items, "batch", pc, *caps)
             + predict_gradient_ops(whole_items, "world", grid.size, *caps))
 

@@ -345,22 +345,6 @@ RESNET = ["model=resnet", "model.widths=[4,8]", "model.blocks=[1,1]", "trainer.s
           "trainer.dtype=float64", "trainer.eval_every=null"]
 
 
-def test_a_resnet_with_batch_norm_trains_data_parallel_as_one_process(session_tmp: Path) -> None:
-    """A module tree with residual additions and BatchNorm under strategy=data: the statistics
-    of every rank's rows, so 2 ranks give one process's losses (float64) and running
-    statistics (the validation loss reads them)."""
-    losses, summaries = [], []
-    for ranks in (1, 2):
-        run_dir = session_tmp / f"resnet_data_p{ranks}"
-        assert_ok(run_cli(*RESNET, "strategy=data", "grid.pr=1", f"grid.pc={ranks}",
-                          f"hydra.run.dir={run_dir}"))
-        losses.append(train_losses(run_dir))
-        summaries.append(read_summary(run_dir))
-    assert _relative_gap(losses[0], losses[1]) <= 1e-9
-    assert abs(summaries[0]["val_loss"] - summaries[1]["val_loss"]) <= 1e-9
-    assert summaries[1]["comm_bytes_per_step"] == summaries[1]["predicted_comm_bytes_per_step"]
-
-
 def test_a_resnet_checkpoint_resumes_on_other_grids_and_strategies(session_tmp: Path) -> None:
     """A ResNet written at grid 2x2 (convolutions and BatchNorm batch-parallel, statistics over
     the world), resumed under model 4x1 (every convolution and BatchNorm split by channel, the

@@ -205,8 +205,11 @@ def cnn_with_batch_norm() -> nn.Sequential:
                          nn.ReLU(), nn.Linear(30, 10))
 
 
-# The newer models' runs are shorter: their rules are checked step by step all the same.
+# The newer models' runs are shorter and on fewer grids (every grid's collectives are checked
+# against the prediction in every_measured_collective_is_predicted all the same).
 STEPS = {"mlp": 50, "cnn": 50, "vgg_bn": 20, "resnet": 20}
+NEWER = {"vgg_bn": {"model": [(4, 1)], "grid": [(2, 2)]},
+         "resnet": {"model": [(2, 1)], "grid": [(2, 2)]}}
 
 
 def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
@@ -248,6 +251,8 @@ def training_reproduces_the_single_process_losses() -> None:
             for pr, pc in GRIDS:
                 if strategy == "model" and pc != 1:
                     continue
+                if model in NEWER and (pr, pc) not in NEWER[model][strategy]:
+                    continue  # the suite's time: the layouts these grids add are the same
                 grid = sub_grid(pr, pc)
                 if grid is None:
                     continue
