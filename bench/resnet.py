@@ -30,7 +30,11 @@ from typing import Any
 
 from timing import run_worker
 
-STRATEGIES = ("data", "model", "grid", "domain")
+# data twice: BatchNorm over every rank's rows (one process's model), and over each rank's own
+# (strategy.batch_norm=local: what DDP without SyncBatchNorm computes)
+VARIANTS: list[tuple[str, dict[str, str]]] = [
+    ("data", {}), ("data", {"batch_norm": "local"}), ("model", {}), ("grid", {}),
+    ("domain", {})]
 
 
 def build(widths: list[int], blocks: list[int]) -> Any:
@@ -59,7 +63,8 @@ def timed(model: Any, zero: Any, sync: Any, optimizer: Any, x: Any, y: Any, step
     return times
 
 
-def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[int]) -> None:
+def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[int],
+           only: list[str]) -> None:
     import torch
     from mpi4py import MPI
 
@@ -81,8 +86,10 @@ def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[
     for pr in [d for d in range(1, size + 1) if size % d == 0]:
         pc = size // pr
         grid = ProcessGrid(pr, pc, world if size > 1 else None)
-        for name in STRATEGIES:
-            strategy = REGISTRY.get(name)()
+        for name, options in VARIANTS:
+            if name not in only:
+                continue
+            strategy = REGISTRY.get(name)(**options)
             plain = build(widths, blocks)
             problems = (strategy.check(grid.shape, batch)
                         or strategy.check_model(plain, (3, 32, 32), grid.shape))
@@ -96,7 +103,8 @@ def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[
             seconds = timed(pmodel, pmodel.zero_grad, pmodel.finish_gradient_sync, optimizer,
                             x, y, steps, warmup, world)
             median = statistics.median(seconds)
-            results.append({"strategy": name, "pr": pr, "pc": pc, "median_step_s": median,
+            results.append({"strategy": name, **options, "pr": pr, "pc": pc,
+                            "median_step_s": median,
                             "samples_per_s": batch / median,
                             "predicted_comm_s": step_time(ops, costs.alpha, costs.beta),
                             "predicted_comm_bytes": step_bytes(ops)})
@@ -104,7 +112,9 @@ def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[
     if rank == 0:
         planned = min(results, key=lambda r: r["predicted_comm_s"])  # ties: the first listed
         measured = min(results, key=lambda r: r["median_step_s"])
-        data = next((r for r in results if r["strategy"] == "data"), None)
+        data = next((r for r in results if r["strategy"] == "data"
+                     and "batch_norm" not in r), None)
+        local = next((r for r in results if r.get("batch_norm") == "local"), None)
         print(json.dumps({
             "ranks": size, "runs": results, "ddp": ddp,
             "planner_pick": f"{planned['strategy']} {planned['pr']}x{planned['pc']}",
@@ -113,6 +123,8 @@ def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[
                                      if data and "syncbn_median_step_s" in ddp else None),
             "data_over_ddp": (data["median_step_s"] / ddp["local_bn_median_step_s"]
                               if data and "local_bn_median_step_s" in ddp else None),
+            "data_local_bn_over_ddp": (local["median_step_s"] / ddp["local_bn_median_step_s"]
+                                       if local and "local_bn_median_step_s" in ddp else None),
         }))
 
 
@@ -162,13 +174,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--blocks", type=int, nargs="+", default=[2, 2, 2, 2])
+    parser.add_argument("--strategies", nargs="+", default=[name for name, _ in VARIANTS])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = ["--batch", str(args.batch), "--steps", str(args.steps), "--warmup",
              str(args.warmup), "--widths", *map(str, args.widths), "--blocks",
-             *map(str, args.blocks)]
+             *map(str, args.blocks), "--strategies", *args.strategies]
     if args.worker:
-        worker(args.batch, args.steps, args.warmup, args.widths, args.blocks)
+        worker(args.batch, args.steps, args.warmup, args.widths, args.blocks, args.strategies)
         return
     runs = [run_worker(__file__, ranks, *sizes) for ranks in args.ranks]
     print(json.dumps({"benchmark": "resnet", "model": {"widths": args.widths,

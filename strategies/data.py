@@ -46,19 +46,30 @@ class DataParallelModel(ParallelModel):
         return y
 
 
+BATCH_NORM_MODES = ("global", "local")
+
+
 @register_strategy("data")
 class DataParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 sparse: SparseChoice = "auto", *, costs: MachineCosts = DEFAULT_COSTS,
+                 sparse: SparseChoice = "auto", batch_norm: str = "global", *,
+                 costs: MachineCosts = DEFAULT_COSTS,
                  rows_touched: Callable[[int], float] | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
                          compute_dtype=compute_dtype)
         self.sparse = sparse
+        # global: BatchNorm statistics of every rank's rows (one process's model); local: each
+        # rank's own rows, as DDP without SyncBatchNorm (another model: not one process's
+        # losses, no statistics exchanged).
+        self.batch_norm = batch_norm
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         if self.sparse not in SPARSE_CHOICES:
             return [f"strategy.sparse={self.sparse}: must be one of {', '.join(SPARSE_CHOICES)}"]
+        if self.batch_norm not in BATCH_NORM_MODES:
+            return [f"strategy.batch_norm={self.batch_norm}: must be one of "
+                    f"{', '.join(BATCH_NORM_MODES)}"]
         if grid.pr != 1:
             return [f"strategy=data replicates the whole model and needs grid.pr=1, "
                     f"got grid.pr={grid.pr} (use strategy=grid to split the model)"]
@@ -83,8 +94,9 @@ class DataParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        if sync_replica_gradients and grid.size > 1:  # one process's batch statistics
-            distribute_batch_norms(model, grid.world)  # (an EASGD replica: its own rows')
+        # BatchNorm: every rank's statistics (an EASGD replica, or batch_norm=local: its own)
+        if sync_replica_gradients and grid.size > 1 and self.batch_norm == "global":
+            distribute_batch_norms(model, grid.world)
         pmodel = DataParallelModel(model, grid)
         if sync_replica_gradients:
             tables, dense = self._split(model)
@@ -103,7 +115,8 @@ class DataParallel(Strategy):
                   for name, p in model.named_parameters()
                   if p.requires_grad and id(p) in exchanged]
         ops = predict_gradient_ops(params, "world", grid.size, *self.bucket_caps)
-        ops += batch_norm_ops(model, "world", grid.size, activation_itemsize([model]))
+        if self.batch_norm == "global":
+            ops += batch_norm_ops(model, "world", grid.size, activation_itemsize([model]))
         for name, module in tables:
             ops += self.predict_sparse_ops(name, module.weight, grid.size,
                                            global_batch // grid.size)

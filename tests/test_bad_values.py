@@ -49,6 +49,8 @@ BAD: list[tuple[list[str], str]] = [
     (["trainer.precision=fp8"], "trainer.precision=fp8"),
     (["trainer.precision=bf16", "trainer.dtype=float64"], "trainer.precision=bf16"),
     (["comm.cuda_aware=perhaps"], "comm.cuda_aware=perhaps"),
+    (["strategy=data", "grid.pr=1", "strategy.batch_norm=sometimes"],
+     "strategy.batch_norm=sometimes"),
     (["trainer.comm_timeout_s=-1"], "trainer.comm_timeout_s=-1"),
     (["trainer.comm_timeout_s=0"], "trainer.comm_timeout_s=0"),
     (["trainer.comm_timeout_s=nan"], "trainer.comm_timeout_s=nan"),

@@ -97,3 +97,15 @@ def test_module_trees_are_split_by_rule_and_a_module_without_one_refused_by_name
     assert rules["conv"] == ("split", "split") and rules["middle"] == ("local", "split")
     assert rules["add"] == ("function", "split")  # both branches split the same way
     assert rules["head_1"] == ("split", "split") and rules["head_0"][1] == "whole"
+
+
+def test_data_with_local_batch_norm_exchanges_no_statistics() -> None:
+    """strategy.batch_norm=local: each rank's own rows, as DDP without SyncBatchNorm; global
+    (the default) prices each BatchNorm's all-gather and all-reduce."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(),
+                          nn.Linear(256, 10))
+    grid = GridShape(1, 4)
+    global_ops = STRATEGIES.get("data")().predict_ops(model, (1, 8, 8), grid, 16)
+    local_ops = STRATEGIES.get("data")(batch_norm="local").predict_ops(model, (1, 8, 8), grid, 16)
+    assert [op.layer for op in global_ops if op.layer.startswith("bn:")] == ["bn:1", "bn:1"]
+    assert not [op for op in local_ops if op.layer.startswith("bn:")]
