@@ -29,7 +29,9 @@ Rules:
   their weights whole and summed over every rank.
 - BatchNorm: in `split`, its channels' slice with statistics over the batch group; in `rows`,
   whole with statistics over every rank (`strategies.norm`). On whole features it is refused
-  (each rank would hold a partial gradient of its weights).
+  (each rank would hold a partial gradient of its weights). LayerNorm, GroupNorm and
+  InstanceNorm normalize each sample by itself: batch-parallel (`rows`) they run as they are;
+  anywhere else they are refused (on slabs they would need every slab's statistics).
 - Channel-local modules (activations, pooling incl. adaptive, Dropout, Identity; a user adds
   types with `register_channel_local`) and elementwise functions: any layout, kept.
 - Flatten, view/reshape/flatten: whole or rows (a split input is gathered first).
@@ -103,6 +105,10 @@ _ELEMENTWISE_METHODS = {"relu", "relu_", "sigmoid", "tanh", "add", "add_", "mul"
                         "contiguous"}
 _RESHAPING_METHODS = {"view", "reshape", "flatten"}
 _PASS_METHODS = {"size", "dim"}
+
+
+# Normalizations over each sample's own features: batch-parallel they are local and exact.
+PER_SAMPLE_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d)
 
 
 class TreeRefused(ValueError):
@@ -315,10 +321,15 @@ def _rule(node: torch.fx.Node, modules: dict[str, nn.Module],
             raise TreeRefused(f"{name}: a BatchNorm on features no Linear or Conv2d before it "
                               f"has split (put it right after one)")
         if in_prefix:
-            if any(True for _ in module.parameters()) and not isinstance(module, SHARDABLE) \
-                    and not isinstance(module, tuple(_channel_local)):
+            if any(True for _ in module.parameters()) and not isinstance(
+                    module, (*SHARDABLE, *_channel_local, *PER_SAMPLE_NORMS)):
                 raise TreeRefused(f"{name} has parameters and no rule")
             return Step(node, "local", {n: "rows" for n in keep}, "rows")
+        if isinstance(module, PER_SAMPLE_NORMS):
+            raise TreeRefused(f"{name}: a per-sample normalization needs every channel of its "
+                              f"sample and would leave each rank a partial gradient of its "
+                              f"weights; it runs batch-parallel only (strategy=grid before the "
+                              f"first Linear, or strategy=data)")
         if isinstance(module, tuple(_channel_local)):
             if any(True for _ in module.parameters()) and first == "split":
                 raise TreeRefused(f"{name}: channel-local with parameters on split channels "

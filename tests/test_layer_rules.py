@@ -109,3 +109,12 @@ def test_data_with_local_batch_norm_exchanges_no_statistics() -> None:
     local_ops = STRATEGIES.get("data")(batch_norm="local").predict_ops(model, (1, 8, 8), grid, 16)
     assert [op.layer for op in global_ops if op.layer.startswith("bn:")] == ["bn:1", "bn:1"]
     assert not [op for op in local_ops if op.layer.startswith("bn:")]
+
+
+def test_per_sample_normalizations_run_batch_parallel_and_are_refused_elsewhere() -> None:
+    net = _Net(nn.GroupNorm(2, 4))
+    assert STRATEGIES.get("grid")().check_model(net, (1, 8, 8), GridShape(2, 1)) == []
+    for strategy in ("model", "domain"):
+        problems = STRATEGIES.get(strategy)().check_model(net, (1, 8, 8), GridShape(2, 1))
+        assert len(problems) == 1 and "middle (GroupNorm): a per-sample normalization" in \
+            problems[0], (strategy, problems)
