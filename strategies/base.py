@@ -196,6 +196,25 @@ class Strategy:
         return self.bucket_cap_bytes, self.first_bucket_bytes
 
 
+def split_model_exchanges(grid: ProcessGrid, split: list[nn.Parameter],
+                          replicated: list[nn.Parameter], sync_replica_gradients: bool,
+                          bucket_cap_bytes: int, first_bucket_bytes: int
+                          ) -> list[GradientExchange]:
+    """The gradient exchanges of a model split over the model group: a split parameter's
+    gradient summed over its batch group, a replicated one's over every rank, both scaled by
+    1/P (the losses of all P ranks make the global mean). Without replica synchronisation (the
+    EASGD family) each model group is a replica on its own: its loss is the mean over its Pr
+    ranks, split gradients stay as they are and replicated ones are summed over the group."""
+    if sync_replica_gradients:
+        split_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
+    else:
+        split_comm = CountedComm(None, grid.counter, "self")
+        replicated_comm, scale = grid.model, 1.0 / grid.pr
+    caps = (bucket_cap_bytes, first_bucket_bytes)
+    return (gradient_exchange(split, split_comm, scale, *caps)
+            + gradient_exchange(replicated, replicated_comm, scale, *caps))
+
+
 def gradient_exchange(params: list[nn.Parameter], comm: CountedComm, scale: float,
                       bucket_cap_bytes: int, first_bucket_bytes: int) -> list[GradientExchange]:
     """Sum `params`' gradients over `comm` and scale them; nothing when there is nothing to do."""

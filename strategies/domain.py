@@ -26,7 +26,7 @@ from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
 from runner.core.halo import HaloPlan, Window, halo_window, start_halo_exchange
 from runner.core.primitives import all_gather
-from strategies.base import ParallelModel, Strategy, gradient_exchange
+from strategies.base import ParallelModel, Strategy, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
 from strategies.grid import sequential_problems
 from strategies.norm import batch_norm_ops, distribute_batch_norms
@@ -247,14 +247,9 @@ class DomainParallel(Strategy):
                                      ends_on_own_rows)
         spatial_params = [p for layer in layers[:end] for p in layer.parameters()]
         pmodel.replicated_in_model_group = spatial_params
-        if sync_replica_gradients:
-            sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
-        else:
-            sharded_comm = CountedComm(None, grid.counter, "self")
-            replicated_comm, scale = grid.model, 1.0 / grid.pr
-        caps = (self.bucket_cap_bytes, self.first_bucket_bytes)
-        pmodel.reducers = (gradient_exchange(list(body.parameters()), sharded_comm, scale, *caps)
-                           + gradient_exchange(spatial_params, replicated_comm, scale, *caps))
+        pmodel.reducers = split_model_exchanges(grid, list(body.parameters()), spatial_params,
+                                                sync_replica_gradients, self.bucket_cap_bytes,
+                                                self.first_bucket_bytes)
         return pmodel
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,

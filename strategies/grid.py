@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core import GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
 from runner.core.primitives import all_gather
-from strategies.base import ParallelModel, Strategy, gradient_exchange
+from strategies.base import ParallelModel, Strategy, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
@@ -103,17 +103,9 @@ def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
     ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
     pmodel = GridParallelModel(grid, prefix, bool(prefix_params), body, ends_on_own_rows)
     pmodel.replicated_in_model_group = prefix_params
-    if sync_replica_gradients:
-        # Losses of all P ranks make the global mean: scale by 1/P.
-        sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
-    else:
-        # Each model group is a replica on its own: its loss is the mean over its Pr ranks.
-        sharded_comm, replicated_comm, scale = None, grid.model, 1.0 / grid.pr
-    caps = (bucket_cap_bytes, first_bucket_bytes)
-    if sharded_comm is None:
-        sharded_comm = CountedComm(None, grid.counter, "self")
-    pmodel.reducers = (gradient_exchange(list(body.parameters()), sharded_comm, scale, *caps)
-                       + gradient_exchange(prefix_params, replicated_comm, scale, *caps))
+    pmodel.reducers = split_model_exchanges(grid, list(body.parameters()), prefix_params,
+                                            sync_replica_gradients, bucket_cap_bytes,
+                                            first_bucket_bytes)
     return pmodel
 
 

@@ -71,7 +71,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
 from runner.core.primitives import all_gather, repartition
-from strategies.base import ParallelModel, gradient_exchange
+from strategies.base import ParallelModel, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import (
     BATCH_NORMS,
@@ -195,6 +195,10 @@ def plan_tree(model: nn.Module, sample_shape: Sequence[int], mode: Mode,
     first_linear = next((i for i, node in enumerate(graph.graph.nodes)
                          if node.op == "call_module"
                          and isinstance(modules[str(node.target)], nn.Linear)), None)
+    if first_linear is not None and not any(
+            node.op == "call_module" and any(True for _ in modules[str(node.target)].parameters())
+            for node in list(graph.graph.nodes)[:first_linear]):
+        first_linear = 0  # nothing to train before it: no batch-parallel part (as a Sequential)
     layout: dict[str, Layout | None] = {}
     plan = TreePlan(graph, [], shapes)
     spatial = mode == "domain"
@@ -519,13 +523,9 @@ def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: Proces
             whole_params += list(module.parameters())
     pmodel = TreeParallelModel(grid, plan, built, stats_batch, stats_world)
     pmodel.replicated_in_model_group = whole_params
-    if sync_replica_gradients:
-        sharded_comm, replicated_comm, scale = grid.batch, grid.world, 1.0 / grid.size
-    else:
-        sharded_comm, replicated_comm, scale = local, grid.model, 1.0 / grid.pr
-    caps = (bucket_cap_bytes, first_bucket_bytes)
-    pmodel.reducers = (gradient_exchange(split_params, sharded_comm, scale, *caps)
-                       + gradient_exchange(whole_params, replicated_comm, scale, *caps))
+    pmodel.reducers = split_model_exchanges(grid, split_params, whole_params,
+                                            sync_replica_gradients, bucket_cap_bytes,
+                                            first_bucket_bytes)
     return pmodel
 
 
@@ -567,8 +567,9 @@ def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridSh
             # adjoint
             if pr > 1 and (needed == "whole" or (have == "slab" and needed == "rows")):
                 n = rows * per_sample * itemsize
-                ops += [CommOp("allgather", "model", pr, n, name),
-                        CommOp("reduce_scatter", "model", pr, n, name)]
+                ops.append(CommOp("allgather", "model", pr, n, name))
+                if needs_grad.get(name, False):  # the adjoint runs only for a gradient
+                    ops.append(CommOp("reduce_scatter", "model", pr, n, name))
             elif pr > 1 and have == "split" and needed == "rows":
                 channels = plan.channels[name]
                 shard = per_sample // channels * Partition(channels, pr).sizes[0]

@@ -122,9 +122,10 @@ def problems_of(*overrides: str) -> str:
      "gives outputs of shape (10,), the dataset has 4 classes"),
     (["dataset._target_=my_pkg.nets.ResidualMLP"],
      "dataset._target_=my_pkg.nets.ResidualMLP: missing required option(s)"),
-    (["model._target_=my_pkg.nets.ResidualMLP", "strategy=grid", "grid.pr=2", "grid.pc=1"],
-     "strategy=grid splits nn.Sequential models of Linear, Conv2d, pooling and activation "
-     "layers, got ResidualMLP: strategy=data trains any module"),
+    # model and grid split its module tree (strategies/tree.py); domain needs images
+    (["model._target_=my_pkg.nets.ResidualMLP", "strategy=domain", "grid.pr=2", "grid.pc=1"],
+     "strategy=domain splits images in height: ResidualMLP must start with convolutions or "
+     "pooling"),
     (["optimizer._target_=torch.optim.Adafactor", "strategy=grid", "grid.pr=2", "grid.pc=1"],
      "optimizer._target_=torch.optim.Adafactor: its update of a parameter depends on the whole "
      "parameter, which strategy=grid splits"),

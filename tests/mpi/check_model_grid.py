@@ -170,7 +170,8 @@ def every_measured_collective_is_predicted() -> None:
                  (1, 8, 8)),
                 ("cnn_bn", cnn_with_batch_norm, (1, 8, 8)),
                 ("resnet", lambda: resnet((1, 8, 8), 10, widths=(4, 6), blocks=(1, 1)),
-                 (1, 8, 8))):
+                 (1, 8, 8)),
+                ("user_residual_mlp", ResidualMLP, (1, 8, 8))):
             for name in ("data", "model", "grid", "domain"):
                 strategy = STRATEGIES.get(name)(bucket_cap_mb=0.004, first_bucket_mb=0.001)
                 if (strategy.check(grid.shape, 32)
@@ -193,6 +194,19 @@ def every_measured_collective_is_predicted() -> None:
                     assert measured == predicted, (
                         f"{name} {model_name} {pr}x{pc}: measured-only {measured - predicted}, "
                         f"predicted-only {predicted - measured}")
+
+
+class ResidualMLP(nn.Module):
+    """A user's module tree: a method call, a function, a skip connection (examples/byo's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.block = nn.Linear(64, 30), nn.Sequential(nn.Linear(30, 30), nn.Tanh())
+        self.head = nn.Linear(30, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x.flatten(1)))
+        return self.head(h + self.block(h))
 
 
 def cnn_with_batch_norm() -> nn.Sequential:

@@ -14,7 +14,7 @@ from torch import nn
 
 class ResidualMLP(nn.Module):
     """Linear → ReLU, then a residual block, then the classifier: a module tree with a skip
-    connection (strategy=data trains it; the splitting strategies refuse it by name)."""
+    connection (data trains it; model and grid split it by the rules of strategies/tree.py)."""
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> None:
         super().__init__()
