@@ -26,6 +26,26 @@ def run_cli(*args: str, mpi_ranks: int | None = None, timeout: float = TIMEOUT_S
                           env={**os.environ, **(env or {})})
 
 
+class RunCache:
+    """Named runs, each launched once per session on first use (several tests read its
+    directory): `runs[name]` is (overrides, ranks of a user-started mpiexec or None for the
+    runner's own launch); `common` goes before every run's overrides."""
+
+    def __init__(self, root: Path, runs: dict[str, tuple[list[str], int | None]],
+                 common: list[str]) -> None:
+        self.root, self.runs, self.common = root, runs, common
+        self.results: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def __call__(self, name: str) -> Path:
+        run_dir = self.root / name
+        if name not in self.results:
+            overrides, mpi_ranks = self.runs[name]
+            self.results[name] = run_cli(*self.common, *overrides, f"hydra.run.dir={run_dir}",
+                                         mpi_ranks=mpi_ranks)
+        assert_ok(self.results[name])
+        return run_dir
+
+
 def run_mpi_script(script: str, ranks: int, *args: str,
                    timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     return subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(ROOT / script), *args],

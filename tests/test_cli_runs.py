@@ -9,13 +9,19 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import assert_ok, read_metrics, read_summary, run_cli, train_losses
+from tests.conftest import (
+    RunCache,
+    assert_ok,
+    read_metrics,
+    read_summary,
+    run_cli,
+    train_losses,
+)
 
 STEPS = 50
 COMMON = [f"trainer.steps={STEPS}", "trainer.eval_every=25", "seed=1"]
@@ -58,24 +64,12 @@ RUNS: dict[str, tuple[list[str], int | None]] = {
 }
 
 
-class Runs:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.results: dict[str, subprocess.CompletedProcess[str]] = {}
-
-    def __call__(self, name: str) -> Path:
-        run_dir = self.root / name
-        if name not in self.results:
-            overrides, mpi_ranks = RUNS[name]
-            self.results[name] = run_cli(*COMMON, *overrides, f"hydra.run.dir={run_dir}",
-                                         mpi_ranks=mpi_ranks)
-        assert_ok(self.results[name])
-        return run_dir
+Runs = RunCache
 
 
 @pytest.fixture(scope="session")
 def runs(session_tmp: Path) -> Runs:
-    return Runs(session_tmp)
+    return RunCache(session_tmp, RUNS, COMMON)
 
 
 def _relative_gap(a: list[float], b: list[float]) -> float:

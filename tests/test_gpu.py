@@ -17,13 +17,12 @@ likely, not surely, see it).
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import assert_ok, read_metrics, read_summary, run_cli, train_losses
+from tests.conftest import RunCache, read_metrics, read_summary, train_losses
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -54,26 +53,14 @@ RUNS: dict[str, list[str]] = {
 }
 
 
-class Runs:
-    """Each run launched once per session, on first use; several tests read its directory."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.results: dict[str, subprocess.CompletedProcess[str]] = {}
-
-    def __call__(self, name: str) -> Path:
-        run_dir = self.root / name
-        if name not in self.results:
-            self.results[name] = run_cli(*COMMON, *RUNS[name], f"hydra.run.dir={run_dir}")
-        assert_ok(self.results[name])
-        return run_dir
+Runs = RunCache
 
 
 @pytest.fixture(scope="session")
 def gpu_runs(session_tmp: Path) -> Runs:
     root = session_tmp / "gpu"
     root.mkdir()
-    return Runs(root)
+    return RunCache(root, {name: (overrides, None) for name, overrides in RUNS.items()}, COMMON)
 
 
 def _relative_gap(reference: list[float], other: list[float]) -> float:
