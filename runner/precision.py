@@ -5,7 +5,7 @@ products and convolutions in the half type, the parameters, their gradients and 
 state in float32. The dataset's floating inputs are stored in the half type (the first layer's
 autocast would cast them anyway): every activation a strategy moves between ranks, and its
 gradient, is then a half-type tensor from the first layer on, half the bytes of float32, and the
-planner prices them so (`activation_dtype`).
+planner prices them so (the strategies' `compute_dtype`).
 
 fp16's narrow range needs loss scaling (`DynamicLossScale`): the loss is multiplied by S before
 the backward, the gradients are divided by S after their exchange, and a step whose gradients hold
@@ -46,20 +46,12 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=dtype)
 
-    def inputs(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A floating input in the half type (token ids and fp32 runs unchanged)."""
-        dtype = self.compute_dtype
-        if dtype is None or not tensor.is_floating_point():
-            return tensor
-        return tensor.to(dtype)
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype floating inputs are stored in: the half type, else the run's `dtype`."""
+        return self.compute_dtype or dtype
 
     def loss_scale(self) -> DynamicLossScale | None:
         return DynamicLossScale() if self.name == "fp16" else None
-
-
-def activation_dtype(precision: str, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the activations a strategy moves under `precision`."""
-    return HALF_TYPES.get(precision, param_dtype)
 
 
 @dataclass

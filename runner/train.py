@@ -157,7 +157,7 @@ def load_data(run: RunConfig, parts: RunParts, device: torch.device,
     run's device when it is held in memory (a user's lazily read one moves batch by batch)."""
     data: ClassificationData = parts.dataset.load()
     if data.train_x.is_floating_point():  # token ids stay integers
-        dtype = precision.compute_dtype or dtype_of(run)
+        dtype = precision.input_dtype(dtype_of(run))
         data.train_x, data.val_x = data.train_x.to(dtype), data.val_x.to(dtype)
     if device.type != "cpu":
         for name in ("train_x", "train_y", "val_x", "val_y"):

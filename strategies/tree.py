@@ -123,7 +123,6 @@ class Step:
     rule: str  # input, split, local, norm_split, norm_rows, join, flatten, function, output
     needs: dict[str, Layout]  # per tensor input node name: the layout it is used in
     out: Layout | None  # None: not a tensor in a layout (a size)
-    batch_parallel: bool = False  # under grid, before the first Linear
 
 
 @dataclass
@@ -214,7 +213,6 @@ def plan_tree(model: nn.Module, sample_shape: Sequence[int], mode: Mode,
             step = _rule(node, modules, seen_whole, in_prefix, pr, model)
         else:
             step = slab
-        step.batch_parallel = in_prefix
         layout[node.name] = step.out
         if step.out == "split":
             plan.channels[node.name] = shapes[node.name][0]
@@ -385,13 +383,12 @@ class TreeParallelModel(ParallelModel):
     """Runs the plan: each node's module (split where the plan splits it) or function on its
     inputs converted to the layouts it needs."""
 
-    def __init__(self, grid: ProcessGrid, plan: TreePlan, split_modules: dict[str, nn.Module],
-                 stats_batch: CountedComm, stats_world: CountedComm) -> None:
+    def __init__(self, grid: ProcessGrid, plan: TreePlan,
+                 split_modules: dict[str, nn.Module]) -> None:
         super().__init__(grid)
         self.plan = plan
         self.graph_modules = nn.ModuleDict({_key(name): module
                                             for name, module in split_modules.items()})
-        self.stats_batch, self.stats_world = stats_batch, stats_world
 
     def _module(self, target: str) -> nn.Module:
         return self.graph_modules[_key(target)]
@@ -521,7 +518,7 @@ def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: Proces
         else:
             built[target] = module
             whole_params += list(module.parameters())
-    pmodel = TreeParallelModel(grid, plan, built, stats_batch, stats_world)
+    pmodel = TreeParallelModel(grid, plan, built)
     pmodel.replicated_in_model_group = whole_params
     pmodel.reducers = split_model_exchanges(grid, split_params, whole_params,
                                             sync_replica_gradients, bucket_cap_bytes,

@@ -15,20 +15,18 @@ from runner.config import DebugConfig
 from runner.core import CommCounter, CountedComm, DevicePaths
 from runner.core.staging import StagedTransport
 from runner.core.torchdist import LocalTransport
-from runner.precision import DynamicLossScale, Precision, activation_dtype
+from runner.precision import DynamicLossScale, Precision
 from runner.rundir import release_run_dirs
 from runner.step import train_step
 
 
-def test_half_precision_stores_floating_inputs_in_the_half_type_and_leaves_token_ids() -> None:
+def test_half_precision_stores_floating_inputs_in_the_half_type() -> None:
     bf16 = Precision("bf16", "cpu")
-    assert bf16.inputs(torch.zeros(2, 3)).dtype == torch.bfloat16
-    assert bf16.inputs(torch.zeros(2, 3, dtype=torch.long)).dtype == torch.long
-    assert Precision("fp32", "cpu").inputs(torch.zeros(2)).dtype == torch.float32
+    assert bf16.input_dtype(torch.float32) == torch.bfloat16
+    assert Precision("fp16", "cpu").input_dtype(torch.float32) == torch.float16
+    assert Precision("fp32", "cpu").input_dtype(torch.float64) == torch.float64
     with bf16.autocast():
         assert nn.Linear(3, 2)(torch.zeros(1, 3)).dtype == torch.bfloat16
-    assert activation_dtype("fp16", torch.float32) == torch.float16
-    assert activation_dtype("fp32", torch.float64) == torch.float64
 
 
 def test_the_loss_scale_unscales_finds_overflow_backs_off_and_grows() -> None:
