@@ -5,6 +5,15 @@ Communication goes through mpi4py or torch.distributed (`runner.core.torchdist`,
 by a grid with backend "torch").
 """
 
+from runner.core.cartesian import (
+    CartesianPartition,
+    moves_data,
+    redistribute,
+    redistribute_adjoint_op,
+    redistribute_op,
+    redistribute_recv_bytes,
+    redistribute_send_bytes,
+)
 from runner.core.comm import BACKENDS, Backend, CommCounter, CommRecord, CountedComm, PendingOp
 from runner.core.grid import DevicePaths, GridShape, ProcessGrid
 from runner.core.partition import Partition, balanced_sizes, balanced_slice
@@ -13,6 +22,7 @@ from runner.core.watchdog import CommWatchdog, describe_timeout
 __all__ = [
     "BACKENDS",
     "Backend",
+    "CartesianPartition",
     "CommCounter",
     "CommRecord",
     "CommWatchdog",
@@ -25,4 +35,10 @@ __all__ = [
     "balanced_sizes",
     "balanced_slice",
     "describe_timeout",
+    "moves_data",
+    "redistribute",
+    "redistribute_adjoint_op",
+    "redistribute_op",
+    "redistribute_recv_bytes",
+    "redistribute_send_bytes",
 ]

@@ -8,6 +8,9 @@ primitive, and that adjoint is its backward:
     all-sum-reduce                             ↔  itself
     all-gather  (pieces along a dim → whole)   ↔  reduce-scatter (sum, then each its piece)
     repartition (split along a → split along b) ↔ repartition (split along b → split along a)
+    redistribute (Cartesian partition → another) ↔ its scatter-add: each block back to the rank
+                                                   it was read from, summed there
+                                                   (`runner.core.cartesian`)
 
 Pieces may be uneven: a `Partition` says how long each rank's piece is along the split dim.
 Every call goes through the counted communicator. Outputs are new tensors (autograd keeps them)

@@ -7,7 +7,9 @@ it out), for each of its groups (world, model, batch) and each primitive F:
 where F* is both the hand-written adjoint and autograd's backward of F, inner products summed
 over the group's ranks, pieces uneven (and some empty), float32 to 1e-5 and float64 to 1e-12.
 Forward results are also checked against the definition (e.g. the gathered tensor is the
-concatenation of the pieces every rank can rebuild from the shared seed).
+concatenation of the pieces every rank can rebuild from the shared seed). The redistribution
+between Cartesian partitions (`runner.core.cartesian`) is checked the same way over each grid's
+world, and inside its model groups, with its recorded bytes against the prediction.
 """
 
 from __future__ import annotations
@@ -16,9 +18,18 @@ import torch
 from harness import check, make_grids, run_checks
 from mpi4py import MPI
 
-from runner.core import CountedComm, Partition
+from runner.core import (
+    CartesianPartition,
+    CountedComm,
+    Partition,
+    redistribute,
+    redistribute_adjoint_op,
+    redistribute_op,
+    redistribute_send_bytes,
+)
 from runner.core import halo as H
 from runner.core import primitives as P
+from runner.core.cartesian import redistribute_recv_bytes
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -235,6 +246,114 @@ def every_call_is_counted_with_its_payload() -> None:
         assert [(r.op, r.nbytes, r.group_size) for r in records] == [
             ("allgather", part.total * 3 * 4, comm.size),
             ("reduce_scatter", part.total * 3 * 4, comm.size)], records
+
+
+# Pairs of splits (one tuple of grid dims per tensor dim) on the grid (pc, pr): grid dim 0 is
+# the batch index, 1 the model index. Shapes are made uneven, and with empty pieces, per grid.
+REDISTRIBUTIONS_2D = [
+    (((0,), (1,)), ((1,), (0,))),  # split ↔ split along other dims
+    (((0, 1), ()), ((1, 0), ())),  # nested splits reversed
+    (((0, 1), ()), ((), ())),  # split → replicated: an all-gather
+    (((), ()), ((0, 1), ())),  # replicated → split: local
+    (((1,), ()), ((0,), ())),  # replicated over one grid dim ↔ split over the other
+    (((), (1,)), ((1,), ())),  # a repartition inside each model group
+    (((0,), (1,)), ((0,), (1,))),  # identity
+    (((0, 1), ()), ((0,), (1,))),  # rows → columns inside each batch group
+]
+REDISTRIBUTIONS_4D = [
+    (((0,), (), (1,), ()), ((), (1, 0), (), ())),
+    (((), (1,), (), (0,)), ((0,), (), (), (1,))),
+    (((), (), (1,), ()), ((), (0,), (), ())),  # tensor dim 2 is 1 long: empty pieces
+    (((), (), (), (0, 1)), ((), (), (), ())),
+    (((0,), (), (1,), ()), ((0, 1), (), (), ())),
+]
+FLOAT64_CASES = {1, 4, 8}  # indexes into the concatenated list: the rest in float32 only
+
+
+def redistribution_cases(pc: int, pr: int):
+    """(index, src, dst) on the grid (pc, pr)."""
+    size = pc * pr
+    shape_2d, shape_4d = (2 * size + 1, pr + 1), (pc + 1, pr + 2, 1, 2 * pc + 1)
+    pairs = ([(shape_2d, a, b) for a, b in REDISTRIBUTIONS_2D]
+             + [(shape_4d, a, b) for a, b in REDISTRIBUTIONS_4D])
+    for index, (shape, a, b) in enumerate(pairs):
+        yield (index, CartesianPartition(shape, (pc, pr), a),
+               CartesianPartition(shape, (pc, pr), b))
+
+
+@check
+def redistribute_between_cartesian_partitions() -> None:
+    for grid, groups in grids():
+        comm = groups["world"]
+        coords = (grid.batch_index, grid.model_index)
+        for index, src, dst in redistribution_cases(grid.pc, grid.pr):
+            assert src.coords(comm.rank) == coords, (src, comm.rank, coords)
+            whole = seeded(src.shape, 160 + index, torch.float32)  # every rank rebuilds it
+            for data in (whole, whole.to(torch.bfloat16), (whole * 100).to(torch.int32)):
+                # the piece as a view of the whole tensor: not contiguous
+                moved = redistribute_op(data[src.box(coords)], comm, src, dst)
+                assert moved.dtype == data.dtype and torch.equal(
+                    moved, data[dst.box(coords)]), (src, dst, grid, data.dtype)
+            for dtype in (torch.float32, torch.float64) if index in FLOAT64_CASES else (
+                    torch.float32,):
+                x = seeded(src.local_shape(coords), 170 + grid.rank, dtype)
+                y = seeded(dst.local_shape(coords), 180 + grid.rank, dtype)
+                dot_test(f"redistribute {grid.pr}x{grid.pc} {src} -> {dst}", comm,
+                         lambda t, c=comm, a=src, b=dst: redistribute(t, c, a, b),
+                         lambda t, c=comm, a=src, b=dst: redistribute_adjoint_op(t, c, a, b),
+                         x, y)
+
+
+@check
+def redistribute_inside_the_model_group_and_its_bytes() -> None:
+    """A movement whose source and destination split the batch grid dim alike (outermost, or
+    not at all) runs inside the model group on the `fix`ed partitions, with the same pieces
+    and bytes as over the world; every rank records what `redistribute_send_bytes` (forward)
+    and `redistribute_recv_bytes` (adjoint) predict, and nothing when no data moves."""
+    for grid, groups in grids():
+        world, model = groups["world"], groups["model"]
+        coords = (grid.batch_index, grid.model_index)
+        keep = grid.counter.keep_records
+        grid.counter.keep_records = True
+        for index, src, dst in redistribution_cases(grid.pc, grid.pr):
+            whole = seeded(src.shape, 190 + index, torch.float64)
+            x = whole[src.box(coords)].clone()
+            y = seeded(dst.local_shape(coords), 200 + grid.rank, torch.float64)
+            label = f"redistribute {index}"
+            out = redistribute_op(x, world, src, dst, label)
+            redistribute_adjoint_op(y, world, src, dst, label + " adjoint")
+            sent, moves = redistribute_send_bytes(src, dst, world.rank, 8)
+            received, _ = redistribute_recv_bytes(src, dst, world.rank, 8)
+            records = [(r.op, r.group, r.group_size, r.nbytes) for r in grid.counter.records
+                       if r.label.startswith(label)]
+            assert records == ([("alltoallv", "world", world.size, sent),
+                                ("alltoallv", "world", world.size, received)]
+                               if moves and world.size > 1 else []), (src, dst, records)
+            grid.counter.records.clear()
+            outer = outermost_split(src, 0)
+            if outer != outermost_split(dst, 0) or outer == "nested":
+                continue
+            src_in, dst_in = src.fix(0, grid.batch_index), dst.fix(0, grid.batch_index)
+            assert torch.equal(redistribute_op(x, model, src_in, dst_in, label), out), (src, dst)
+            assert redistribute_send_bytes(src_in, dst_in, model.rank, 8)[0] == sent
+            records = [(r.op, r.group, r.nbytes) for r in grid.counter.records]
+            assert records == ([("alltoallv", "model", sent)]
+                               if model.size > 1 and moves_in(src_in, dst_in) else []), records
+            grid.counter.records.clear()
+        grid.counter.keep_records = keep
+
+
+def outermost_split(part: CartesianPartition, grid_dim: int) -> int | str | None:
+    """The tensor dim `grid_dim` splits outermost, None if it splits none, "nested" if it is
+    nested inside another grid dim (then `fix` refuses it)."""
+    for dim, split in enumerate(part.splits):
+        if grid_dim in split:
+            return dim if split[0] == grid_dim else "nested"
+    return None
+
+
+def moves_in(src: CartesianPartition, dst: CartesianPartition) -> bool:
+    return redistribute_send_bytes(src, dst, 0, 1)[1]
 
 
 if __name__ == "__main__":
