@@ -8,9 +8,15 @@ before anything is loaded from them.
 Every tensor is recorded by its placement in the sequential model (`runner.core.placement`):
 kind (`model`, `centre`, `momentum`, `velocity`, a torch optimizer's `exp_avg`, ...), replica
 (for optimizers whose replicas differ, the EASGD family; none when they agree), global name and
-rows. Of the ranks holding the same rows, only the lowest writes them. Loading copies into each
-local tensor the rows it needs from the shards that hold them, so a checkpoint written on one
-grid resumes on another.
+block: rows of dim 0 and, for a shard that splits them, columns of dim 1. A manifest entry is
+[kind, replica, name, shape, start, stop] for a shard of whole columns (every shard before
+column splits: such checkpoints, their manifests and hashes are unchanged) and [kind, replica,
+name, shape, start, stop, col_start, col_stop] for one of some columns. The shards of each
+tensor tile it: every element in exactly one. Of the ranks holding the same block, only the
+lowest writes it, and a block inside a larger one that is written (a block of a column stripe
+another rank holds whole) is not written again. Loading copies into each local tensor the
+intersection of its block with each stored block, so a checkpoint written on one grid (rows,
+blocks, columns) resumes on another.
 
 Per-parameter optimizer state that is one value rather than rows (Adam's `step`, a 0-d tensor
 on every shard of the parameter) cannot be split by rows: it is kept once per parameter name,
@@ -47,6 +53,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -62,13 +69,15 @@ from typing import IO, Any, cast
 import torch
 
 from runner.core import ProcessGrid
-from runner.core.placement import Placement, as_rows, global_rows, placement_of
+from runner.core.placement import Placement, global_cols, global_rows, placement_of
 from runner.optim import ReplicaOptimizer, UnsavableState
 from runner.rundir import atomic_write_text, nearest_existing
 from strategies import ParallelModel
 from strategies.sparse_exchange import UnevenState
 
-FORMAT = 2  # 2: shard sizes and sha256 in the manifest
+# 2: shard sizes and sha256 in the manifest. Column-split entries (8 fields) need no new
+# format: a reader that predates them refuses such an entry as malformed, it never misreads it.
+FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: no hashes; loaded with a note that nothing was verified
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
@@ -148,32 +157,47 @@ def resolve_resume(resume: str | None, checkpoints: Path | None) -> Path | None:
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor of a shard file."""
+    """One tensor of a shard file: a block of the global tensor `name` (`place`)."""
 
     kind: str
     replica: int | None
-    name: str
-    shape: tuple[int, ...]
-    start: int
-    stop: int
+    place: Placement
+
+    @property
+    def name(self) -> str:
+        return self.place.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.place.shape
 
     @property
     def key(self) -> str:
+        """Its tensor's key in the shard file (a shard of whole columns keeps the key it had
+        before columns were split)."""
         replica = "-" if self.replica is None else str(self.replica)
-        return f"{self.kind}/{replica}/{self.name}/{self.start}:{self.stop}"
+        place = self.place
+        key = f"{self.kind}/{replica}/{place.name}/{place.start}:{place.stop}"
+        if place.splits_columns:
+            low, high = place.col_range
+            key += f",{low}:{high}"
+        return key
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        """The shape of its tensor in the shard: its rows of the global tensor."""
-        return (self.stop - self.start, *self.shape[1:]) if self.shape else ()
+        """The shape of its tensor in the shard: its block of the global tensor."""
+        return self.place.local_shape
 
     def to_json(self) -> list[Any]:
-        return [self.kind, self.replica, self.name, list(self.shape), self.start, self.stop]
+        place = self.place
+        item = [self.kind, self.replica, place.name, list(place.shape), place.start, place.stop]
+        return [*item, *place.col_range] if place.splits_columns else item
 
     @classmethod
     def from_json(cls, item: list[Any]) -> Entry:
-        kind, replica, name, shape, start, stop = item
-        return cls(kind, replica, name, tuple(shape), start, stop)
+        """From either form `_entry_problem` accepts (6 fields: every column)."""
+        kind, replica, name, shape, *block = item
+        return cls(kind, replica, Placement(name, tuple(shape), *block))
 
 
 def _placement(param: torch.Tensor) -> Placement:
@@ -212,8 +236,7 @@ def _entries(kind: str, replica: int | None, places: list[Placement],
              tensors: Sequence[torch.Tensor | None]) -> Iterator[tuple[Entry, torch.Tensor]]:
     for place, tensor in zip(places, tensors, strict=True):
         if tensor is not None:
-            entry = Entry(kind, replica, place.name, place.shape, place.start, place.stop)
-            yield entry, _host_copy(tensor)
+            yield Entry(kind, replica, place), _host_copy(tensor)
 
 
 @dataclass(frozen=True)
@@ -409,11 +432,8 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
     if grid.rank == 0:
         error = _attempt(lambda: _fresh_directory(path))
     _raise_first(grid.world.allgather_object(error), step)
-    writer: dict[str, int] = {}
-    for rank, (entries, _, _) in enumerate(everyone):
-        for entry in entries:
-            writer.setdefault(entry.key, rank)
-    payload = {e.key: t for e, t in held if writer[e.key] == grid.rank}
+    writer = _writers([entries for entries, _, _ in everyone])
+    payload = {e.key: t for e, t in held if writer.get(e.key) == grid.rank}
     payload["rng"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # a run on a GPU: its draws
         payload["cuda_rng"] = torch.cuda.get_rng_state()
@@ -433,7 +453,8 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
             "sampler": {"epoch": progress.sampler["epoch"],
                         "position": progress.sampler["position"]},
             "written": time.strftime("%Y-%m-%dT%H:%M:%S"), **run_info,
-            "files": {shard_file(rank): [e.to_json() for e in entries if writer[e.key] == rank]
+            "files": {shard_file(rank): [e.to_json() for e in entries
+                                         if writer.get(e.key) == rank]
                       for rank, (entries, _, _) in enumerate(everyone)},
             "scalars": [scalar.to_json() for scalar in scalars],
             **({} if progress.loss_scale is None else {"loss_scale": progress.loss_scale}),
@@ -446,6 +467,91 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
         for old in complete_checkpoints(checkpoints)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _writers(reported: Sequence[Sequence[Entry]]) -> dict[str, int]:
+    """Which rank writes each block, by entry key (`reported`: every rank's entries; a key
+    left out is written by none): the lowest rank holding it, so that the blocks written of
+    each tensor hold every element once. Where the distinct blocks of a tensor overlap (a rank
+    holds a column stripe W[:, c0:c1], others blocks inside it), the larger blocks go first
+    and a block overlapping one already chosen is left out: for blocks nested in each other,
+    as partitions that refine each other make, every element is still written once."""
+    lowest: dict[str, tuple[int, Entry]] = {}
+    for rank, entries in enumerate(reported):
+        for entry in entries:
+            lowest.setdefault(entry.key, (rank, entry))
+    by_tensor: dict[tuple[str, int | None, str], list[tuple[int, Entry]]] = {}
+    for rank, entry in lowest.values():
+        by_tensor.setdefault((entry.kind, entry.replica, entry.name), []).append((rank, entry))
+    writer: dict[str, int] = {}
+    for held in by_tensor.values():
+        if _first_overlap([entry.place for _, entry in held]) is not None:
+            chosen: list[Placement] = []
+            kept = []
+            for rank, entry in sorted(held, key=lambda item: (-item[1].place.area, item[0])):
+                if all(entry.place.intersection(other) is None for other in chosen):
+                    chosen.append(entry.place)
+                    kept.append((rank, entry))
+            held = kept
+        writer.update((entry.key, rank) for rank, entry in held)
+    return writer
+
+
+def _first_overlap(blocks: Sequence[Placement]) -> Placement | None:
+    """A block of a tensor that two of `blocks` (its placements) both hold, if any. Blocks
+    sorted by their first row need only be compared with those starting above their last
+    row: linear for row shards, the blocks of one row band for a grid of blocks."""
+    ordered = sorted(blocks, key=lambda block: (block.start, block.col_range))
+    for i, block in enumerate(ordered):
+        for other in ordered[i + 1:]:
+            if other.start >= block.stop:
+                break
+            shared = block.intersection(other)
+            if shared is not None:
+                return shared
+    return None
+
+
+def _first_gap(blocks: Sequence[Placement], shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The first (row, column) of a tensor of `shape` that none of `blocks` holds, if any.
+    The rows are cut into bands at every block's first and last row: a block holds all of a
+    band or none of it, so a band's columns are the union of its blocks' column ranges."""
+    rows = global_rows(shape)
+    cuts = sorted({0, rows, *(b.start for b in blocks), *(b.stop for b in blocks)})
+    for low, high in itertools.pairwise(cuts):
+        reached = 0
+        spans = sorted(b.col_range for b in blocks if b.start <= low and high <= b.stop)
+        for first, last in spans:
+            if first > reached:
+                break
+            reached = max(reached, last)
+        if reached < global_cols(shape):
+            return low, reached
+    return None
+
+
+def _block_text(block: Placement) -> str:
+    """`rows 4:8`, and `, columns 3:6` for a block of some columns."""
+    low, high = block.col_range
+    columns = f", columns {low}:{high}" if block.splits_columns else ""
+    return f"rows {block.start}:{block.stop}{columns}"
+
+
+def _tiling_problem(kind: str, name: str, shape: tuple[int, ...],
+                    blocks: Sequence[Placement]) -> str | None:
+    """Why `blocks` (inside the tensor: the entries were checked) do not hold every element
+    of `kind`'s tensor `name` exactly once: two that overlap, or where a gap starts. No
+    overlap and areas summing to the whole is an exact tiling."""
+    shared = _first_overlap(blocks)
+    if shared is not None:
+        return f"its {kind} shards of {name} overlap: both hold {_block_text(shared)}"
+    if sum(block.area for block in blocks) != global_rows(shape) * global_cols(shape):
+        gap = _first_gap(blocks, shape)
+        assert gap is not None  # disjoint blocks inside the tensor, short of its area
+        row, column = gap
+        where = f"row {row}, column {column}" if len(shape) >= 2 else f"row {row}"
+        return f"its {kind} shards of {name} leave a gap at {where}"
+    return None
 
 
 def _fresh_directory(path: Path) -> None:
@@ -545,9 +651,12 @@ def shard_rank(name: Any) -> int | None:
 
 
 def _entry_problem(item: Any, replicas: int) -> str | None:
-    if not (isinstance(item, list) and len(item) == 6):
-        return f"entry {item!r} is not [kind, replica, name, shape, start, stop]"
-    kind, replica, name, shape, start, stop = item
+    """What is wrong with a manifest entry: [kind, replica, name, shape, start, stop] (every
+    column) or [..., col_start, col_stop] (some columns of a tensor of two dims or more)."""
+    if not (isinstance(item, list) and len(item) in (6, 8)):
+        return (f"entry {item!r} is not [kind, replica, name, shape, start, stop] or [kind, "
+                f"replica, name, shape, start, stop, col_start, col_stop]")
+    kind, replica, name, shape, start, stop, *columns = item
     if not (isinstance(kind, str) and kind and isinstance(name, str) and name):
         return f"entry {item!r}: kind and name must be non-empty strings"
     if replica is not None and not (_is_int(replica) and 0 <= replica < replicas):
@@ -557,6 +666,14 @@ def _entry_problem(item: Any, replicas: int) -> str | None:
     rows = global_rows(tuple(shape))
     if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= rows):
         return f"entry {name}: rows {start!r}:{stop!r} outside its {rows} rows"
+    if columns:
+        col_start, col_stop = columns
+        if len(shape) < 2:
+            return (f"entry {name}: columns {col_start!r}:{col_stop!r} of a tensor of shape "
+                    f"{shape!r}, which has no columns to split")
+        cols = global_cols(tuple(shape))
+        if not (_is_int(col_start) and _is_int(col_stop) and 0 <= col_start <= col_stop <= cols):
+            return f"entry {name}: columns {col_start!r}:{col_stop!r} outside its {cols} columns"
     return None
 
 
@@ -777,9 +894,9 @@ class Checkpoint:
                       buffers: Mapping[str, tuple[int, ...]] | None = None) -> str | None:
         """Why this checkpoint is not one of the model whose parameters have `shapes` and
         whose buffers `buffers` (by `state_dict` name): a tensor that is not one of them, or of
-        another shape, or rows that do not tile it exactly (weights and centre: every
+        another shape, or blocks that do not tile it exactly (weights and centre: every
         parameter)."""
-        spans: dict[tuple[str, int | None, str], list[tuple[int, int]]] = {}
+        spans: dict[tuple[str, int | None, str], list[Placement]] = {}
         known = {**(buffers or {}), **shapes}
         for _, entry in self.entries:
             shape = (buffers or {}).get(entry.name) if entry.kind == BUFFERS else \
@@ -789,22 +906,15 @@ class Checkpoint:
             if entry.shape != shape:
                 return (f"{entry.name} has shape {list(entry.shape)} in the checkpoint and "
                         f"{list(shape)} in this model")
-            spans.setdefault((entry.kind, entry.replica, entry.name), []).append(
-                (entry.start, entry.stop))
+            spans.setdefault((entry.kind, entry.replica, entry.name), []).append(entry.place)
         for scalar in self.scalars:
             if scalar.name not in shapes:
                 return (f"its {scalar.kind} value for {scalar.name!r} is not a parameter of "
                         f"this model")
-        for (kind, _, name), rows in spans.items():
-            reached = 0
-            for start, stop in sorted(rows):
-                if start != reached:
-                    what = "overlap" if start < reached else "leave a gap"
-                    return f"its {kind} rows of {name} {what} at row {min(start, reached)}"
-                reached = stop
-            if reached != global_rows(known[name]):
-                return (f"its {kind} rows of {name} stop at {reached} of "
-                        f"{global_rows(known[name])}")
+        for (kind, _, name), blocks in spans.items():
+            problem = _tiling_problem(kind, name, known[name], blocks)
+            if problem is not None:
+                return problem
         whole = {(kind, replica) for kind, replica, _ in spans if kind in WHOLE_KINDS}
         if not any(kind == "model" for kind, _ in whole):
             return "it holds no model weights"
@@ -833,9 +943,9 @@ class Checkpoint:
                 or any(scalar.kind == kind for scalar in self.scalars))
 
     def _covering(self, kind: str, replica: int | None, place: Placement,
-                  optional: bool) -> list[tuple[str, Entry, tuple[int, int]]]:
-        """The entries holding rows of `place` for `kind` and `replica`, with the rows each
-        holds; an error when they do not cover it (`optional`: unless none does)."""
+                  optional: bool) -> list[tuple[str, Entry, Placement]]:
+        """The entries holding parts of `place` for `kind` and `replica`, with the block of it
+        each holds; an error when they do not cover it (`optional`: unless none does)."""
         found = []
         for file, entry in self.entries:
             if entry.kind != kind or entry.replica != replica or entry.name != place.name:
@@ -845,15 +955,13 @@ class Checkpoint:
                     f"checkpoint {self.path}: {place.name} has shape {list(entry.shape)} in "
                     f"the checkpoint and {list(place.shape)} in this model (a different model "
                     f"or dataset?)")
-            rows = Placement(entry.name, entry.shape, entry.start, entry.stop).overlap(
-                place.start, place.stop)
-            if rows is not None:
-                found.append((file, entry, rows))
-        covered = sum(high - low for _, _, (low, high) in found)
-        if covered != place.rows and not (optional and covered == 0):
-            raise CheckpointError(f"checkpoint {self.path}: no {kind} rows "
-                                  f"{place.start}:{place.stop} of {place.name} (a different "
-                                  f"model?)")
+            shared = entry.place.intersection(place)
+            if shared is not None:
+                found.append((file, entry, shared))
+        covered = sum(shared.area for _, _, shared in found)
+        if covered != place.area and not (optional and covered == 0):
+            raise CheckpointError(f"checkpoint {self.path}: no {kind} {_block_text(place)} "
+                                  f"of {place.name} (a different model?)")
         return found
 
     def files_for(self, kind: str, replica: int | None, places: Sequence[Placement],
@@ -864,14 +972,13 @@ class Checkpoint:
 
     def read_into(self, kind: str, replica: int | None, place: Placement,
                   out: torch.Tensor, optional: bool = False) -> bool:
-        """Copy rows [place.start, place.stop) of `kind`'s tensor `place.name` into `out`;
-        `optional`: False instead of an error when the checkpoint has none of it."""
-        target = as_rows(out)
+        """Copy block `place` (its rows, and columns) of `kind`'s tensor `place.name` into
+        `out`, from each stored block its intersection with it; `optional`: False instead of
+        an error when the checkpoint has none of it."""
         found = self._covering(kind, replica, place, optional)
-        for file, entry, (low, high) in found:
-            source = as_rows(self._file(file)[entry.key])
-            target[low - place.start:high - place.start].copy_(
-                source[low - entry.start:high - entry.start])
+        for file, entry, shared in found:
+            stored = self._file(file)[entry.key]
+            place.view(out, shared).copy_(entry.place.view(stored, shared))
         return bool(found)
 
     def read_tensors(self, kind: str, replica: int | None,
