@@ -1,4 +1,4 @@
-"""What this machine's communication and local work cost: the stored calibration
+"""What this machine's communication, local work and compute cost: the stored calibration
 (`gridrun-plan plan.calibrate=true` measures it), or defaults.
 
 The calibration is per machine and belongs to the user, not to an installation:
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the cost model imports torch: `calibration_path` (for --help) needs none
+    from runner.core.compute import ComputeRates
     from runner.core.cost import MachineCosts
 
 
@@ -68,3 +69,19 @@ def load_machine_costs(alpha: float | None = None,
                         beta if beta is not None else DEFAULT_BETA,
                         source="default (not calibrated: gridrun-plan plan.calibrate=true)",
                         **costs)
+
+
+def load_compute_rates() -> ComputeRates:
+    """This machine's compute rates: the stored calibration's "compute" section, else (not
+    calibrated, calibrated before compute rates were measured, or a file that cannot be read
+    or parsed) the defaults."""
+    from runner.core.compute import DEFAULT_RATES, ComputeRates
+
+    path = calibration_path()
+    if not path.exists():
+        return DEFAULT_RATES
+    try:
+        stored = json.loads(path.read_text())["compute"]
+        return ComputeRates.from_dict(stored, source=f"calibrated ({path})")
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return DEFAULT_RATES

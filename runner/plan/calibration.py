@@ -7,6 +7,10 @@ point-to-point values; a fit of the all-reduce times to 2(α⌈log₂ p⌉ + β(
 values the planner uses (training steps are collectives). Both are stored as JSON at
 `calibration_path()` (the user's cache, one file per host), where `runner.machine` finds them
 for every later plan and run.
+
+`measure_compute()` (in this process, one torch thread, about 6 seconds) measures the compute
+rates of `runner.core.compute` — matrix products and convolutions by size, the layers priced
+per byte, the dispatch per operator call, fresh memory —, stored under "compute".
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from runner.machine import calibration_path
@@ -143,6 +148,369 @@ def measure_local(rows: int = 200_000, width: int = 64, touched: int = 50_000,
         torch.set_num_threads(threads)
 
 
+# -- compute rates (runner.core.compute) ---------------------------------------------------------
+
+GEMM_ROWS = (16, 64, 256)  # a product's smallest dimension (a Linear's rows: a rank's batch)
+GEMM_MOST_FLOPS = 3e9  # the largest product measured (the rate is flat from ~1e8 on)
+GEMM_MOST_FEATURES = 4096
+CONV_FLOPS = [10 ** (6 + e / 2) for e in range(7)]  # 1e6 .. 1e9 (flat from ~1e8 on)
+NARROW_CONV_FLOPS = [10 ** (5 + e / 2) for e in range(8)]  # 1e5 .. 3e8
+CONV_BACKWARD_SHAPES = {"deep": (32, 32, 16, 16), "narrow": (3, 32, 16, 32)}  # Cin, Cout, N, side
+KIND_BYTES = (256 << 10, 2 << 20, 8 << 20)  # in cache, in the last level, from memory
+MEMORY_BYTES = 4 << 20  # elementwise passes over tensors of a few MB
+FRESH_BYTES = 64 << 20  # above glibc's largest mmap threshold (32 MiB): always freshly mapped
+
+
+class _Timer:
+    """Seconds per call of a function, as a rank would spend them.
+
+    One thread: the thread's CPU time (the core's speed, not the moments another process took
+    it: sharing is priced apart, `runner.core.compute.oversubscription`); more threads work
+    beside this one: wall-clock time. Page faults are taken out at `per_fault` seconds each
+    (once measured): below 32 MiB whether a block comes back freshly mapped is the allocator's
+    whim (glibc trims its heap's top), and the model prices fresh memory apart
+    (`ComputeRates.fresh_memory`)."""
+
+    def __init__(self, threads: int) -> None:
+        self.clock = time.thread_time if threads == 1 else time.perf_counter
+        self.per_fault = 0.0
+
+    @staticmethod
+    def faults() -> int:
+        try:
+            import resource
+        except ImportError:  # not a Unix: no counts, nothing taken out
+            return 0
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    def __call__(self, fn: Callable[[], object], repeats: int = 5,
+                 sample: float = 2e-3) -> float:
+        """The median seconds of a call of `fn` after a warm-up call (kernel set-up, first
+        allocations): small calls timed in loops of at least `sample` seconds, calls of more
+        than 20 ms three times."""
+        fn()
+        start = self.clock()
+        fn()
+        once = max(self.clock() - start, 1e-7)
+        if once > 0.02:
+            repeats = 2
+        inner = max(1, int(sample / once))
+        samples = [once]
+        for _ in range(repeats):
+            faults, start = self.faults(), self.clock()
+            for _ in range(inner):
+                fn()
+            elapsed = self.clock() - start - (self.faults() - faults) * self.per_fault
+            samples.append(max(elapsed, 0.0) / inner)
+        return statistics.median(samples[1:] if len(samples) > 3 else samples)
+
+
+def _round_size(size: float) -> int:
+    """A dimension: a multiple of 64 from 256 on (odd sizes take slower kernels)."""
+    return max(1, round(size)) if size < 256 else 64 * round(size / 64)
+
+
+def _gemm_point(rows: int, features: int, timer: _Timer) -> tuple[float, float]:
+    """(flops, flop/s) of a Linear layer's products on `rows` rows of `features` features, as
+    many out: the median of the forward (x·Wᵀ + b), the input's gradient (g·W) and the
+    weight's (gᵀ·x), each into a kept output (fresh memory is priced apart). The operands stay
+    in the caches where they fit, as a small model's do in a step (a model whose weights
+    overflow the last level's cache runs its small products up to 1.5× slower)."""
+    import torch
+
+    m, k = rows, features
+    x, w, b, g = torch.randn(m, k), torch.randn(k, k), torch.randn(k), torch.randn(m, k)
+    y, gx, gw = torch.empty(m, k), torch.empty(m, k), torch.empty(k, k)
+    flops = 2.0 * m * k * k
+    return flops, flops / statistics.median([
+        timer(lambda: torch.addmm(b, x, w.t(), out=y)), timer(lambda: torch.mm(g, w, out=gx)),
+        timer(lambda: torch.mm(g.t(), x, out=gw))])
+
+
+def _gemm_band(rows: int, timer: _Timer) -> list[list[float]]:
+    """The (flops, flop/s) points of products whose smallest dimension is `rows`: features
+    from `rows` up, half a decade of flops apart, up to GEMM_MOST_FLOPS or GEMM_MOST_FEATURES
+    (multiples of 64 from 256 features on: odd sizes take slower kernels)."""
+    points: list[list[float]] = []
+    flops = 2.0 * rows ** 3
+    while True:
+        features = round((flops / (2 * rows)) ** 0.5)
+        if features >= 256:
+            features = 64 * round(features / 64)
+        if features > GEMM_MOST_FEATURES or 2.0 * rows * features ** 2 > GEMM_MOST_FLOPS * 1.2:
+            return points
+        points.append(list(_gemm_point(rows, max(features, rows), timer)))
+        flops *= 10 ** 0.5
+
+
+def _narrow_output(timer: _Timer) -> float:
+    """A Linear's forward product into few out features (a classifier head: 128 rows, 784
+    features, 10 classes) in times of its input-gradient product (the same flops and smallest
+    dimension)."""
+    import torch
+
+    x, w, b, g = torch.randn(128, 784), torch.randn(10, 784), torch.randn(10), torch.randn(128, 10)
+    y, gx = torch.empty(128, 10), torch.empty(128, 784)
+    return max(1.0, timer(lambda: torch.addmm(b, x, w.t(), out=y))
+               / timer(lambda: torch.mm(g, w, out=gx)))
+
+
+def _conv_point(flops: float, in_channels: int, out_channels: int, side: int,
+                timer: _Timer) -> tuple[float, float]:
+    """(flops, flop/s) of a 3×3 'same' convolution of about `flops` flops at images of `side`
+    (halved, down to 4, while one image has more flops)."""
+    import torch
+    import torch.nn.functional as F
+
+    def per_image(side: int) -> float:
+        return 2.0 * out_channels * in_channels * 9 * side * side
+
+    while per_image(side) > flops and side > 4:
+        side //= 2
+    batch = max(1, round(flops / per_image(side)))
+    x = torch.randn(batch, in_channels, side, side)
+    w = torch.randn(out_channels, in_channels, 3, 3)
+    actual = batch * per_image(side)
+    return actual, actual / timer(lambda: F.conv2d(x, w, padding=1))
+
+
+def _conv_backward(in_channels: int, out_channels: int, batch: int, side: int,
+                   timer: _Timer) -> tuple[float, float]:
+    """(input gradient, weight gradient) seconds, each in forward times, of a 3×3 'same'
+    convolution."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(batch, in_channels, side, side)
+    w = torch.randn(out_channels, in_channels, 3, 3)
+    g = torch.randn(batch, out_channels, side, side)
+    backward = torch.ops.aten.convolution_backward
+
+    def grad(mask: list[bool]) -> object:
+        return backward(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, mask)
+
+    forward = timer(lambda: F.conv2d(x, w, padding=1))
+    return (timer(lambda: grad([True, False, False])) / forward,
+            timer(lambda: grad([False, True, False])) / forward)
+
+
+def _conv_overhead(timer: _Timer, backward_start: float) -> float:
+    """Seconds of a convolution layer's forward and backward under autograd beyond its
+    kernels' (the three convolutions, measured apart): the dispatch of its operator calls and
+    oneDNN's set-up around them; the median over a small deep layer and a first layer."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    overheads = []
+    for batch, cin, side, cout, input_grad in ((8, 16, 8, 16, True), (32, 3, 8, 32, False)):
+        layer = nn.Conv2d(cin, cout, 3, padding=1)
+        params = list(layer.parameters())
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        x = torch.randn(batch, cin, side, side, requires_grad=input_grad)
+        g = torch.randn(batch, cout, side, side)
+        w, b = layer.weight.detach(), layer.bias.detach()  # type: ignore[union-attr]
+
+        def step(layer: nn.Module = layer, x: torch.Tensor = x, g: torch.Tensor = g,
+                 params: Sequence[torch.Tensor] = params) -> None:
+            for p in params:
+                p.grad.zero_()  # type: ignore[union-attr]
+            x.grad = None
+            layer(x).backward(g)
+
+        def kernels(x: torch.Tensor = x, g: torch.Tensor = g, w: torch.Tensor = w,
+                    b: torch.Tensor = b, cout: int = cout, mask: bool = input_grad) -> None:
+            F.conv2d(x.detach(), w, b, padding=1)
+            torch.ops.aten.convolution_backward(g, x.detach(), w, [cout], [1, 1], [1, 1], [1, 1],
+                                                False, [0, 0], 1, [mask, True, True])
+
+        overheads.append(timer(step, repeats=7) - backward_start - timer(kernels, repeats=7))
+    return max(statistics.median(overheads), 1e-7)
+
+
+def _linear_overhead(timer: _Timer, backward_start: float) -> float:
+    """Seconds of a Linear layer's forward and backward under autograd beyond its kernels
+    (its products and the bias gradient's sum, measured apart): the dispatch of its operator
+    calls, its gradients' zeroing and accumulation; the median over three small layers."""
+    import torch
+    from torch import nn
+
+    overheads = []
+    for rows, features_in, features_out, input_grad in ((64, 64, 128, False),
+                                                        (64, 128, 128, True), (16, 64, 10, True)):
+        layer = nn.Linear(features_in, features_out)
+        params = list(layer.parameters())
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        x = torch.randn(rows, features_in, requires_grad=input_grad)
+        g = torch.randn(rows, features_out)
+        w, b, data = layer.weight.detach(), layer.bias.detach(), x.detach()
+
+        def step(layer: nn.Module = layer, x: torch.Tensor = x, g: torch.Tensor = g,
+                 params: Sequence[torch.Tensor] = params) -> None:
+            for p in params:
+                p.grad.zero_()  # type: ignore[union-attr]
+            x.grad = None
+            layer(x).backward(g)
+
+        def kernels(x: torch.Tensor = data, g: torch.Tensor = g, w: torch.Tensor = w,
+                    b: torch.Tensor = b, input_grad: bool = input_grad) -> None:
+            torch.addmm(b, x, w.t())
+            torch.mm(g.t(), x)
+            g.sum(0)
+            if input_grad:
+                torch.mm(g, w)
+
+        overheads.append(timer(step, repeats=7) - backward_start - timer(kernels, repeats=7))
+    return max(statistics.median(overheads), 1e-7)
+
+
+def _kind_rates(timer: _Timer, dispatch: float, backward_start: float
+                ) -> dict[str, list[list[float]]]:
+    """Per kind of `runner.core.compute.LAYER_KINDS`: [input bytes, forward, backward seconds
+    per input byte] at inputs of KIND_BYTES, forward and backward under autograd as a training
+    step runs them, less what is priced apart: the dispatch of their operator calls, the
+    backward() call's start."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from runner.core.compute import KIND_CALLS
+
+    Layer = Callable[[torch.Tensor], torch.Tensor]
+
+    def case(kind: str, nbytes: int) -> tuple[Layer, tuple[int, ...]]:
+        elements = nbytes // 4
+        image = (max(1, elements // (32 * 32 * 32)), 32, 32, 32)
+        if kind == "layer_norm":
+            return nn.LayerNorm(512), (max(1, elements // 512), 512)
+        if kind == "cross_entropy":
+            targets = torch.randint(0, 1024, (max(1, elements // 1024),))
+            return (lambda x: F.cross_entropy(x, targets, reduction="sum")), \
+                (max(1, elements // 1024), 1024)
+        layers: dict[str, Layer] = {
+            "relu": nn.ReLU(), "gelu": nn.GELU(), "tanh": nn.Tanh(),
+            "max_pool": nn.MaxPool2d(2), "avg_pool": nn.AvgPool2d(2),
+            "global_avg_pool": nn.AdaptiveAvgPool2d(1), "batch_norm": nn.BatchNorm2d(32),
+            "dropout": nn.Dropout(0.5)}
+        return layers[kind], image
+
+    rates: dict[str, list[list[float]]] = {}
+    for kind in KIND_CALLS:
+        rates[kind] = []
+        for size in KIND_BYTES:
+            layer, shape = case(kind, size)
+            params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            x = torch.randn(shape, requires_grad=True)
+            grad = torch.randn_like(layer(x))
+
+            def forward(layer: Layer = layer, x: torch.Tensor = x) -> None:
+                layer(x)
+
+            def step(layer: Layer = layer, x: torch.Tensor = x, grad: torch.Tensor = grad,
+                     params: Sequence[torch.Tensor] = params) -> None:
+                for p in params:
+                    p.grad.zero_()  # type: ignore[union-attr]
+                x.grad = None  # a layer's input is no leaf: its gradient is handed on
+                layer(x).backward(grad)
+
+            calls = KIND_CALLS[kind] * dispatch / 2  # a half forward, a half backward
+            fwd = timer(forward, repeats=3)
+            bwd = timer(step, repeats=3) - fwd - backward_start
+            nbytes = x.numel() * x.element_size()
+            rates[kind].append([float(nbytes), max(fwd - calls, 0.2 * fwd) / nbytes,
+                                max(bwd - calls, 0.2 * fwd) / nbytes])
+    return rates
+
+
+def _fresh_memory(timer: _Timer) -> tuple[float, float]:
+    """(bytes per second, seconds per page fault) of first touches of freshly mapped memory:
+    an out-of-place pass whose output is always newly mapped, less the same pass into a kept
+    output."""
+    import torch
+
+    big = torch.randn(FRESH_BYTES // 4)
+    kept = torch.empty_like(big)
+    fresh = timer(lambda: torch.mul(big, 2.0), repeats=2)
+    reused = timer(lambda: torch.mul(big, 2.0, out=kept), repeats=2)
+    faults = timer.faults()
+    torch.mul(big, 2.0)
+    faults = max(1, timer.faults() - faults)
+    return FRESH_BYTES / max(fresh - reused, 1e-9), max(fresh - reused, 0.0) / faults
+
+
+def _dispatch(timer: _Timer) -> tuple[float, float]:
+    """(seconds per operator call, seconds of a backward() call's own start): a chain of tiny
+    ReLUs forward and backward (two calls a ReLU), and one ReLU's step less its forward and its
+    backward node's call."""
+    import torch
+
+    tiny = torch.randn(4, 4, requires_grad=True)
+    ones = torch.ones(4, 4)
+
+    def chain(length: int) -> Callable[[], None]:
+        def run() -> None:
+            h = tiny
+            for _ in range(length):
+                h = torch.relu(h)
+            h.backward(ones)
+        return run
+
+    one = timer(chain(1), repeats=7)
+    dispatch = max((timer(chain(33), repeats=7) - one) / (32 * 2), 1e-8)
+    return dispatch, max(one - timer(lambda: torch.relu(tiny), repeats=7) - dispatch, 1e-8)
+
+
+def _memory(timer: _Timer) -> float:
+    """Bytes per second of an elementwise pass over tensors of MEMORY_BYTES (the median of a
+    ReLU, a product with a number, a sum of two: 1½ passes)."""
+    import torch
+
+    x = torch.randn(MEMORY_BYTES // 4)
+    y = torch.randn(MEMORY_BYTES // 4)
+    return statistics.median([MEMORY_BYTES / timer(lambda: torch.relu(x)),
+                              MEMORY_BYTES / timer(lambda: x * 2.0),
+                              MEMORY_BYTES * 1.5 / timer(lambda: x + y)])
+
+
+def measure_compute(threads: int = 1) -> dict:
+    """This machine's compute rates (`runner.core.compute.ComputeRates.from_dict`'s form) with
+    `threads` torch threads (a rank's; restored afterwards): the cost of fresh memory, the
+    dispatch per operator call and the backward() call's start, the bytes per second of an
+    elementwise pass, the matrix-product tables (by smallest dimension) and the convolution
+    ones, the gradient factors of convolutions, and the seconds per byte of the layers priced
+    by their tensors. Medians of repeats; about 6 seconds."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    timer = _Timer(threads)
+    try:
+        fresh_memory, timer.per_fault = _fresh_memory(timer)
+        tries = [_dispatch(timer) for _ in range(3)]  # small: the median of three tries
+        dispatch = statistics.median(d for d, _ in tries)
+        backward_start = statistics.median(b for _, b in tries)
+        return {
+            "gemm": {str(rows): _gemm_band(rows, timer) for rows in GEMM_ROWS},
+            "gemm_narrow_output": _narrow_output(timer),
+            "conv": [_conv_point(f, *((16, 16, 8) if f < 1e7 else (32, 32, 16) if f < 1e8
+                                      else (64, 64, 16)), timer) for f in CONV_FLOPS],
+            "conv_narrow": [_conv_point(f, 3, 32, 8 if f < 1e6 else 16 if f < 1e7 else 32,
+                                        timer) for f in NARROW_CONV_FLOPS],
+            "conv_backward": list(_conv_backward(*CONV_BACKWARD_SHAPES["deep"], timer)),
+            "conv_narrow_backward": list(_conv_backward(*CONV_BACKWARD_SHAPES["narrow"], timer)),
+            "conv_overhead": _conv_overhead(timer, backward_start),
+            "linear_overhead": _linear_overhead(timer, backward_start),
+            "layers": _kind_rates(timer, dispatch, backward_start),
+            "memory": _memory(timer), "dispatch": dispatch, "backward_start": backward_start,
+            "fresh_memory": fresh_memory, "threads": threads}
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _mpiexec() -> str:
     """The mpiexec beside this Python (the `mpich` wheel), else the one on PATH."""
     beside = Path(sys.executable).parent / "mpiexec"
@@ -167,8 +535,9 @@ def _run(kind: str, ranks: int, repeats: int) -> dict:
 
 
 def measure(repeats: int = 20, collective_ranks: int | None = None) -> dict:
-    """Measure, fit, store; returns what was stored. `collective_ranks`: the all-reduce sweep's
-    ranks (default `calibration_ranks(usable_cores())`); more than the usable cores is refused."""
+    """Measure (α and β, local work, compute rates), fit, store; returns what was stored.
+    `collective_ranks`: the all-reduce sweep's ranks (default
+    `calibration_ranks(usable_cores())`); more than the usable cores is refused."""
     from runner.core.cost import log2_ceil
 
     cores = usable_cores()
@@ -191,6 +560,7 @@ def measure(repeats: int = 20, collective_ranks: int | None = None) -> dict:
         "collective": {"alpha": max(a / (2 * log2_ceil(p)), 0.0), "beta": b / (2 * (p - 1) / p),
                        "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"]},
         "local": measure_local(),
+        "compute": measure_compute(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "host": socket.gethostname(),
         "usable_cores": cores,
