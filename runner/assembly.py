@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from runner.config import Plugin, RunConfig
+from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import DEFAULT_COSTS, MachineCosts
 from runner.datasets import DatasetSpec
 from runner.optim import ReplicaOptimizer
@@ -147,12 +148,16 @@ def probe_model(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.fl
 
 def build_strategy(plugin: Plugin, costs: MachineCosts = DEFAULT_COSTS,
                    rows_touched: Callable[[int], float] | None = None,
-                   precision: str = "fp32") -> Strategy:
+                   precision: str = "fp32", rates: ComputeRates = DEFAULT_RATES,
+                   global_batch: int | None = None, slowdown: float = 1.0) -> Strategy:
     """The strategy with its options, the machine's costs, what the data says of the rows
-    an embedding table's batch touches, and the autocast type of `trainer.precision`."""
+    an embedding table's batch touches, the autocast type of `trainer.precision`, and for
+    predicted step times this machine's compute rates, the global batch and how much ranks
+    sharing cores slow each other (`runner.core.compute.oversubscription`)."""
     load_plugins()  # the built-in strategies; a user's come with the run's `plugins`
     return STRATEGIES.get(plugin.name)(**plugin.options, costs=costs, rows_touched=rows_touched,
-                                       compute_dtype=HALF_TYPES.get(precision))
+                                       compute_dtype=HALF_TYPES.get(precision), rates=rates,
+                                       global_batch=global_batch, slowdown=slowdown)
 
 
 def optimizer_class(plugin: Plugin) -> type[ReplicaOptimizer]:
@@ -193,7 +198,8 @@ class RunParts:
 
 
 def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
-             device: str | None = None) -> RunParts:
+             device: str | None = None, rates: ComputeRates = DEFAULT_RATES,
+             slowdown: float = 1.0) -> RunParts:
     """Every part of `run`. On the CPU the model's weights come from the current torch seed;
     on `device="meta"` it has shapes only (planning, preflight)."""
     import_plugins(run)
@@ -201,5 +207,6 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
     spec = dataset.spec()
     return RunParts(dataset, spec, model_for(run.model, spec, dtype_of(run), device),
                     build_strategy(run.strategy, costs, rows_touched(dataset),
-                                   run.trainer.precision),
+                                   run.trainer.precision, rates, run.trainer.batch_size,
+                                   slowdown),
                     optimizer_class(run.optimizer))

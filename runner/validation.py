@@ -178,12 +178,20 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
                                 Strategy.CONTEXT_ARGUMENTS)
         problems += found
         if not found:
-            strategy = assembly.build_strategy(run.strategy)
+            strategy = assembly.build_strategy(run.strategy,
+                                               global_batch=run.trainer.batch_size)
             batch = run.trainer.batch_size
             if grid_ok and batch >= 1:
                 problems += strategy.check(run.grid, batch)
             if meta_model is not None and spec is not None and grid_ok:
                 problems += strategy.check_model(meta_model, spec.input_shape, run.grid)
+            if (optimizer_cls is not None and strategy.synchronous_only
+                    and not optimizer_cls.syncs_gradients):
+                problems.append(
+                    f"{run.optimizer.shown('optimizer')}: its replicas exchange by other means "
+                    f"than summed gradients, which strategy={run.strategy.name} needs (it lays "
+                    f"weights out over the whole grid); use a synchronous optimizer (sgd, adam, "
+                    f"...) or strategy=grid")
             if (optimizer_cls is not None and not optimizer_cls.elementwise and grid_ok
                     and strategy.splits_parameters(run.grid)):
                 problems.append(

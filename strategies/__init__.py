@@ -3,6 +3,7 @@
 Each strategy lives in its own module and registers itself on import.
 """
 
+from strategies import auto as _auto  # noqa: F401  (registers "auto")
 from strategies import data as _data  # noqa: F401  (registers "data")
 from strategies import domain as _domain  # noqa: F401  (registers "domain")
 from strategies import grid as _grid  # noqa: F401  (registers "grid")

@@ -13,13 +13,15 @@ samples' losses, so the mean over all P ranks is the global mean loss, whatever 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts, step_bytes
+from runner.core.compute import DEFAULT_RATES, ComputeRates, layer_seconds
+from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts, loss_op, step_bytes, step_time
 from strategies.buckets import GradientBuckets
 from strategies.sparse_exchange import SparseGradientExchange
 
@@ -118,13 +120,20 @@ class Strategy:
 
     name: ClassVar[str] = ""
 
+    # Whether the strategy needs gradients summed over every replica (a replica optimizer
+    # of the EASGD family cannot run with it).
+    synchronous_only: ClassVar[bool] = False
+
     # Keyword arguments the runner passes itself (never config options).
-    CONTEXT_ARGUMENTS: ClassVar[tuple[str, ...]] = ("costs", "rows_touched", "compute_dtype")
+    CONTEXT_ARGUMENTS: ClassVar[tuple[str, ...]] = ("costs", "rows_touched", "compute_dtype",
+                                                    "rates", "global_batch", "slowdown")
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, *,
                  costs: MachineCosts = DEFAULT_COSTS,
                  rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None,
+                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
+                 slowdown: float = 1.0) -> None:
         # Gradient buckets: the first one small so the first all-reduce starts early.
         self.bucket_cap_bytes = int(bucket_cap_mb * MB)
         self.first_bucket_bytes = int(first_bucket_mb * MB)
@@ -136,6 +145,12 @@ class Strategy:
         # trainer.precision's autocast type (None: fp32): the dtype of the activations the
         # strategy moves, for its predictions (`strategies.sharded.output_itemsizes`).
         self.compute_dtype = compute_dtype
+        # For predicted step times: this machine's compute rates, the global batch (a layout
+        # chosen by time depends on it), and how much slower a rank computes than the rates
+        # say (ranks sharing cores: `runner.core.compute.oversubscription`).
+        self.rates = rates
+        self.global_batch = global_batch
+        self.slowdown = slowdown
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""
@@ -191,9 +206,85 @@ class Strategy:
         own saved tensors are not counted separately)."""
         raise NotImplementedError
 
+    def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape, global_batch: int) -> float:
+        """Rank 0's forward and backward compute per step, at this machine's rates: by
+        default every layer's work shared evenly by the P ranks (each works on its piece of
+        the rows, features or height); a strategy that knows its local shapes says better."""
+        rows = -(-global_batch // grid.size)  # rank 0 holds the largest piece
+        return sum(layer_seconds(layer, (rows, *shape), self.rates, input_grad=grad)
+                   for layer, shape, grad in leaf_inputs(model, sample_shape))
+
+    def predict_step_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
+                             grid: GridShape, global_batch: int) -> float:
+        """Predicted seconds of a training step: compute (slowed where ranks share cores),
+        the α–β time of every collective rank 0 issues (the loss's included), the optimizer's
+        passes over this rank's parameters."""
+        return predict_step(self, model, sample_shape, grid, global_batch).total_s
+
     @property
     def bucket_caps(self) -> tuple[int, int]:
         return self.bucket_cap_bytes, self.first_bucket_bytes
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A training step's predicted seconds, by part."""
+
+    compute_s: float  # forward, backward, loss and update, slowed where ranks share cores
+    comm_s: float  # α–β time of rank 0's collectives
+    total_s: float
+
+
+# An optimizer's update reads and writes a parameter's tensors a few times (weights, gradient,
+# momentum): passes over the parameter bytes, as SGD with momentum makes them.
+UPDATE_PASSES = 5
+
+
+def predict_step(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, ...],
+                 grid: GridShape, global_batch: int) -> StepPrediction:
+    ops = strategy.predict_ops(model, sample_shape, grid, global_batch)
+    ops += loss_op(grid.size, 4)
+    comm = step_time(ops, strategy.costs.alpha, strategy.costs.beta)
+    compute = strategy.predict_compute_seconds(model, sample_shape, grid, global_batch)
+    update = strategy.rates.elementwise_seconds(
+        UPDATE_PASSES * strategy.predict_param_bytes(model, sample_shape, grid))
+    compute = (compute + update) * strategy.slowdown
+    return StepPrediction(compute, comm, compute + comm)
+
+
+def leaf_inputs(model: nn.Module, sample_shape: tuple[int, ...]
+                ) -> list[tuple[nn.Module, tuple[int, ...], bool]]:
+    """Each leaf module a sample passes through, with the per-sample shape of its input and
+    whether that input has a gradient (a parameter came before it), in the order they run."""
+    found: list[tuple[nn.Module, tuple[int, ...], bool]] = []
+    seen_params = [False]
+
+    def hook(module: nn.Module, args: tuple[object, ...]) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor):
+            found.append((module, tuple(x.shape[1:]), seen_params[0]))
+        if any(True for _ in module.parameters(recurse=False)):
+            seen_params[0] = True
+
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    handles = [m.register_forward_pre_hook(hook) for m in leaves]
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None else torch.float32
+    if leaves and isinstance(leaves[0], (nn.Embedding, nn.EmbeddingBag)):
+        dtype = torch.long  # the samples are token ids
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros(1, *sample_shape, device=device, dtype=dtype))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.train(mode)
+    return found
 
 
 def split_model_exchanges(grid: ProcessGrid, split: list[nn.Parameter],

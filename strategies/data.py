@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
+from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import (
     DEFAULT_COSTS,
     CommOp,
@@ -55,9 +56,12 @@ class DataParallel(Strategy):
                  sparse: SparseChoice = "auto", batch_norm: str = "global", *,
                  costs: MachineCosts = DEFAULT_COSTS,
                  rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None,
+                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
+                 slowdown: float = 1.0) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
-                         compute_dtype=compute_dtype)
+                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
+                         slowdown=slowdown)
         self.sparse = sparse
         # global: BatchNorm statistics of every rank's rows (one process's model); local: each
         # rank's own rows, as DDP without SyncBatchNorm (another model: not one process's

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
+from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
 from runner.core.halo import HaloPlan, Window, halo_window, start_halo_exchange
 from runner.core.primitives import all_gather
@@ -176,9 +177,12 @@ class DomainParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  overlap: bool = True, *, costs: MachineCosts = DEFAULT_COSTS,
                  rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None,
+                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
+                 slowdown: float = 1.0) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
-                         compute_dtype=compute_dtype)
+                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
+                         slowdown=slowdown)
         self.overlap = overlap
 
     def splits_parameters(self, grid: GridShape) -> bool:

@@ -28,6 +28,7 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_core.py": {"mpi": (6,), "torch": (6,)},
     "tests/mpi/check_model_grid.py": BOTH,
     "tests/mpi/check_domain.py": BOTH,
+    "tests/mpi/check_layouts.py": {"mpi": (4,)},
     "tests/mpi/check_easgd.py": {"mpi": (4,)},
     "tests/mpi/check_sparse.py": {"mpi": (2, 4), "torch": (4,)},
 }

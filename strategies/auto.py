@@ -1,0 +1,350 @@
+"""`strategy=auto`: each layer of a sequential model in the layout that minimises the predicted
+step time, chosen by dynamic programming over the chain of layers (`strategies.layouts`).
+
+The state of the programme is the layout of the activation between two layers. A layer's
+options are its layouts (or, for a layer without any, the layouts it can run in as given);
+moving from a state to an option's input costs the redistribution, the option costs its own
+communication, its gradient exchange and its compute, and leaves the activation in its output
+layout. The model's input arrives as `rows` and its output must leave as `samples` (the row
+contract), so the programme starts at one state and ends with the conversion to the other.
+Exact for a chain: every cost depends only on the layouts on either side of it.
+
+Predicted time is compute (this machine's calibrated rates, `runner.core.compute`, slowed by
+ranks sharing cores) plus the α–β time of every operation rank 0 issues. A user pins a layer's
+layout by name (`strategy.layouts={fc1: 2d}`); the programme chooses the rest.
+
+A model that is not a chain (a module tree: ResNets, a user's own modules) has branches whose
+layouts would have to agree where they join; there `auto` compares the whole-model layouts of
+`model`, `grid` and `domain` over the tree (`strategies.tree`) and pure data parallelism by
+the same predicted step time and uses the fastest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runner.core import GridShape, ProcessGrid
+from runner.core.compute import DEFAULT_RATES, ComputeRates
+from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
+from strategies.base import ParallelModel, Strategy
+from strategies.buckets import predict_gradient_ops
+from strategies.layouts import (
+    BATCH_ONLY,
+    IMAGE_LAYOUTS,
+    ROWS,
+    SAMPLES,
+    SLAB,
+    LayerPlan,
+    PlanCosts,
+    Pricing,
+    Step,
+    TensorLayout,
+    build_layered_model,
+    layer_kind,
+    layer_names,
+    layout_problems,
+    layouts_for,
+    param_groups_of,
+    passthrough_options,
+)
+from strategies.registry import register_strategy
+from strategies.sharded import layer_label
+
+TREE_CHOICES = ("data", "grid", "model", "domain")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A plan and what it is predicted to cost rank 0 per step."""
+
+    plan: LayerPlan
+    seconds: float
+
+
+def _options(layer: nn.Module, i: int, name: str, pricing: Pricing,
+             pins: Mapping[str, str]) -> list[tuple[str, TensorLayout, TensorLayout]]:
+    """(layout, input layout, output layout) for layer i."""
+    heights_ok = _slab_fits(pricing, i) and _slab_fits(pricing, i + 1)
+    if layer_kind(layer) is not None:
+        options = []
+        for layout in layouts_for(layer):
+            if name in pins and pins[name] != layout.name:
+                continue
+            if layout.name == "domain" and not (heights_ok and _windowed_ok(layer)):
+                continue
+            options.append((layout.name, layout.takes, layout.gives))
+        return options
+    ndim = len(pricing.shapes[i]) + 1
+    if ndim == len(pricing.shapes[i + 1]) + 1 and ndim in (2, 4):
+        return [("keep", t, t) for t in passthrough_options(layer, ndim)
+                if t != SLAB or heights_ok]
+    # a layer that changes the rank of its tensor (Flatten): on whole samples
+    return [("batch", t, t) for t in BATCH_ONLY]
+
+
+def _slab_fits(pricing: Pricing, i: int) -> bool:
+    shape = pricing.shapes[i]
+    return len(shape) == 3 and shape[1] >= pricing.grid.pr
+
+
+def _windowed_ok(layer: nn.Module) -> bool:
+    from strategies.domain import windowed_problem
+
+    return not isinstance(layer, nn.Conv2d) or windowed_problem(layer) is None
+
+
+def choose_plan(model: nn.Sequential, pricing: Pricing,
+                pins: Mapping[str, str] | None = None) -> Choice:
+    """The plan of least predicted step time (pinned layers keep their layouts)."""
+    pins = dict(pins or {})
+    names = layer_names(model)
+    layers = list(model)
+    conversions: dict[tuple[int, TensorLayout, TensorLayout], float] = {}
+    costs_of: dict[tuple[int, str, TensorLayout], float] = {}
+
+    def seconds(costs: PlanCosts) -> float:
+        return costs.compute_s * pricing.slowdown + pricing.seconds(costs.ops)
+
+    def convert(i: int, src: TensorLayout, dst: TensorLayout) -> float:
+        key = (i, src, dst)
+        if key not in conversions:
+            conversions[key] = seconds(pricing.conversion(src, dst, i, "convert"))
+        return conversions[key]
+
+    best: dict[TensorLayout, tuple[float, tuple[Step, ...]]] = {ROWS: (0.0, ())}
+    for i, layer in enumerate(layers):
+        options = _options(layer, i, names[i], pricing, pins)
+        reached: dict[TensorLayout, tuple[float, tuple[Step, ...]]] = {}
+        for state, (so_far, steps) in best.items():
+            for layout, takes, gives in options:
+                key = (i, layout, takes)
+                if key not in costs_of:
+                    costs_of[key] = seconds(pricing.layer(i, layout, takes))
+                total = so_far + convert(i, state, takes) + costs_of[key]
+                if gives not in reached or total < reached[gives][0]:
+                    reached[gives] = (total, (*steps, Step(i, layout, state, takes, gives)))
+        if not reached:
+            raise ValueError(f"layer {names[i]} ({type(layer).__name__}) has no layout here")
+        best = reached
+    end = len(layers)
+    final = min(best, key=lambda s: best[s][0] + convert(end, s, SAMPLES))
+    total, steps = best[final]
+    return Choice(LayerPlan(steps, final), total + convert(end, final, SAMPLES))
+
+
+def plan_ops(model: nn.Sequential, plan: LayerPlan, pricing: Pricing) -> list[CommOp]:
+    """Every operation rank 0 issues per step under `plan`, in the buckets the built model
+    makes (what the counted communicator records)."""
+    layers = list(model)
+    ops: list[CommOp] = []
+    grads: dict[str, list[tuple[str, list[tuple[int, torch.dtype]]]]] = {
+        "batch": [], "world": [], "self": []}
+    for step in plan.steps:
+        layer = layers[step.index]
+        label = layer_label(step.index, layer)
+        ops += pricing.conversion(step.before, step.takes, step.index, label).ops
+        costs = pricing.layer(step.index, step.layout, step.takes)
+        ops += [op for op in costs.ops if op.op != "iallreduce"]  # buckets below instead
+        layout = step.layout if layer_kind(layer) is not None else "norm:" + step.takes.name
+        for group, items in param_groups_of(layer, layout, pricing.grid).items():
+            if items:
+                grads[group].append((label, items))
+    ops += pricing.conversion(plan.final, SAMPLES, len(layers), "output").ops
+    sizes = {"batch": pricing.grid.pc, "world": pricing.grid.size, "self": 1}
+    for group in ("batch", "world"):
+        ops += predict_gradient_ops(grads[group], group, sizes[group],  # type: ignore[arg-type]
+                                    *pricing.caps)
+    return ops
+
+
+def plan_compute_seconds(model: nn.Sequential, plan: LayerPlan, pricing: Pricing) -> float:
+    """Rank 0's compute per step under `plan` (conversions' packing included), unslowed."""
+    total = 0.0
+    for step in plan.steps:
+        total += pricing.conversion(step.before, step.takes, step.index, "").compute_s
+        total += pricing.layer(step.index, step.layout, step.takes).compute_s
+    return total + pricing.conversion(plan.final, SAMPLES, len(list(model)), "").compute_s
+
+
+@register_strategy("auto")
+class AutoLayout(Strategy):
+    """Per-layer layouts chosen by predicted step time (see the module docstring)."""
+
+    # A layout may hold a weight on one rank only: no model group is a replica of its own.
+    synchronous_only = True
+
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 overlap: bool = True, layouts: dict[str, str] | None = None, *,
+                 costs: MachineCosts = DEFAULT_COSTS,
+                 rows_touched: Callable[[int], float] | None = None,
+                 compute_dtype: torch.dtype | None = None,
+                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
+                 slowdown: float = 1.0) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
+                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
+                         slowdown=slowdown)
+        self.overlap = overlap
+        # config keys may come as ints (`layouts={3: 2d}`): layer names are strings
+        self.pins = {str(k): str(v) for k, v in (layouts or {}).items()}
+        self._plans: dict[tuple[object, ...], tuple[LayerPlan, Pricing]] = {}
+
+    def splits_parameters(self, grid: GridShape) -> bool:
+        return grid.size > 1  # a 2-D layout splits weights over the batch group too
+
+    def pricing(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
+                global_batch: int) -> Pricing:
+        return Pricing(model, sample_shape, grid, global_batch, self.costs, self.rates,
+                       self.compute_dtype, self.bucket_caps, self.slowdown)
+
+    def choose(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
+               global_batch: int) -> Choice:
+        return choose_plan(model, self.pricing(model, sample_shape, grid, global_batch),
+                           self.pins)
+
+    def _tree_choice(self, model: nn.Module, sample_shape: tuple[int, ...],
+                     grid: GridShape, global_batch: int) -> Strategy:
+        """For a module tree: the whole-model strategy of least predicted step time among
+        those that can run it here."""
+        from strategies.registry import STRATEGIES
+
+        best: tuple[float, Strategy] | None = None
+        for name in TREE_CHOICES:
+            strategy = STRATEGIES.get(name)(
+                self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
+                costs=self.costs, rows_touched=self.rows_touched,
+                compute_dtype=self.compute_dtype, rates=self.rates,
+                global_batch=global_batch, slowdown=self.slowdown)
+            if strategy.check(grid, global_batch) or strategy.check_model(model, sample_shape,
+                                                                          grid):
+                continue
+            seconds = strategy.predict_step_seconds(model, sample_shape, grid, global_batch)
+            if best is None or seconds < best[0]:
+                best = (seconds, strategy)
+        if best is None:
+            raise ValueError("no strategy can run this model on this grid")
+        return best[1]
+
+    def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape) -> list[str]:
+        if not isinstance(model, nn.Sequential):
+            if self.pins:
+                return ["strategy.layouts pins layers of an nn.Sequential; this model is a "
+                        f"{type(model).__name__} (auto picks one layout for all of it)"]
+            return []  # strategy=data runs any module: there is always a choice
+        problems = layout_problems(model, sample_shape, grid, self.pins)
+        if problems or self.global_batch is None:
+            return problems
+        try:
+            self.choose(model, sample_shape, grid, self.global_batch)
+        except ValueError as exc:
+            problems.append(f"strategy=auto: {exc}")
+        return problems
+
+    def _plan(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
+              global_batch: int | None) -> tuple[LayerPlan, Pricing]:
+        batch = global_batch if global_batch is not None else self.global_batch
+        if batch is None:
+            raise ValueError("strategy=auto needs the global batch size to choose layouts")
+        # the planner asks for ops, bytes, compute and layouts of one plan in turn
+        key = (repr(model), tuple(sample_shape), grid, batch, tuple(sorted(self.pins.items())))
+        if key not in self._plans:
+            pricing = self.pricing(model, sample_shape, grid, batch)
+            self._plans[key] = (choose_plan(model, pricing, self.pins).plan, pricing)
+        return self._plans[key]
+
+    def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
+                    sync_replica_gradients: bool = True) -> ParallelModel:
+        if not sync_replica_gradients:
+            raise ValueError("strategy=auto lays layers out over the whole grid: it trains with "
+                             "synchronous optimizers only (a model group is no replica here)")
+        if not isinstance(model, nn.Sequential):
+            assert self.global_batch is not None
+            chosen = self._tree_choice(model, sample_shape, grid.shape, self.global_batch)
+            return chosen.parallelize(model, sample_shape, grid, sync_replica_gradients)
+        plan, _ = self._plan(model, sample_shape, grid.shape, None)
+        # Every rank must build the same plan (a calibration file differing between hosts
+        # would otherwise make them disagree): rank 0's layouts are pinned on all.
+        names = layer_names(model)
+        mine = {names[s.index]: s.layout for s in plan.steps if layer_kind(model[s.index])}
+        agreed = grid.world.allgather_object(mine)[0]
+        if agreed != mine:
+            saved, self.pins = self.pins, agreed
+            plan, _ = self._plan(model, sample_shape, grid.shape, None)
+            self.pins = saved
+        pmodel = build_layered_model(model, sample_shape, grid, plan, self.bucket_caps,
+                                     self.overlap)
+        pmodel.layouts = {names[s.index]: s.layout for s in plan.steps
+                          if layer_kind(model[s.index]) is not None}
+        return pmodel
+
+    def describe_plan(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                      global_batch: int) -> dict[str, str]:
+        """Layer name → chosen layout (for the planner and the summary)."""
+        if not isinstance(model, nn.Sequential):
+            chosen = self._tree_choice(model, sample_shape, grid, global_batch)
+            return {"(whole model)": chosen.name}
+        plan, _ = self._plan(model, sample_shape, grid, global_batch)
+        names = layer_names(model)
+        return {names[s.index]: s.layout for s in plan.steps
+                if layer_kind(model[s.index]) is not None}
+
+    def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> list[CommOp]:
+        if not isinstance(model, nn.Sequential):
+            chosen = self._tree_choice(model, sample_shape, grid, global_batch)
+            return chosen.predict_ops(model, sample_shape, grid, global_batch)
+        plan, pricing = self._plan(model, sample_shape, grid, global_batch)
+        return plan_ops(model, plan, pricing)
+
+    def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape, global_batch: int) -> float:
+        if not isinstance(model, nn.Sequential):
+            chosen = self._tree_choice(model, sample_shape, grid, global_batch)
+            return chosen.predict_compute_seconds(model, sample_shape, grid, global_batch)
+        plan, pricing = self._plan(model, sample_shape, grid, global_batch)
+        return plan_compute_seconds(model, plan, pricing)
+
+    def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                            grid: GridShape) -> int:
+        batch = self.global_batch or grid.size
+        if not isinstance(model, nn.Sequential):
+            chosen = self._tree_choice(model, sample_shape, grid, batch)
+            return chosen.predict_param_bytes(model, sample_shape, grid)
+        plan, _ = self._plan(model, sample_shape, grid, batch)
+        layers = list(model)
+        total = 0
+        for step in plan.steps:
+            layer = layers[step.index]
+            layout = step.layout if layer_kind(layer) is not None else "norm:" + step.takes.name
+            total += sum(n for items in param_groups_of(layer, layout, grid).values()
+                         for n, _ in items)
+        return total
+
+    def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                 grid: GridShape, global_batch: int) -> int:
+        if not isinstance(model, nn.Sequential):
+            chosen = self._tree_choice(model, sample_shape, grid, global_batch)
+            return chosen.predict_activation_bytes(model, sample_shape, grid, global_batch)
+        plan, pricing = self._plan(model, sample_shape, grid, global_batch)
+        total = 0
+        for step in plan.steps:
+            i = step.index
+            if step.before != step.takes:
+                total += _elements(pricing.local_shape(step.takes, i)) * pricing.itemsizes[i]
+            total += (_elements(pricing.local_shape(step.gives, i + 1))
+                      * pricing.itemsizes[i + 1])
+        return total
+
+
+def _elements(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+__all__ = ["IMAGE_LAYOUTS", "AutoLayout", "Choice", "choose_plan", "plan_ops"]
