@@ -164,8 +164,12 @@ class PlanConfig:
 
     world: int = 4
     """Plan every factorisation pr × pc of this many ranks."""
-    strategies: list[str] = field(default_factory=lambda: ["data", "model", "grid", "domain"])
-    """The strategies compared."""
+    strategies: list[str] = field(default_factory=lambda: ["data", "model", "grid", "domain",
+                                                           "auto"])
+    """The strategies compared (auto: per-layer layouts chosen by predicted step time)."""
+    slowdown: float = 1.0
+    """How much slower than the calibrated rates a rank computes on the target machine (1: a
+    core per rank; 2: two ranks per core)."""
     alpha: Optional[float] = None  # noqa: UP045
     """Seconds per message (null: the calibrated value, else a default)."""
     beta: Optional[float] = None  # noqa: UP045

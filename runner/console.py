@@ -115,7 +115,11 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         *([("workers' mean val accuracy", _fmt(summary["workers_val_accuracy"], ".4f"))]
           if summary.get("workers_val_accuracy") is not None else []),
         ("wall time", f"{_fmt(summary.get('wall_time_s'), '.2f')} s"),
-        ("step time (median)", f"{_fmt(summary.get('median_step_time_s', 0) * 1e3, '.2f')} ms"),
+        ("step time (median)", f"{_fmt(summary.get('median_step_time_s', 0) * 1e3, '.2f')} ms "
+                               f"measured, {_ms(summary.get('predicted_step_time_s'))} "
+                               f"predicted"),
+        *([("layouts", " ".join(f"{k}:{v}" for k, v in summary["layouts"].items()))]
+          if summary.get("layouts") else []),
         ("samples / s", _fmt(summary.get("samples_per_s"), ",.0f")),
         ("comm bytes / step", f"{measured} measured, {predicted} predicted"),
         ("comm time / step", f"{_ms(summary.get('comm_time_s_per_step'))} measured, "

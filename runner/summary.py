@@ -17,6 +17,7 @@ from runner.precision import DynamicLossScale, Precision
 from runner.resume import Start
 from runner.rundir import RunDir, git_commit, versions, write_json
 from strategies import ParallelModel
+from strategies.base import StepPrediction
 
 
 @dataclass
@@ -65,7 +66,8 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                       model: ParallelModel, history: StepHistory, final_loss: float,
                       evaluation: dict[str, float] | None, rates: list[float], wall: float,
                       predicted_ops: list[CommOp] | None, costs: MachineCosts, start: Start,
-                      last_checkpoint: Path | None) -> dict[str, Any]:
+                      last_checkpoint: Path | None,
+                      predicted_step: StepPrediction | None = None) -> dict[str, Any]:
     """`summary.json` of a run that trained every step."""
     median_step = statistics.median(history.seconds)
     summary: dict[str, Any] = {
@@ -85,6 +87,10 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         "wall_time_s": wall,
         "mean_step_time_s": statistics.fmean(history.seconds),
         "median_step_time_s": median_step,
+        "predicted_step_time_s": (predicted_step.total_s if predicted_step is not None
+                                  else None),
+        "predicted_compute_time_s": (predicted_step.compute_s if predicted_step is not None
+                                     else None),
         "samples_per_s": run.trainer.batch_size / median_step,
         "comm_bytes_per_step": statistics.fmean(history.comm_bytes),
         "predicted_comm_bytes_per_step": (step_bytes(predicted_ops)
@@ -96,6 +102,7 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         "comm_time_share": sum(history.comm_seconds) / history.total_s,
         "steps_per_s_by_rank": rates,
         "sparse_exchange": model.exchange_report() or None,
+        "layouts": getattr(model, "layouts", None),
         "param_bytes_per_rank": model.param_bytes(),
         "seed": run.seed,
         "versions": versions(),

@@ -24,6 +24,7 @@ from runner.checkpoint import CheckpointError, TrainingProgress, save_checkpoint
 from runner.config import RunConfig
 from runner.console import ProgressReporter, make_console, summary_table
 from runner.core import CountedComm, ProcessGrid
+from runner.core.compute import ComputeRates, oversubscription
 from runner.core.cost import CommOp, MachineCosts, loss_op
 from runner.core.placement import place_whole
 from runner.datasets import ClassificationData
@@ -31,7 +32,7 @@ from runner.devices import describe_device
 from runner.evaluation import validation
 from runner.interrupt import StopRequest
 from runner.logs import get_logger
-from runner.machine import load_machine_costs
+from runner.machine import load_compute_rates, load_machine_costs
 from runner.optim import ReplicaOptimizer
 from runner.precision import DynamicLossScale, Precision
 from runner.resume import Start, start_or_resume
@@ -46,6 +47,7 @@ from runner.summary import (
     sparse_line,
 )
 from strategies import ParallelModel
+from strategies.base import StepPrediction, predict_step
 
 __all__ = ["StepFailure", "Training", "build_training", "train"]
 
@@ -64,6 +66,7 @@ class Training:
     start: Start
     loss_comm: CountedComm  # over whose rows the logged loss is the mean
     predicted_ops: list[CommOp] | None  # a step's collectives (synchronous exchange only)
+    predicted_step: StepPrediction | None  # and its time: compute + communication
     costs: MachineCosts
     device: torch.device
     precision: Precision
@@ -167,6 +170,20 @@ def load_data(run: RunConfig, parts: RunParts, device: torch.device,
     return data
 
 
+def compute_slowdown(grid: ProcessGrid, rates: ComputeRates) -> float:
+    """How much slower this rank computes than `rates` say: ranks (and their threads) sharing
+    this node's cores, against the threads the rates were measured with."""
+    import os
+    import socket
+
+    hosts = grid.world.allgather_object(socket.gethostname())
+    local_ranks = hosts.count(hosts[grid.rank])
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return oversubscription(local_ranks * threads, cores) * rates.threads / threads
+
+
 def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                    device: torch.device | None = None) -> Training:
     """This rank's run on `device` (cpu when None), ready for its first step (fresh, or resumed
@@ -175,7 +192,8 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     device = torch.device("cpu") if device is None else device
     precision = Precision(run.trainer.precision, device.type)
     costs = load_machine_costs()
-    parts = assemble(run, costs)
+    rates = load_compute_rates()
+    parts = assemble(run, costs, rates=rates, slowdown=compute_slowdown(grid, rates))
     data = load_data(run, parts, device, precision)
     dtype = dtype_of(run)
     parts.model.to(device)  # initialised on the host: the same values on every device
@@ -187,6 +205,8 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                                             run.trainer.batch_size)
                  + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
                  if syncs else None)
+    predicted_step = (predict_step(parts.strategy, parts.model, parts.spec.input_shape,
+                                   grid.shape, run.trainer.batch_size) if syncs else None)
     model = parts.strategy.parallelize(parts.model, parts.spec.input_shape, grid,
                                        sync_replica_gradients=syncs)
     optimizer, start = start_or_resume(
@@ -206,7 +226,7 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     if scaler is not None and start.loss_scale is not None:  # a checkpoint of an fp16 run
         scaler.load_state(start.loss_scale)
     training = Training(run, run_dir, grid, model, optimizer, data, sampler, start, loss_comm,
-                        predicted, costs, device, precision, scaler,
+                        predicted, predicted_step, costs, device, precision, scaler,
                         last_checkpoint=start.checkpoint_path)
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
@@ -262,7 +282,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     devices = grid.world.allgather_object(describe_device(t.device))
     summary = completed_summary(run, run_dir, grid, t.model, t.history, loss, t.evaluation,
                                 rates, time.perf_counter() - started, t.predicted_ops, t.costs,
-                                t.start, t.last_checkpoint)
+                                t.start, t.last_checkpoint, t.predicted_step)
     summary.update(devices=devices, device_buffers=grid.devices.describe(grid.backend),
                    precision=precision_summary(t.precision, t.scaler))
     if grid.rank == 0:

@@ -99,9 +99,17 @@ def test_alexnet_plan_from_shapes_alone(tmp_path: Path) -> None:
         assert row["comm_bytes_per_step"] == sum(layer["comm_bytes"] for layer in row["layers"])
         assert row["comm_time_s_per_step"] == pytest.approx(
             sum(layer["comm_time_s"] for layer in row["layers"]))
-    best = min(plan["rows"], key=lambda r: r["comm_time_s_per_step"])
+        assert row["step_time_s"] == pytest.approx(
+            row["compute_time_s_per_step"] + row["comm_time_s_per_step"])
+    # ranked by predicted step time (compute + communication), not by communication alone
+    best = min(plan["rows"], key=lambda r: r["step_time_s"])
     assert plan["best"] == {"strategy": best["strategy"], "pr": best["pr"], "pc": best["pc"]}
     assert "← best" in result.stdout and "per layer" in result.stdout
+    # strategy=auto: a layout for every convolution and fully-connected layer, at every grid
+    autos = [r for r in plan["rows"] if r["strategy"] == "auto"]
+    assert {(r["pr"], r["pc"]) for r in autos} == {(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)}
+    assert all(len(r["layouts"]) == 8 for r in autos)  # 5 convolutions, 3 Linear
+    assert "auto" in result.stdout and "pure batch" in result.stdout
 
 
 def test_plan_refuses_bad_input_in_one_line() -> None:

@@ -158,7 +158,7 @@ def calibrate() -> None:
 
 
 def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
-    from runner.plan.planner import layer_table, plan_json, plan_table
+    from runner.plan.planner import layer_table, layouts_table, order, plan_json, plan_table
 
     console = make_console()
     console.print(plan_table(plan))
@@ -174,8 +174,17 @@ def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
         lines.setdefault((grids, str(rows[0].refused)), []).append(name)
     for (grids, reason), names in lines.items():
         console.print(f"not possible: {', '.join(names)} at {grids}: {reason}")
+    autos = [row for row in plan.feasible if row.layouts]
+    if autos:  # the best grid's per-layer layouts
+        best_auto = min(autos, key=order)
+        batch = next((r for r in plan.feasible if r.strategy == "data" and r.pr == 1), None)
+        against = (f", pure batch (data 1 x {plan.world}) {batch.step_time * 1e3:,.3f} ms"
+                   if batch is not None else "")
+        console.print(f"auto {best_auto.pr} x {best_auto.pc}: "
+                      f"{best_auto.step_time * 1e3:,.3f} ms per step{against}")
+        console.print(layouts_table(best_auto))
     if plan_cfg.layers:
-        for row in sorted(plan.feasible, key=lambda r: (r.comm_time, r.comm_bytes)):
+        for row in sorted(plan.feasible, key=order):
             console.print(layer_table(plan, row))
     if plan_cfg.out:
         Path(plan_cfg.out).write_text(json.dumps(plan_json(plan), indent=2) + "\n")
@@ -186,7 +195,7 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     """The plan for a composed config (no MPI: the model is built on the meta device)."""
     from runner import assembly
     from runner.config import parse
-    from runner.machine import load_machine_costs
+    from runner.machine import load_compute_rates, load_machine_costs
     from runner.plan.planner import make_plan
     from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
 
@@ -209,19 +218,21 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
         rows_touched = assembly.rows_touched(dataset)
         model = assembly.model_for(run.model, spec, dtype, "meta")
     costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta)
+    rates = load_compute_rates()
     strategies = {}
     for name in plan_cfg.strategies:
         # the configured strategy with its options; the others with their defaults
         options = run.strategy.options if name == run.strategy.name else {}
         strategies[name] = assembly.build_strategy(Plugin(name, options), costs, rows_touched,
-                                                   run.trainer.precision)
+                                                   run.trainer.precision, rates, batch,
+                                                   plan_cfg.slowdown)
     if "data" in strategies and sparse_tables(model):
         # one row per sparse exchange mode: the comparison a user of embedding tables wants
         options = run.strategy.options if run.strategy.name == "data" else {}
         for mode in SPARSE_CHOICES:
             strategies[f"data sparse={mode}"] = assembly.build_strategy(
                 Plugin("data", {**options, "sparse": mode}), costs, rows_touched,
-                run.trainer.precision)
+                run.trainer.precision, rates, batch, plan_cfg.slowdown)
         del strategies["data"]
     return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from runner.core import GridShape
 from runner.core.cost import CommOp, MachineCosts, loss_op, op_time, step_bytes, step_time
-from strategies.base import Strategy
+from strategies.base import Strategy, predict_step
 
 
 @dataclass
@@ -26,6 +26,9 @@ class PlanRow:
     param_bytes: int = 0
     activation_bytes: int = 0
     refused: str | None = None
+    compute_time: float = 0.0  # forward, backward and update at this machine's rates
+    step_time: float = 0.0  # compute + communication
+    layouts: dict[str, str] | None = None  # strategy=auto: each layer's chosen layout
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Plan:
     beta: float
     alpha_beta_source: str
     rows: list[PlanRow]
+    rates_source: str = "default"
     steps_per_epoch: int | None = None
 
     @property
@@ -45,7 +49,12 @@ class Plan:
     @property
     def best(self) -> PlanRow | None:
         rows = self.feasible
-        return min(rows, key=lambda r: (r.comm_time, r.comm_bytes)) if rows else None
+        return min(rows, key=order) if rows else None
+
+
+def order(row: PlanRow) -> tuple[float, float, int]:
+    """Fastest predicted step first; equal steps by less communication."""
+    return (row.step_time, row.comm_time, row.comm_bytes)
 
 
 def factorisations(world: int) -> list[tuple[int, int]]:
@@ -67,11 +76,17 @@ def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world
                 continue
             ops = (strategy.predict_ops(model, sample_shape, grid, batch)
                    + loss_op(grid.size, itemsize))
+            step = predict_step(strategy, model, sample_shape, grid, batch)
+            describe = getattr(strategy, "describe_plan", None)
             rows.append(PlanRow(
                 name, pr, pc, ops, step_bytes(ops), step_time(ops, costs.alpha, costs.beta),
                 strategy.predict_param_bytes(model, sample_shape, grid),
-                strategy.predict_activation_bytes(model, sample_shape, grid, batch)))
-    return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, steps_per_epoch)
+                strategy.predict_activation_bytes(model, sample_shape, grid, batch),
+                compute_time=step.compute_s, step_time=step.total_s,
+                layouts=describe(model, sample_shape, grid, batch) if describe else None))
+    rates = next(iter(strategies.values())).rates.source if strategies else "default"
+    return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, rates,
+                steps_per_epoch)
 
 
 def by_layer(row: PlanRow, alpha: float, beta: float) -> list[dict[str, Any]]:
@@ -88,9 +103,12 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     best = plan.best
     return {
         "world": plan.world, "batch": plan.batch, "alpha": plan.alpha, "beta": plan.beta,
+        "compute_rates_source": plan.rates_source,
         "alpha_beta_source": plan.alpha_beta_source, "steps_per_epoch": plan.steps_per_epoch,
         "rows": [{"strategy": r.strategy, "pr": r.pr, "pc": r.pc,
                   "comm_bytes_per_step": r.comm_bytes, "comm_time_s_per_step": r.comm_time,
+                  "compute_time_s_per_step": r.compute_time,
+                  "step_time_s": r.step_time, "layouts": r.layouts,
                   "layers": by_layer(r, plan.alpha, plan.beta),
                   "param_bytes_per_rank": r.param_bytes,
                   "activation_bytes_per_rank": r.activation_bytes}
@@ -109,18 +127,20 @@ def _mb(n: float) -> str:
 def plan_table(plan: Plan) -> Table:
     best = plan.best
     title = (f"plan: {plan.world} ranks, global batch {plan.batch}, α={plan.alpha:.2e} s, "
-             f"β={plan.beta:.2e} s/B ({plan.alpha_beta_source})")
+             f"β={plan.beta:.2e} s/B ({plan.alpha_beta_source}), compute rates "
+             f"({plan.rates_source}); predicted step = compute + communication")
     table = Table(title=title, title_justify="left")
-    headers = ["strategy", "pr x pc", "MB / step", "comm ms / step", "params MB / rank",
-               "activations MB / rank"]
+    headers = ["strategy", "pr x pc", "step ms", "compute ms", "comm ms", "MB / step",
+               "params MB / rank", "activations MB / rank"]
     if plan.steps_per_epoch:
         headers += ["MB / epoch", "comm s / epoch"]
     for header in headers:
         table.add_column(header, justify="left" if header == "strategy" else "right")
-    for row in sorted(plan.feasible, key=lambda r: (r.comm_time, r.comm_bytes)):
+    for row in sorted(plan.feasible, key=order):
         mark = " ← best" if row is best else ""
-        cells = [row.strategy + mark, f"{row.pr} x {row.pc}", _mb(row.comm_bytes),
-                 f"{row.comm_time * 1e3:,.3f}", _mb(row.param_bytes), _mb(row.activation_bytes)]
+        cells = [row.strategy + mark, f"{row.pr} x {row.pc}", f"{row.step_time * 1e3:,.3f}",
+                 f"{row.compute_time * 1e3:,.3f}", f"{row.comm_time * 1e3:,.3f}",
+                 _mb(row.comm_bytes), _mb(row.param_bytes), _mb(row.activation_bytes)]
         if plan.steps_per_epoch:
             cells += [_mb(row.comm_bytes * plan.steps_per_epoch),
                       f"{row.comm_time * plan.steps_per_epoch:,.2f}"]
@@ -135,4 +155,15 @@ def layer_table(plan: Plan, row: PlanRow) -> Table:
     for item in by_layer(row, plan.alpha, plan.beta):
         table.add_row(item["layer"], ", ".join(item["ops"]), _mb(item["comm_bytes"]),
                       f"{item['comm_time_s'] * 1e3:,.3f}")
+    return table
+
+
+def layouts_table(row: PlanRow) -> Table:
+    """strategy=auto's layout for each layer (by its name in the model: what
+    `strategy.layouts` pins)."""
+    table = Table()
+    table.add_column("layer", justify="left")
+    table.add_column("layout", justify="left")
+    for layer, layout in (row.layouts or {}).items():
+        table.add_row(layer, layout)
     return table
