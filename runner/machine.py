@@ -58,7 +58,8 @@ def load_machine_costs(alpha: float | None = None,
         except (OSError, json.JSONDecodeError, KeyError):  # unreadable: as if not calibrated
             stored = None
     costs = {"table_pass": local.get("table_pass", DEFAULT_TABLE_PASS),
-             "sparse_row": local.get("sparse_row", DEFAULT_SPARSE_ROW)}
+             "sparse_row": local.get("sparse_row", DEFAULT_SPARSE_ROW),
+             "calls": tuple(sorted((stored or {}).get("calls", {}).items()))}
     if alpha is not None and beta is not None:
         return MachineCosts(alpha, beta, source="given", **costs)
     if stored is not None:

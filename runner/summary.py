@@ -11,7 +11,7 @@ from typing import Any
 from runner.checkpoint import resume_command
 from runner.config import OBJECTIVES, RunConfig
 from runner.core import ProcessGrid
-from runner.core.cost import CommOp, MachineCosts, step_bytes, step_time
+from runner.core.cost import CommOp, MachineCosts, comm_seconds, step_bytes
 from runner.logs import get_logger
 from runner.precision import DynamicLossScale, Precision
 from runner.resume import Start
@@ -96,7 +96,7 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         "predicted_comm_bytes_per_step": (step_bytes(predicted_ops)
                                           if predicted_ops is not None else None),
         "comm_time_s_per_step": statistics.fmean(history.comm_seconds),
-        "predicted_comm_time_s_per_step": (step_time(predicted_ops, costs.alpha, costs.beta)
+        "predicted_comm_time_s_per_step": (comm_seconds(predicted_ops, costs)
                                            if predicted_ops is not None else None),
         "alpha_beta": {"alpha": costs.alpha, "beta": costs.beta, "source": costs.source},
         "comm_time_share": sum(history.comm_seconds) / history.total_s,

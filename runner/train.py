@@ -24,7 +24,7 @@ from runner.checkpoint import CheckpointError, TrainingProgress, save_checkpoint
 from runner.config import RunConfig
 from runner.console import ProgressReporter, make_console, summary_table
 from runner.core import CountedComm, ProcessGrid
-from runner.core.compute import ComputeRates, oversubscription
+from runner.core.compute import oversubscription
 from runner.core.cost import CommOp, MachineCosts, loss_op
 from runner.core.placement import place_whole
 from runner.datasets import ClassificationData
@@ -170,9 +170,9 @@ def load_data(run: RunConfig, parts: RunParts, device: torch.device,
     return data
 
 
-def compute_slowdown(grid: ProcessGrid, rates: ComputeRates) -> float:
-    """How much slower this rank computes than `rates` say: ranks (and their threads) sharing
-    this node's cores, against the threads the rates were measured with."""
+def compute_slowdown(grid: ProcessGrid) -> float:
+    """How much slower this rank computes than the calibrated rates say: ranks (and their
+    threads) sharing this node's cores."""
     import os
     import socket
 
@@ -181,7 +181,9 @@ def compute_slowdown(grid: ProcessGrid, rates: ComputeRates) -> float:
     threads = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
-    return oversubscription(local_ranks * threads, cores) * rates.threads / threads
+    # Threads beyond the rates' own are not counted as speed: at the sizes a rank works on,
+    # dispatch and memory bound most operations, which more threads do not shorten.
+    return oversubscription(local_ranks * threads, cores)
 
 
 def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
@@ -193,7 +195,7 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     precision = Precision(run.trainer.precision, device.type)
     costs = load_machine_costs()
     rates = load_compute_rates()
-    parts = assemble(run, costs, rates=rates, slowdown=compute_slowdown(grid, rates))
+    parts = assemble(run, costs, rates=rates, slowdown=compute_slowdown(grid))
     data = load_data(run, parts, device, precision)
     dtype = dtype_of(run)
     parts.model.to(device)  # initialised on the host: the same values on every device

@@ -126,14 +126,17 @@ def choose_plan(model: nn.Sequential, pricing: Pricing,
                     costs_of[key] = seconds(pricing.layer(i, layout, takes))
                 total = so_far + convert(i, state, takes) + costs_of[key]
                 if gives not in reached or total < reached[gives][0]:
-                    reached[gives] = (total, (*steps, Step(i, layout, state, takes, gives)))
+                    # a layout laid out alike on this grid needs no conversion: none is built
+                    before = state if pricing.differ(state, takes, i) else takes
+                    reached[gives] = (total, (*steps, Step(i, layout, before, takes, gives)))
         if not reached:
             raise ValueError(f"layer {names[i]} ({type(layer).__name__}) has no layout here")
         best = reached
     end = len(layers)
     final = min(best, key=lambda s: best[s][0] + convert(end, s, SAMPLES))
     total, steps = best[final]
-    return Choice(LayerPlan(steps, final), total + convert(end, final, SAMPLES))
+    return Choice(LayerPlan(steps, final if pricing.differ(final, SAMPLES, end) else SAMPLES),
+                  total + convert(end, final, SAMPLES))
 
 
 def plan_ops(model: nn.Sequential, plan: LayerPlan, pricing: Pricing) -> list[CommOp]:

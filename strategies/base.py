@@ -12,6 +12,7 @@ samples' losses, so the mean over all P ranks is the global mean loss, whatever 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -20,8 +21,15 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.compute import DEFAULT_RATES, ComputeRates, layer_seconds
-from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts, loss_op, step_bytes, step_time
+from runner.core.compute import DEFAULT_RATES, ComputeRates, layer_seconds, loss_seconds
+from runner.core.cost import (
+    DEFAULT_COSTS,
+    CommOp,
+    MachineCosts,
+    comm_seconds,
+    loss_op,
+    step_bytes,
+)
 from strategies.buckets import GradientBuckets
 from strategies.sparse_exchange import SparseGradientExchange
 
@@ -213,7 +221,7 @@ class Strategy:
         the rows, features or height); a strategy that knows its local shapes says better."""
         rows = -(-global_batch // grid.size)  # rank 0 holds the largest piece
         return sum(layer_seconds(layer, (rows, *shape), self.rates, input_grad=grad)
-                   for layer, shape, grad in leaf_inputs(model, sample_shape))
+                   for layer, shape, grad in leaf_inputs(model, sample_shape)[0])
 
     def predict_step_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                              grid: GridShape, global_batch: int) -> float:
@@ -239,24 +247,33 @@ class StepPrediction:
 # An optimizer's update reads and writes a parameter's tensors a few times (weights, gradient,
 # momentum): passes over the parameter bytes, as SGD with momentum makes them.
 UPDATE_PASSES = 5
+UPDATE_CALLS = 4  # and operator calls per parameter tensor (gradient scaling, momentum, step)
 
 
 def predict_step(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, ...],
                  grid: GridShape, global_batch: int) -> StepPrediction:
     ops = strategy.predict_ops(model, sample_shape, grid, global_batch)
     ops += loss_op(grid.size, 4)
-    comm = step_time(ops, strategy.costs.alpha, strategy.costs.beta)
+    comm = comm_seconds(ops, strategy.costs)
+    rates = strategy.rates
     compute = strategy.predict_compute_seconds(model, sample_shape, grid, global_batch)
-    update = strategy.rates.elementwise_seconds(
+    # the loss on rank 0's output rows (the row contract: the largest piece over all P)
+    rows = Partition(Partition(global_batch, grid.pc).sizes[0], grid.pr).sizes[0]
+    classes = math.prod(leaf_inputs(model, sample_shape)[1])
+    tensors = sum(1 for _ in model.parameters())
+    update = (rates.elementwise_seconds(
         UPDATE_PASSES * strategy.predict_param_bytes(model, sample_shape, grid))
-    compute = (compute + update) * strategy.slowdown
+        + UPDATE_CALLS * tensors * rates.dispatch)
+    compute = ((compute + loss_seconds(rows, classes, rates) + update + rates.step_overhead)
+               * strategy.slowdown)
     return StepPrediction(compute, comm, compute + comm)
 
 
 def leaf_inputs(model: nn.Module, sample_shape: tuple[int, ...]
-                ) -> list[tuple[nn.Module, tuple[int, ...], bool]]:
+                ) -> tuple[list[tuple[nn.Module, tuple[int, ...], bool]], tuple[int, ...]]:
     """Each leaf module a sample passes through, with the per-sample shape of its input and
-    whether that input has a gradient (a parameter came before it), in the order they run."""
+    whether that input has a gradient (a parameter came before it), in the order they run;
+    and the per-sample shape of the model's output."""
     found: list[tuple[nn.Module, tuple[int, ...], bool]] = []
     seen_params = [False]
 
@@ -278,13 +295,13 @@ def leaf_inputs(model: nn.Module, sample_shape: tuple[int, ...]
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.zeros(1, *sample_shape, device=device, dtype=dtype))
+            out = model(torch.zeros(1, *sample_shape, device=device, dtype=dtype))
     finally:
         for handle in handles:
             handle.remove()
         for module, mode in modes.items():
             module.train(mode)
-    return found
+    return found, tuple(out.shape[1:])
 
 
 def split_model_exchanges(grid: ProcessGrid, split: list[nn.Parameter],

@@ -211,5 +211,9 @@ def test_plan_compares_the_sparse_modes_of_an_embedding_model(tmp_path: Path) ->
     assert rows["data sparse=dense"]["comm_bytes_per_step"] > table
     for mode in ("allgather", "sharded"):
         assert rows[f"data sparse={mode}"]["comm_bytes_per_step"] < table / 10
-    auto = rows["data sparse=auto"]["comm_time_s_per_step"]
-    assert auto <= min(r["comm_time_s_per_step"] for r in rows.values()) * 1.05
+    # auto weighs each mode's communication and local work (choose_sparse_mode): one of the
+    # sparse modes here, never the dense table
+    auto = rows["data sparse=auto"]
+    assert auto["comm_bytes_per_step"] < table / 10
+    sparse = [rows[f"data sparse={m}"]["comm_time_s_per_step"] for m in ("allgather", "sharded")]
+    assert min(sparse) <= auto["comm_time_s_per_step"] <= max(sparse) * 1.2

@@ -218,6 +218,7 @@ DEFAULT_MEMORY = 3.5e10
 DEFAULT_DISPATCH = 2.4e-6
 DEFAULT_BACKWARD_START = 1.7e-5
 DEFAULT_FRESH_MEMORY = 2.3e9
+DEFAULT_STEP_OVERHEAD = 2e-4  # the runner's own per-step work, measured on this 2-core machine
 _KB, _MB = 1 << 10, 1 << 20
 DEFAULT_KIND_RATES = make_kind_rates({  # input bytes, forward and backward seconds per byte
     kind: [(size, fwd * 1e-12, bwd * 1e-12) for size, (fwd, bwd) in
@@ -307,6 +308,11 @@ class ComputeRates:
     zeroing): paid by every tensor of more than FRESH_ALLOCATION bytes, which the allocator
     maps anew at each allocation."""
 
+    step_overhead: float = 0.0
+    """Seconds the runner spends per training step besides the model, the loss and the update
+    (the batch's rows, the step's bookkeeping, the metrics line): measured by running the
+    runner itself on one process (`gridrun-plan plan.calibrate=true`)."""
+
     threads: int = 1
     """The torch threads the rates were measured with (a rank runs with
     cores // ranks-on-the-node threads, at least 1: `runner.rank`)."""
@@ -376,7 +382,7 @@ class ComputeRates:
                 "layers": {kind: [list(p) for p in points] for kind, points in self.layers},
                 "memory": self.memory, "dispatch": self.dispatch,
                 "backward_start": self.backward_start, "fresh_memory": self.fresh_memory,
-                "threads": self.threads,
+                "step_overhead": self.step_overhead, "threads": self.threads,
                 **dict(self.extra)}
 
     @classmethod
@@ -399,7 +405,7 @@ class ComputeRates:
         known = {"gemm", "gemm_narrow_output", "conv", "conv_narrow", "conv_backward",
                  "conv_narrow_backward", "conv_overhead", "linear_overhead", "layers",
                  "memory", "dispatch",
-                 "backward_start", "fresh_memory", "threads"}
+                 "backward_start", "fresh_memory", "step_overhead", "threads"}
         narrow = stored.get("conv_narrow")
         return cls(
             gemm=make_gemm_table(stored["gemm"]), conv=make_curve(stored["conv"]),
@@ -415,12 +421,13 @@ class ComputeRates:
             layers=make_kind_rates(stored.get("layers", {})),
             backward_start=positive(stored.get("backward_start", DEFAULT_BACKWARD_START)),
             fresh_memory=positive(stored.get("fresh_memory", DEFAULT_FRESH_MEMORY)),
+            step_overhead=max(0.0, float(stored.get("step_overhead", DEFAULT_STEP_OVERHEAD))),
             threads=int(stored.get("threads", 1)), source=source,
             extra={k: v for k, v in stored.items() if k not in known})
 
 
 DEFAULT_RATES = ComputeRates(gemm=DEFAULT_GEMM, conv=DEFAULT_CONV, memory=DEFAULT_MEMORY,
-                             dispatch=DEFAULT_DISPATCH)
+                             dispatch=DEFAULT_DISPATCH, step_overhead=DEFAULT_STEP_OVERHEAD)
 
 
 # -- operations a strategy builds by hand (each one operator call: kernel + dispatch) ------------

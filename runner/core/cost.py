@@ -23,8 +23,10 @@ from typing import Literal, get_args
 
 from runner.core.comm import CollectiveOp, GridGroup
 
-# Used until `python -m runner.plan plan.calibrate=true` has run: a typical shared-memory MPI.
-DEFAULT_ALPHA, DEFAULT_BETA = 5e-6, 2.5e-10
+# Used until `python -m runner.plan plan.calibrate=true` has run: a typical shared-memory MPI;
+# and the runner's own cost per collective call (Python, counting, buffers: 8 to 40 µs by kind
+# on a 2-core x86 machine).
+DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_CALL = 5e-6, 2.5e-10, 2e-5
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,15 @@ def op_time(op: CommOp, alpha: float, beta: float) -> float:
 
 
 def step_time(ops: list[CommOp], alpha: float, beta: float) -> float:
+    """Seconds of `ops` under the α–β model alone."""
     return sum(op_time(op, alpha, beta) for op in ops)
+
+
+def comm_seconds(ops: list[CommOp], costs: MachineCosts) -> float:
+    """Seconds of `ops` on a machine of `costs`: α–β, and for every operation on a group of
+    more than one rank what issuing it costs the runner itself (`MachineCosts.call_seconds`)."""
+    return sum(op_time(op, costs.alpha, costs.beta)
+               + (costs.call_seconds(op.op) if op.group_size > 1 else 0.0) for op in ops)
 
 
 def step_bytes(ops: list[CommOp]) -> int:
@@ -151,6 +161,12 @@ class MachineCosts:
     table_pass: float = DEFAULT_TABLE_PASS
     sparse_row: float = DEFAULT_SPARSE_ROW
     source: str = "default"
+    calls: tuple[tuple[str, float], ...] = ()
+    """Seconds the runner spends issuing one operation of a kind (Python, counting, buffers,
+    counts): measured by the calibration; a kind it has not measured costs DEFAULT_CALL."""
+
+    def call_seconds(self, op: str) -> float:
+        return dict(self.calls).get(op, DEFAULT_CALL)
 
 
 DEFAULT_COSTS = MachineCosts()
@@ -170,7 +186,8 @@ def sparse_local_time(mode: SparseMode, num_rows: int, row_bytes: int, own_rows:
 
 def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[float],
                        costs: MachineCosts) -> SparseMode:
-    """The mode with the least time for the busiest rank — α–β communication plus local work
+    """The mode with the least time for the busiest rank — communication (α–β and the calls'
+    cost) plus local work
     (`sparse_local_time`) — given every rank's row count. A pure function of values every rank
     holds alike, so every rank chooses the same mode (ties go to the earlier mode in
     SPARSE_MODES: dense first)."""
@@ -178,7 +195,7 @@ def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[f
 
     def cost(mode: SparseMode) -> float:
         ops = sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, own, total)
-        return step_time(ops, costs.alpha, costs.beta) + sparse_local_time(
+        return comm_seconds(ops, costs) + sparse_local_time(
             mode, num_rows, row_bytes, own, total, costs.table_pass, costs.sparse_row)
 
     return min(SPARSE_MODES, key=cost)

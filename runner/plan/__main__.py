@@ -11,6 +11,7 @@ Heavy modules (torch, the plugins) are imported only once a plan is built.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -140,6 +141,7 @@ def calibrate() -> None:
         measure,
         usable_cores,
     )
+    from runner.rundir import write_json
 
     console = make_console()
     cores = usable_cores()
@@ -150,11 +152,59 @@ def calibrate() -> None:
                       f"{MAX_COLLECTIVE_RANKS}: this process may use {cores} cores, and ranks "
                       "without a core of their own would measure the scheduler, not MPI")
     result = measure(collective_ranks=ranks)
+    console.print("measuring the runner's own work per step (one process, 60 steps) ...")
+    result["compute"]["step_overhead"] = measure_step_overhead()
+    write_json(calibration_path(), result)
+    compute = result["compute"]
+    console.print(f"compute: dispatch {compute['dispatch'] * 1e6:.2f} µs per call, memory "
+                  f"{compute['memory'] / 1e9:.1f} GB/s, the runner's own work "
+                  f"{compute['step_overhead'] * 1e3:.3f} ms per step")
     for kind in ("point_to_point", "collective"):
         values = result[kind]
         console.print(f"{kind}: α = {values['alpha']:.3e} s, β = {values['beta']:.3e} s/B "
                       f"({1 / values['beta'] / 1e9:.2f} GB/s)")
     console.print(f"stored in {calibration_path()}: later plans and runs use it")
+
+
+def measure_step_overhead(steps: int = 60) -> float:
+    """Seconds per step the runner spends besides what the compute model prices (model,
+    loss, update): a one-process run of the default model on digits through the runner's own
+    loop, its median step less the predicted one at the rates just stored."""
+    import contextlib
+    import io
+    import tempfile
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from runner import assembly
+    from runner.core import ProcessGrid
+    from runner.machine import load_compute_rates
+    from runner.rundir import RunDir
+    from runner.train import train
+    from runner.validation import validate
+    from strategies.base import predict_step
+
+    cfg = OmegaConf.create({
+        "seed": 0, "grid": {"pr": 1, "pc": 1}, "dataset": {"name": "digits"},
+        "model": {"name": "mlp"}, "strategy": {"name": "data"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "trainer": {"steps": steps, "batch_size": 64, "eval_every": steps, "threads": 1}})
+    run = validate(cfg, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the compute rates were measured: a rank's one thread
+    try:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            directory = RunDir(Path(tmp) / "run")
+            directory.create(cfg)
+            summary = train(run, directory, ProcessGrid(1, 1))
+    finally:
+        torch.set_num_threads(threads)
+    rates = dataclasses.replace(load_compute_rates(), step_overhead=0.0)
+    parts = assembly.assemble(run, rates=rates, device="meta")
+    predicted = predict_step(parts.strategy, parts.model, parts.spec.input_shape,
+                             run.grid, run.trainer.batch_size).total_s
+    return max(0.0, float(summary["median_step_time_s"]) - predicted)
 
 
 def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:

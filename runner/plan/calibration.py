@@ -77,10 +77,55 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def _call_worker(repeats: int) -> None:
+    """The runner's own cost per collective call, by kind: each operation on a tiny tensor as
+    the strategies issue it (the core's primitives through the counted communicator: Python,
+    counting, buffers, counts and displacements), less mpi4py's own all-reduce of the same."""
+    import torch
+    from mpi4py import MPI
+
+    from runner.core import CommCounter, CountedComm, Partition
+    from runner.core import primitives as P
+    from runner.core.cartesian import CartesianPartition, redistribute_op
+
+    comm = MPI.COMM_WORLD
+    counted = CountedComm(comm, CommCounter())
+    size, rank = counted.size, counted.rank
+    tensor = torch.zeros(2)
+    rows = Partition(2 * size, size)
+    piece = torch.zeros(rows.sizes[rank], 2)
+    whole = torch.zeros(rows.total, 2)
+    src = CartesianPartition((2 * size, 2 * size), (size,), ((0,), ()))
+    dst = CartesianPartition((2 * size, 2 * size), (size,), ((), (0,)))
+    block = torch.zeros(src.local_shape(src.coords(rank)))
+    calls = {"raw": lambda: comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM),
+             "allreduce": lambda: counted.allreduce_(tensor),
+             "iallreduce": lambda: counted.iallreduce_(tensor).wait(),
+             "allgather": lambda: P.all_gather_op(piece, counted, 0, rows),
+             "reduce_scatter": lambda: P.reduce_scatter_op(whole, counted, 0, rows),
+             "alltoallv": lambda: redistribute_op(block, counted, src, dst)}
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():  # alternated: drift hits all alike
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(100):
+                call()
+            seconds[name].append((time.perf_counter() - start) / 100)
+    if comm.Get_rank() == 0:
+        medians = {name: statistics.median(values) for name, values in seconds.items()}
+        raw = medians.pop("raw")
+        print(json.dumps({"kind": "call", "raw": raw,
+                          "calls": {k: max(0.0, v - raw) for k, v in medians.items()}}))
+
+
 def _worker(kind: str, repeats: int) -> None:
     import torch
     from mpi4py import MPI
 
+    if kind == "call":
+        _call_worker(repeats)
+        return
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     times = []
@@ -553,12 +598,14 @@ def measure(repeats: int = 20, collective_ranks: int | None = None) -> dict:
     p = collective_ranks
     # t = 2α⌈log p⌉ + 2β(p−1)/p n: fit intercept and slope, then undo the factors
     a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
+    calls = _run("call", PINGPONG_RANKS, repeats)["calls"]
     result = {
         "point_to_point": {"alpha": max(alpha_p2p, 0.0), "beta": beta_p2p,
                            "ranks": PINGPONG_RANKS, "sizes": ping["sizes"],
                            "seconds": ping["seconds"]},
         "collective": {"alpha": max(a / (2 * log2_ceil(p)), 0.0), "beta": b / (2 * (p - 1) / p),
-                       "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"]},
+                       "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"],
+                       "calls": calls},
         "local": measure_local(),
         "compute": measure_compute(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -11,7 +11,7 @@ from rich.table import Table
 from torch import nn
 
 from runner.core import GridShape
-from runner.core.cost import CommOp, MachineCosts, loss_op, op_time, step_bytes, step_time
+from runner.core.cost import CommOp, MachineCosts, comm_seconds, loss_op, step_bytes
 from strategies.base import Strategy, predict_step
 
 
@@ -39,6 +39,7 @@ class Plan:
     beta: float
     alpha_beta_source: str
     rows: list[PlanRow]
+    costs: MachineCosts
     rates_source: str = "default"
     steps_per_epoch: int | None = None
 
@@ -79,23 +80,23 @@ def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world
             step = predict_step(strategy, model, sample_shape, grid, batch)
             describe = getattr(strategy, "describe_plan", None)
             rows.append(PlanRow(
-                name, pr, pc, ops, step_bytes(ops), step_time(ops, costs.alpha, costs.beta),
+                name, pr, pc, ops, step_bytes(ops), comm_seconds(ops, costs),
                 strategy.predict_param_bytes(model, sample_shape, grid),
                 strategy.predict_activation_bytes(model, sample_shape, grid, batch),
                 compute_time=step.compute_s, step_time=step.total_s,
                 layouts=describe(model, sample_shape, grid, batch) if describe else None))
     rates = next(iter(strategies.values())).rates.source if strategies else "default"
-    return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, rates,
+    return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, costs, rates,
                 steps_per_epoch)
 
 
-def by_layer(row: PlanRow, alpha: float, beta: float) -> list[dict[str, Any]]:
+def by_layer(row: PlanRow, costs: MachineCosts) -> list[dict[str, Any]]:
     """Bytes and time per layer (or per gradient bucket, boundary, loss)."""
     groups: dict[str, list[CommOp]] = defaultdict(list)
     for op in row.ops:
         groups[op.layer].append(op)
     return [{"layer": layer, "ops": [o.op for o in ops], "comm_bytes": step_bytes(ops),
-             "comm_time_s": sum(op_time(o, alpha, beta) for o in ops)}
+             "comm_time_s": comm_seconds(ops, costs)}
             for layer, ops in groups.items()]
 
 
@@ -109,7 +110,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                   "comm_bytes_per_step": r.comm_bytes, "comm_time_s_per_step": r.comm_time,
                   "compute_time_s_per_step": r.compute_time,
                   "step_time_s": r.step_time, "layouts": r.layouts,
-                  "layers": by_layer(r, plan.alpha, plan.beta),
+                  "layers": by_layer(r, plan.costs),
                   "param_bytes_per_rank": r.param_bytes,
                   "activation_bytes_per_rank": r.activation_bytes}
                  for r in plan.feasible],
@@ -152,7 +153,7 @@ def layer_table(plan: Plan, row: PlanRow) -> Table:
     table = Table(title=f"{row.strategy} {row.pr} x {row.pc}: per layer", title_justify="left")
     for header in ("layer", "operations", "MB / step", "comm ms / step"):
         table.add_column(header, justify="left" if header in ("layer", "operations") else "right")
-    for item in by_layer(row, plan.alpha, plan.beta):
+    for item in by_layer(row, plan.costs):
         table.add_row(item["layer"], ", ".join(item["ops"]), _mb(item["comm_bytes"]),
                       f"{item['comm_time_s'] * 1e3:,.3f}")
     return table
