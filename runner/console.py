@@ -123,7 +123,10 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("samples / s", _fmt(summary.get("samples_per_s"), ",.0f")),
         ("comm bytes / step", f"{measured} measured, {predicted} predicted"),
         ("comm time / step", f"{_ms(summary.get('comm_time_s_per_step'))} measured, "
-                             f"{_ms(summary.get('predicted_comm_time_s_per_step'))} predicted"),
+                             f"{_ms(summary.get('predicted_comm_time_s_per_step'))} predicted"
+                             + (f" + {_ms(summary['predicted_wait_time_s'])} waiting for "
+                                f"peers sharing cores" if summary.get("predicted_wait_time_s")
+                                else "")),
         ("comm share of step", _fmt(summary.get("comm_time_share"), ".1%")),
         ("params / rank", _fmt_bytes(summary.get("param_bytes_per_rank"))),
         *[(f"sparse table {name}", _sparse_cell(table))

@@ -44,6 +44,7 @@ def load_machine_costs(alpha: float | None = None,
     from runner.core.cost import (
         DEFAULT_ALPHA,
         DEFAULT_BETA,
+        DEFAULT_OVERSUBSCRIBED_SYNC,
         DEFAULT_SPARSE_ROW,
         DEFAULT_TABLE_PASS,
         MachineCosts,
@@ -59,7 +60,9 @@ def load_machine_costs(alpha: float | None = None,
             stored = None
     costs = {"table_pass": local.get("table_pass", DEFAULT_TABLE_PASS),
              "sparse_row": local.get("sparse_row", DEFAULT_SPARSE_ROW),
-             "calls": tuple(sorted((stored or {}).get("calls", {}).items()))}
+             "calls": tuple(sorted((stored or {}).get("calls", {}).items())),
+             "oversubscribed_sync": (stored or {}).get("oversubscribed_sync",
+                                                       DEFAULT_OVERSUBSCRIBED_SYNC)}
     if alpha is not None and beta is not None:
         return MachineCosts(alpha, beta, source="given", **costs)
     if stored is not None:

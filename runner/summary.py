@@ -91,6 +91,9 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                                   else None),
         "predicted_compute_time_s": (predicted_step.compute_s if predicted_step is not None
                                      else None),
+        # the part of the measured communication time that is waiting for peers sharing cores
+        "predicted_wait_time_s": (predicted_step.wait_s if predicted_step is not None
+                                  else None),
         "samples_per_s": run.trainer.batch_size / median_step,
         "comm_bytes_per_step": statistics.fmean(history.comm_bytes),
         "predicted_comm_bytes_per_step": (step_bytes(predicted_ops)

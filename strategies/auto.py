@@ -37,7 +37,8 @@ from strategies.layouts import (
     IMAGE_LAYOUTS,
     ROWS,
     SAMPLES,
-    SLAB,
+    SPATIAL,
+    TILES_HW,
     LayerPlan,
     PlanCosts,
     Pricing,
@@ -68,27 +69,34 @@ class Choice:
 def _options(layer: nn.Module, i: int, name: str, pricing: Pricing,
              pins: Mapping[str, str]) -> list[tuple[str, TensorLayout, TensorLayout]]:
     """(layout, input layout, output layout) for layer i."""
-    heights_ok = _slab_fits(pricing, i) and _slab_fits(pricing, i + 1)
+
+    def fits(layout: TensorLayout) -> bool:
+        """A layout splitting the image in space needs a row (and column) on every rank of
+        the layer's input and output."""
+        return layout not in SPATIAL or (_fits(pricing, i, layout) and
+                                         _fits(pricing, i + 1, layout))
+
     if layer_kind(layer) is not None:
         options = []
         for layout in layouts_for(layer):
             if name in pins and pins[name] != layout.name:
                 continue
-            if layout.name == "domain" and not (heights_ok and _windowed_ok(layer)):
+            if layout.takes in SPATIAL and not (fits(layout.takes) and _windowed_ok(layer)):
                 continue
             options.append((layout.name, layout.takes, layout.gives))
         return options
     ndim = len(pricing.shapes[i]) + 1
     if ndim == len(pricing.shapes[i + 1]) + 1 and ndim in (2, 4):
-        return [("keep", t, t) for t in passthrough_options(layer, ndim)
-                if t != SLAB or heights_ok]
+        return [("keep", t, t) for t in passthrough_options(layer, ndim) if fits(t)]
     # a layer that changes the rank of its tensor (Flatten): on whole samples
     return [("batch", t, t) for t in BATCH_ONLY]
 
 
-def _slab_fits(pricing: Pricing, i: int) -> bool:
+def _fits(pricing: Pricing, i: int, layout: TensorLayout) -> bool:
     shape = pricing.shapes[i]
-    return len(shape) == 3 and shape[1] >= pricing.grid.pr
+    if len(shape) != 3:
+        return False
+    return shape[1] >= pricing.grid.pr and (layout != TILES_HW or shape[2] >= pricing.grid.pc)
 
 
 def _windowed_ok(layer: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from runner.core.cost import (
     comm_seconds,
     loss_op,
     step_bytes,
+    wait_seconds,
 )
 from strategies.buckets import GradientBuckets
 from strategies.sparse_exchange import SparseGradientExchange
@@ -240,7 +241,8 @@ class StepPrediction:
     """A training step's predicted seconds, by part."""
 
     compute_s: float  # forward, backward, loss and update, slowed where ranks share cores
-    comm_s: float  # α–β time of rank 0's collectives
+    comm_s: float  # rank 0's collectives: α–β and the runner's cost of each call
+    wait_s: float  # what they wait for peers sharing cores (0 with a core per rank)
     total_s: float
 
 
@@ -266,7 +268,8 @@ def predict_step(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, 
         + UPDATE_CALLS * tensors * rates.dispatch)
     compute = ((compute + loss_seconds(rows, classes, rates) + update + rates.step_overhead)
                * strategy.slowdown)
-    return StepPrediction(compute, comm, compute + comm)
+    wait = wait_seconds(ops, strategy.costs, strategy.slowdown)
+    return StepPrediction(compute, comm, wait, compute + comm + wait)
 
 
 def leaf_inputs(model: nn.Module, sample_shape: tuple[int, ...]

@@ -25,7 +25,7 @@ from torch import nn
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
-from runner.core.halo import HaloPlan, Window, halo_window, start_halo_exchange
+from runner.core.halo import HaloPlan, Window, halo_exchange, halo_window, start_halo_exchange
 from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
@@ -144,6 +144,54 @@ class SpatialWindowed(nn.Module):
         if out_stop > b:
             parts.append(rows(b, out_stop))
         return torch.cat(parts, dim=2) if len(parts) > 1 else interior
+
+
+def width_window(layer: Windowed) -> Window:
+    kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
+    padding, dilation = _padding(layer), _pair(getattr(layer, "dilation", 1))
+    return Window(kernel[1], stride[1], padding[1], dilation[1])
+
+
+def _without_padding(layer: Windowed) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's operation with no padding at all (the windows bring their own)."""
+    kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
+    if isinstance(layer, nn.Conv2d):
+        return lambda x: F.conv2d(x, layer.weight, layer.bias, layer.stride, 0, layer.dilation)
+    if isinstance(layer, nn.MaxPool2d):
+        return lambda x: F.max_pool2d(x, kernel, stride, 0, layer.dilation)
+    return lambda x: F.avg_pool2d(x, kernel, stride, 0, count_include_pad=True,
+                                  divisor_override=layer.divisor_override)
+
+
+class SpatialWindowed2D(nn.Module):
+    """A convolution or pooling layer on this rank's tile of the image: height split over
+    `rows` (the model group), width over `cols` (the batch group). The halo rows come first
+    (over `rows`), then the halo columns of the row-extended tile (over `cols`), so the
+    corners arrive with them; both exchanges' adjoints run in backward. No overlap: the
+    exchanges complete before the tile's outputs are computed."""
+
+    def __init__(self, layer: Windowed, rows: CountedComm, cols: CountedComm, height: int,
+                 width: int) -> None:
+        super().__init__()
+        self.layer, self.rows, self.cols = layer, rows, cols
+        self.windows = (height_window(layer), width_window(layer))
+        self.plans = (HaloPlan(height, self.windows[0], rows.size, rows.rank),
+                      HaloPlan(width, self.windows[1], cols.size, cols.rank))
+        self.apply_op = _without_padding(layer)
+        self.pad_value = float("-inf") if isinstance(layer, nn.MaxPool2d) else 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hp, wp = self.plans
+        x = halo_exchange(x, self.rows, 2, hp)
+        x = F.pad(x, (0, 0, hp.pad_before, hp.pad_after), value=self.pad_value)
+        x = halo_exchange(x, self.cols, 3, wp)
+        x = F.pad(x, (wp.pad_before, wp.pad_after, 0, 0), value=self.pad_value)
+        for dim, plan, window in ((2, hp, self.windows[0]), (3, wp, self.windows[1])):
+            start = plan.out_part.offsets[plan.rank]
+            lo, hi = window.inputs(start, start + plan.out_part.sizes[plan.rank])
+            base = plan.window_rows[0] - plan.pad_before  # global index of x's first
+            x = x.narrow(dim, lo - base, hi - lo)
+        return self.apply_op(x)
 
 
 class DomainParallelModel(ParallelModel):

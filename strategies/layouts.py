@@ -17,6 +17,7 @@ each piece over R (the row contract of `strategies.base`):
     samples  batch over (C, R)                       batch-parallel; the model's output
     split    batch over C, features over R           a column-parallel (Megatron) output
     slab     batch over C, height over R             domain parallelism (images)
+    tiles_hw whole batch, height over R, width over C   domain parallelism in two dims
     cols     whole batch, features over C            the input of a 2-D layer
     cols_t   whole batch, features over R            the input of a transposed 2-D layer
     tiles    whole batch, features over (R, C)       the output of a 2-D layer
@@ -37,6 +38,7 @@ Layer layouts (`LAYOUTS`):
             filters  rows → split       output channels over R, batch over C (the paper's
                                         integrated convolution)
             domain   slab → slab        height over R with halo exchange, batch over C
+            domain_hw tiles_hw → tiles_hw  height over R, width over C, halos in both
 
 Other layers keep the layout they are given where they can (activations anywhere; pooling
 anywhere, with halos on slabs; BatchNorm where no rank holds a replica: statistics over the
@@ -67,12 +69,19 @@ from runner.core.cartesian import (
 )
 from runner.core.comm import GridGroup
 from runner.core.compute import ComputeRates, layer_seconds
-from runner.core.cost import CommOp, MachineCosts, comm_seconds
+from runner.core.cost import CommOp, MachineCosts, comm_seconds, wait_seconds
 from runner.core.halo import HaloPlan
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import reduce_scatter
 from strategies.base import ParallelModel, gradient_exchange
-from strategies.domain import WINDOWED, SpatialWindowed, height_window, windowed_problem
+from strategies.domain import (
+    WINDOWED,
+    SpatialWindowed,
+    SpatialWindowed2D,
+    height_window,
+    width_window,
+    windowed_problem,
+)
 from strategies.norm import (
     BATCH_NORMS,
     DistributedBatchNorm,
@@ -104,11 +113,12 @@ class TensorLayout:
     batch: tuple[int, ...] = ()
     features: tuple[int, ...] = ()
     height: tuple[int, ...] = ()
+    width: tuple[int, ...] = ()
 
     def splits(self, ndim: int) -> tuple[tuple[int, ...], ...]:
-        if ndim < 3 and self.height:
-            raise ValueError(f"layout {self.name} splits height, the tensor has {ndim} dims")
-        return ((self.batch, self.features, self.height) + ((),) * ndim)[:ndim]
+        if ndim < 4 and (self.height or self.width):
+            raise ValueError(f"layout {self.name} splits an image, the tensor has {ndim} dims")
+        return ((self.batch, self.features, self.height, self.width) + ((),) * ndim)[:ndim]
 
     def partition(self, shape: Sequence[int], grid: tuple[int, int]) -> CartesianPartition:
         """The global tensor of `shape` (batch first) over a grid of sizes (Pc, Pr)."""
@@ -116,7 +126,8 @@ class TensorLayout:
 
     def position(self, grid_dim: int) -> tuple[int, int] | None:
         """(tensor dim, depth) at which `grid_dim` splits, None where it is a replica dim."""
-        for tensor_dim, dims in enumerate((self.batch, self.features, self.height)):
+        for tensor_dim, dims in enumerate((self.batch, self.features, self.height,
+                                           self.width)):
             if grid_dim in dims:
                 return tensor_dim, dims.index(grid_dim)
         return None
@@ -137,12 +148,14 @@ COLS = TensorLayout("cols", features=(C,))
 COLS_T = TensorLayout("cols_t", features=(R,))
 TILES = TensorLayout("tiles", features=(R, C))
 TILES_T = TensorLayout("tiles_t", features=(C, R))
+TILES_HW = TensorLayout("tiles_hw", height=(R,), width=(C,))
 FLAT_LAYOUTS = (ROWS, SAMPLES, SPLIT, COLS, COLS_T, TILES, TILES_T)
-IMAGE_LAYOUTS = (ROWS, SAMPLES, SPLIT, SLAB)
+IMAGE_LAYOUTS = (ROWS, SAMPLES, SPLIT, SLAB, TILES_HW)
+SPATIAL = (SLAB, TILES_HW)  # an image split in space: windows need halos
 BATCH_ONLY = (ROWS, SAMPLES)
 # BatchNorm needs every rank to hold distinct data of its channels (a replica would hold a
 # partial gradient of the weights that no exchange sums): the layouts without replicas.
-NORM_LAYOUTS = (SAMPLES, SPLIT, SLAB)
+NORM_LAYOUTS = (SAMPLES, SPLIT, SLAB, TILES_HW)
 
 
 # A communication operator of the core (a torch.autograd.Function in Python) costs about this
@@ -219,6 +232,8 @@ LAYOUTS: dict[tuple[LayerKind, str], LayerLayout] = {
         LayerLayout("batch", "conv", SAMPLES, SAMPLES, "batch-parallel, filters whole"),
         LayerLayout("filters", "conv", ROWS, SPLIT, "filters over Pr, batch over Pc"),
         LayerLayout("domain", "conv", SLAB, SLAB, "height over Pr (halos), batch over Pc"),
+        LayerLayout("domain_hw", "conv", TILES_HW, TILES_HW,
+                    "height over Pr, width over Pc (halos in both), whole batch"),
     )}
 LAYOUT_NAMES = sorted({name for _, name in LAYOUTS})
 
@@ -304,13 +319,19 @@ def layout_problems(model: nn.Sequential, sample_shape: Sequence[int], grid: Gri
         elif layer_kind(layer) is None and any(True for _ in layer.parameters()):
             problems.append(f"{label} has parameters and no layout (Linear, Conv2d and "
                             f"BatchNorm have)")
-        elif isinstance(layer, nn.Conv2d) and pins.get(names[i]) == "domain":
+        elif isinstance(layer, nn.Conv2d) and pins.get(names[i]) in ("domain", "domain_hw"):
             problem = windowed_problem(layer)
+            pinned = f"strategy.layouts.{names[i]}={pins[names[i]]}"
+            height = min(shapes[i][1], shapes[i + 1][1])
+            width = min(shapes[i][2], shapes[i + 1][2])
             if problem is not None:
                 problems.append(f"{label}: {problem}")
-            elif min(shapes[i][1], shapes[i + 1][1]) < grid.pr:
-                problems.append(f"{label}: strategy.layouts.{names[i]}=domain splits height "
-                                f"{min(shapes[i][1], shapes[i + 1][1])} over grid.pr={grid.pr}")
+            elif height < grid.pr:
+                problems.append(f"{label}: {pinned} splits height {height} over "
+                                f"grid.pr={grid.pr}: every rank needs a row")
+            elif pins[names[i]] == "domain_hw" and width < grid.pc:
+                problems.append(f"{label}: {pinned} splits width {width} over "
+                                f"grid.pc={grid.pc}: every rank needs a column")
     return problems
 
 
@@ -355,7 +376,7 @@ class Pricing:
         return layout.partition(self.global_shape(i), self.grid_sizes).local_shape((0, 0))
 
     def seconds(self, ops: list[CommOp]) -> float:
-        return comm_seconds(ops, self.costs)
+        return comm_seconds(ops, self.costs) + wait_seconds(ops, self.costs, self.slowdown)
 
     def differ(self, src: TensorLayout, dst: TensorLayout, i: int) -> bool:
         """Whether the activation before layer i must move to go from `src` to `dst`."""
@@ -408,11 +429,17 @@ class Pricing:
             if layout == "domain":
                 costs.ops += halo_ops(layer, grid, local_in, self.shapes[i][1],
                                       self.itemsizes[i], label, input_grad)
+            elif layout == "domain_hw":
+                costs.ops += halo_ops_2d(layer, grid, local_in, self.shapes[i],
+                                         self.itemsizes[i], label, input_grad)
             return costs
         costs.compute_s = layer_seconds(layer, local_in, self.rates, input_grad=input_grad)
         if isinstance(layer, WINDOWED) and takes == SLAB:
             costs.ops += halo_ops(layer, grid, local_in, self.shapes[i][1], self.itemsizes[i],
                                   label, input_grad)
+        elif isinstance(layer, WINDOWED) and takes == TILES_HW:
+            costs.ops += halo_ops_2d(layer, grid, local_in, self.shapes[i],
+                                     self.itemsizes[i], label, input_grad)
         if isinstance(layer, BATCH_NORMS):
             group, size = norm_group(takes, grid)
             channels = self.local_shape(takes, i)[1]
@@ -501,6 +528,34 @@ def halo_ops(layer: nn.Module, grid: GridShape, local_in: tuple[int, ...], heigh
     if input_grad:
         ops.append(CommOp("exchange", "model", grid.pr, plan.recv_rows * row_bytes, label,
                           messages))
+    return ops
+
+
+def halo_ops_2d(layer: nn.Module, grid: GridShape, local_in: tuple[int, ...],
+                sample: Sequence[int], itemsize: int, label: str, input_grad: bool
+                ) -> list[CommOp]:
+    """A windowed layer on tiles (`SpatialWindowed2D`): the halo rows over the model group,
+    then the halo columns of the row-extended tile over the batch group; back again for the
+    gradients when the input has one."""
+    assert isinstance(layer, WINDOWED)
+    rows, channels, _, width = local_in
+    hp = HaloPlan(sample[1], height_window(layer), grid.pr, 0)
+    wp = HaloPlan(sample[2], width_window(layer), grid.pc, 0)
+    extended = (hp.window_rows[1] - hp.window_rows[0]) + hp.pad_before + hp.pad_after
+    ops: list[CommOp] = []
+    exchanges: tuple[tuple[GridGroup, int, HaloPlan, int], ...] = (
+        ("model", grid.pr, hp, rows * channels * width * itemsize),
+        ("batch", grid.pc, wp, rows * channels * extended * itemsize))
+    for group, size, plan, line_bytes in exchanges:
+        received = [piece for piece in plan.pieces if piece[0] != 0]
+        if size == 1 or not (plan.sends or received):
+            continue
+        messages = max(len(plan.sends), len(received))
+        ops.append(CommOp("exchange", group, size, plan.send_rows * line_bytes, label,
+                          messages))
+        if input_grad:
+            ops.append(CommOp("exchange", group, size, plan.recv_rows * line_bytes, label,
+                              messages))
     return ops
 
 
@@ -703,7 +758,10 @@ def _build_layer(layer: nn.Module, step: Step, grid: ProcessGrid, in_shape: tupl
         built = ShardedConv2d(layer, Partition(layer.out_channels, grid.pr), r)
         return built, {"batch": list(built.parameters())}
     if isinstance(layer, WINDOWED) and step.takes == SLAB and grid.pr > 1:
-        windowed = SpatialWindowed(layer, grid.model, in_shape[1], overlap)
+        windowed: nn.Module = SpatialWindowed(layer, grid.model, in_shape[1], overlap)
+        return windowed, {"world": list(layer.parameters())}
+    if isinstance(layer, WINDOWED) and step.takes == TILES_HW and grid.size > 1:
+        windowed = SpatialWindowed2D(layer, grid.model, grid.batch, in_shape[1], in_shape[2])
         return windowed, {"world": list(layer.parameters())}
     if isinstance(layer, BATCH_NORMS):
         if step.takes == SPLIT:

@@ -27,6 +27,9 @@ from runner.core.comm import CollectiveOp, GridGroup
 # and the runner's own cost per collective call (Python, counting, buffers: 8 to 40 µs by kind
 # on a 2-core x86 machine).
 DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_CALL = 5e-6, 2.5e-10, 2e-5
+# What a collective waits for a descheduled peer when ranks share cores two to a core (~0.2 ms
+# measured on a 2-core x86 machine: the scheduler's time slices).
+DEFAULT_OVERSUBSCRIBED_SYNC = 2e-4
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,15 @@ def op_time(op: CommOp, alpha: float, beta: float) -> float:
 def step_time(ops: list[CommOp], alpha: float, beta: float) -> float:
     """Seconds of `ops` under the α–β model alone."""
     return sum(op_time(op, alpha, beta) for op in ops)
+
+
+def wait_seconds(ops: list[CommOp], costs: MachineCosts, slowdown: float) -> float:
+    """What `ops` wait for peers that share cores (`slowdown`: ranks per core, 1 when each
+    has its own): every operation on a group of more than one rank synchronises it."""
+    if slowdown <= 1:
+        return 0.0
+    syncs = sum(1 for op in ops if op.group_size > 1)
+    return syncs * (slowdown - 1) * costs.oversubscribed_sync
 
 
 def comm_seconds(ops: list[CommOp], costs: MachineCosts) -> float:
@@ -161,6 +173,9 @@ class MachineCosts:
     table_pass: float = DEFAULT_TABLE_PASS
     sparse_row: float = DEFAULT_SPARSE_ROW
     source: str = "default"
+    oversubscribed_sync: float = DEFAULT_OVERSUBSCRIBED_SYNC
+    """Seconds a synchronising operation waits for a descheduled peer when two ranks share a
+    core (measured by the calibration; scaled by ranks per core − 1)."""
     calls: tuple[tuple[str, float], ...] = ()
     """Seconds the runner spends issuing one operation of a kind (Python, counting, buffers,
     counts): measured by the calibration; a kind it has not measured costs DEFAULT_CALL."""

@@ -119,12 +119,51 @@ def _call_worker(repeats: int) -> None:
                           "calls": {k: max(0.0, v - raw) for k, v in medians.items()}}))
 
 
+def _oversubscribed_worker(repeats: int) -> None:
+    """What a blocking collective costs when two ranks share each core (run on twice the
+    usable cores): a step of ~0.2 ms of work and a tiny all-reduce, against the work alone on
+    the same ranks; the difference less the call's own cost is the wait for a descheduled
+    peer, which every synchronisation of an oversubscribed run pays."""
+    import torch
+    from mpi4py import MPI
+
+    from runner.core import CommCounter, CountedComm
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    counted = CountedComm(comm, CommCounter())
+    tensor, a = torch.zeros(2), torch.randn(64, 64)
+
+    def work() -> None:
+        for _ in range(20):
+            a @ a
+
+    extra = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(50):
+            work()
+        alone = time.perf_counter() - start
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(50):
+            work()
+            counted.allreduce_(tensor)
+        extra.append((time.perf_counter() - start - alone) / 50)
+    if comm.Get_rank() == 0:
+        print(json.dumps({"kind": "oversubscribed", "sync": max(0.0, statistics.median(extra))}))
+
+
 def _worker(kind: str, repeats: int) -> None:
     import torch
     from mpi4py import MPI
 
     if kind == "call":
         _call_worker(repeats)
+        return
+    if kind == "oversubscribed":
+        _oversubscribed_worker(repeats)
         return
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -599,13 +638,17 @@ def measure(repeats: int = 20, collective_ranks: int | None = None) -> dict:
     # t = 2α⌈log p⌉ + 2β(p−1)/p n: fit intercept and slope, then undo the factors
     a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
     calls = _run("call", PINGPONG_RANKS, repeats)["calls"]
+    # twice the cores: the scheduler's share of a synchronisation, priced only for runs that
+    # put more ranks than cores on a node
+    sync = _run("oversubscribed", 2 * cores, max(3, repeats // 4))["sync"]
     result = {
         "point_to_point": {"alpha": max(alpha_p2p, 0.0), "beta": beta_p2p,
                            "ranks": PINGPONG_RANKS, "sizes": ping["sizes"],
                            "seconds": ping["seconds"]},
         "collective": {"alpha": max(a / (2 * log2_ceil(p)), 0.0), "beta": b / (2 * (p - 1) / p),
                        "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"],
-                       "calls": calls},
+                       "calls": calls,
+                       "oversubscribed_sync": max(0.0, sync - calls.get("allreduce", 0.0))},
         "local": measure_local(),
         "compute": measure_compute(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -1,7 +1,8 @@
 """Per-layer layouts (`strategy=auto`, `strategies/layouts.py`) against the sequential model, in
 one launch: `mpiexec -n 4 python THIS TMPDIR`.
 
-- every layout of every layer kind, alone and mixed in one model (pinned), on grids 2x1, 4x1,
+- every layout of every layer kind (domain in height and in height × width), alone and mixed in
+  one model (pinned), on grids 2x1, 4x1,
   1x4 and 2x2: the output rows equal the sequential model's, every rank's piece of every
   gradient (found by its checkpoint placement: rows and columns of the global tensor) equals
   the sequential gradient's piece, and the collectives rank 0 issues are exactly the predicted
@@ -55,6 +56,8 @@ CASES = [
     ("mlp", mlp, (3, 4), {"1": "2d", "3": "row", "5": "batch", "7": "col"}),
     ("mlp", mlp, (3, 4), {"1": "col_rows", "3": "2d_t", "5": "col", "7": "2d"}),
     ("cnn", cnn, (2, 8, 6), {"0": "domain", "4": "domain", "7": "2d", "9": "row"}),
+    ("cnn", cnn, (2, 8, 6), {"0": "domain_hw", "4": "domain_hw", "7": "2d", "9": "batch"}),
+    ("cnn", cnn, (2, 8, 6), {"0": "domain_hw", "4": "domain", "7": "row", "9": "col"}),
     ("cnn", cnn, (2, 8, 6), {"0": "filters", "4": "batch", "7": "col", "9": "2d_t"}),
     ("cnn", cnn, (2, 8, 6), {"0": "batch", "4": "filters", "7": "batch", "9": "col_rows"}),
     ("cnn", cnn, (2, 8, 6), {}),  # auto's own choice
@@ -128,6 +131,8 @@ def every_layout_alone_and_mixed_equals_the_sequential_model() -> None:
         for model, build, sample, pins in CASES:
             if "domain" in pins.values() and pr > 2:
                 continue  # height 4 after the pooling: the second domain conv needs pr <= 4
+            if "domain_hw" in pins.values() and (pr > 2 or pc > 2):
+                continue  # and width 3: pc <= 3
             compare(f"{model} {pins} {pr}x{pc}", build, sample, pins, grid)
 
 
@@ -151,6 +156,8 @@ CNN = {"name": "cnn", "channels": [6, 10], "kernel_size": 3, "hidden": [30, 21],
 RUNS = [
     ("domain_prefix", CNN, {"0": "domain", "3": "domain", "7": "row", "9": "col", "11": "batch"},
      4, 1),
+    ("tiles_prefix", CNN, {"0": "domain_hw", "3": "domain_hw", "7": "2d", "9": "2d_t",
+                           "11": "col_rows"}, 2, 2),
     ("two_d", CNN, {"0": "batch", "3": "filters", "7": "2d", "9": "2d_t", "11": "2d"}, 2, 2),
     ("chosen", CNN, {}, 2, 2),
 ]
