@@ -83,10 +83,19 @@ def windowed_problem(layer: Windowed) -> str | None:
     return None
 
 
-def height_window(layer: Windowed) -> Window:
+def _window(layer: Windowed, axis: int) -> Window:
+    """The layer's window along an image axis (0: height, 1: width)."""
     kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
     padding, dilation = _padding(layer), _pair(getattr(layer, "dilation", 1))
-    return Window(kernel[0], stride[0], padding[0], dilation[0])
+    return Window(kernel[axis], stride[axis], padding[axis], dilation[axis])
+
+
+def height_window(layer: Windowed) -> Window:
+    return _window(layer, 0)
+
+
+def width_window(layer: Windowed) -> Window:
+    return _window(layer, 1)
 
 
 def _without_height_padding(layer: Windowed) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -144,12 +153,6 @@ class SpatialWindowed(nn.Module):
         if out_stop > b:
             parts.append(rows(b, out_stop))
         return torch.cat(parts, dim=2) if len(parts) > 1 else interior
-
-
-def width_window(layer: Windowed) -> Window:
-    kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
-    padding, dilation = _padding(layer), _pair(getattr(layer, "dilation", 1))
-    return Window(kernel[1], stride[1], padding[1], dilation[1])
 
 
 def _without_padding(layer: Windowed) -> Callable[[torch.Tensor], torch.Tensor]:
