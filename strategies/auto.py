@@ -275,7 +275,9 @@ class AutoLayout(Strategy):
         if not isinstance(model, nn.Sequential):
             assert self.global_batch is not None
             chosen = self._tree_choice(model, sample_shape, grid.shape, self.global_batch)
-            return chosen.parallelize(model, sample_shape, grid, sync_replica_gradients)
+            whole = chosen.parallelize(model, sample_shape, grid, sync_replica_gradients)
+            whole.layouts = {"(whole model)": chosen.name}  # type: ignore[assignment]
+            return whole
         plan, _ = self._plan(model, sample_shape, grid.shape, None)
         # Every rank must build the same plan (a calibration file differing between hosts
         # would otherwise make them disagree): rank 0's layouts are pinned on all.
