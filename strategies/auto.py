@@ -202,6 +202,7 @@ class AutoLayout(Strategy):
         # config keys may come as ints (`layouts={3: 2d}`): layer names are strings
         self.pins = {str(k): str(v) for k, v in (layouts or {}).items()}
         self._plans: dict[tuple[object, ...], tuple[LayerPlan, Pricing]] = {}
+        self._trees: dict[tuple[object, ...], Strategy] = {}
 
     def splits_parameters(self, grid: GridShape) -> bool:
         return grid.size > 1  # a 2-D layout splits weights over the batch group too
@@ -222,6 +223,11 @@ class AutoLayout(Strategy):
         those that can run it here."""
         from strategies.registry import STRATEGIES
 
+        # predictions, the summary and the planner ask for the same choice in turn; each
+        # candidate's prediction traces the tree
+        key = (repr(model), tuple(sample_shape), grid, global_batch)
+        if key in self._trees:
+            return self._trees[key]
         best: tuple[float, Strategy] | None = None
         for name in TREE_CHOICES:
             strategy = STRATEGIES.get(name)(
@@ -237,6 +243,7 @@ class AutoLayout(Strategy):
                 best = (seconds, strategy)
         if best is None:
             raise ValueError("no strategy can run this model on this grid")
+        self._trees[key] = best[1]
         return best[1]
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
