@@ -180,6 +180,8 @@ class PlanConfig:
     """Also write the plan as JSON to this file."""
     calibrate: bool = False
     """Measure this machine's α and β (and local work) instead of planning."""
+    calibrate_repeats: int = 20
+    """Repeats of each measured message size (fewer: a quicker, noisier calibration)."""
 
 
 @dataclass
@@ -356,6 +358,8 @@ def parse_plan(cfg: DictConfig | Mapping[str, Any]) -> PlanConfig:
     """The planner's section alone, typed (`ConfigError` as `parse`)."""
     problems: list[str] = []
     plan: PlanConfig = _section("plan", PlanConfig, plain(cfg).get("plan"), problems)
+    if not problems and plan.calibrate_repeats < 1:
+        problems.append(f"plan.calibrate_repeats={plan.calibrate_repeats}: must be >= 1")
     if problems:
         raise ConfigError(problems)
     return plan

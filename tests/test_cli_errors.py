@@ -29,7 +29,7 @@ CASES = {
     "batch_smaller_than_ranks": (["strategy=data", "grid.pr=1", "grid.pc=8",
                                   "trainer.batch_size=4"], ["smaller than the 8 ranks"]),
     "unknown_model": (["model=transformer9"], ["unknown model 'transformer9'",
-                                              "cnn, cnn_large, mlp"]),
+                                              "cnn, cnn_large, gpt"]),
     "unknown_strategy": (["strategy=pipeline"], ["unknown strategy 'pipeline'", "data"]),
     "unknown_dataset": (["dataset=imagenet"], ["unknown dataset 'imagenet'", "digits"]),
     "unknown_optimizer": (["optimizer=lamb"], ["unknown optimizer 'lamb'", "sgd"]),
@@ -91,11 +91,38 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
                              f"hydra.run.dir={run_dir}", timeout=120), run_dir
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        found = {name: (result, run_dir) for name, result, run_dir in pool.map(run, CASES)}
+        found = {name: (result, run_dir) for name, result, run_dir in pool.map(run, THROUGH_CLI)}
     return {"cases": found, "marker": tmp / "mpi_job_started"}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# Through the real command line (a process each, ~2 s): a sample of every kind of problem; the
+# others through the head's own check in this process (`precheck`, what the command runs first).
+THROUGH_CLI = ("zero_ranks", "unknown_model", "every_problem_named", "wrong_types_and_added_key",
+               "unresolved_interpolation", "nan_learning_rate", "model_does_not_fit_data",
+               "resume_from_nothing", "embedding_table_under_grid")
+
+
+@pytest.mark.parametrize("name", sorted(set(CASES) - set(THROUGH_CLI)))
+def test_bad_input_is_one_line_in_the_heads_check(name: str, tmp_path: Path,
+                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    from runner.app import precheck
+    from runner.rundir import release_run_dirs
+
+    args, expected = CASES[name]
+    run_dir = tmp_path / "run"
+    try:
+        problem = precheck([*args, f"hydra.run.dir={run_dir}"])
+    finally:
+        release_run_dirs()
+    assert problem is not None and "\n" not in problem, problem
+    for fragment in expected:
+        assert fragment in problem, (fragment, problem)
+    assert not run_dir.exists(), "a refused config must not leave a run directory"
+    printed = capfd.readouterr()
+    assert printed.out == "" and printed.err == "", printed
+
+
+@pytest.mark.parametrize("name", THROUGH_CLI)
 def test_bad_input_is_one_line_and_exit_2(results: dict, name: str) -> None:
     result, run_dir = results["cases"][name]
     _, expected = CASES[name]

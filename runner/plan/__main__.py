@@ -116,7 +116,7 @@ def plan_or_calibrate(cfg: DictConfig, job: str = "") -> int:
     try:
         plan_cfg = parse_plan(cfg)
         if plan_cfg.calibrate:
-            calibrate()
+            calibrate(plan_cfg.calibrate_repeats)
         else:
             try:
                 plan = build_plan(cfg, plan_cfg)
@@ -133,7 +133,7 @@ def plan_or_calibrate(cfg: DictConfig, job: str = "") -> int:
     return 0
 
 
-def calibrate() -> None:
+def calibrate(repeats: int = 20) -> None:
     from runner.plan.calibration import (
         MAX_COLLECTIVE_RANKS,
         calibration_path,
@@ -151,7 +151,7 @@ def calibrate() -> None:
         console.print(f"note: the all-reduce sweep runs on {ranks} ranks, not "
                       f"{MAX_COLLECTIVE_RANKS}: this process may use {cores} cores, and ranks "
                       "without a core of their own would measure the scheduler, not MPI")
-    result = measure(collective_ranks=ranks)
+    result = measure(repeats, collective_ranks=ranks)
     console.print("measuring the runner's own work per step (one process, 60 steps) ...")
     result["compute"]["step_overhead"] = measure_step_overhead()
     write_json(calibration_path(), result)
@@ -261,7 +261,7 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
         classes = int(run.model.options["classes"])
         model = assembly.build_model(run.model, sample_shape, classes, {}, dtype, "meta")
     else:
-        dataset = assembly.build_dataset(run.dataset)
+        dataset = assembly.build_dataset(run.dataset, assembly.objective_of(run.model))
         spec = dataset.spec()
         sample_shape = tuple(spec.input_shape)
         steps_per_epoch = spec.train_size // batch

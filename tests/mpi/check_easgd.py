@@ -232,7 +232,7 @@ def asynchronous_methods_do_not_wait_for_a_straggler() -> None:
     # run at a third of another's in the same job); the others' rates are summed, and the
     # asynchronous runs are long enough (~0.3 s) that a time slice or two does not decide.
     grid = ProcessGrid(1, SIZE, WORLD)
-    straggler = {"slow_rank": SIZE - 1, "slow_seconds": 0.03}
+    straggler = {"slow_rank": SIZE - 1, "slow_seconds": 0.015}
     ratios = {}
     for name, steps in (("async_easgd", 200), ("hogwild_easgd", 400), ("sync_easgd", 60)):
         rates = {}
