@@ -88,9 +88,34 @@ def dataset_factory(plugin: Plugin) -> Callable[..., Any]:
     return functools.partial(TargetDataset, factory, plugin.target)
 
 
-def build_dataset(plugin: Plugin) -> Any:
-    """The dataset plugin (nothing loaded yet: `spec()` is cheap, `load()` reads the data)."""
-    return dataset_factory(plugin)(**plugin.options)
+OBJECTIVES = ("classify", "next_token")
+
+
+def objective_of(model: Plugin) -> str:
+    """What the model learns: `classify` (a class per sample), or `next_token` (a language
+    model: the token that follows each position) where the model's factory says so with an
+    `objective` attribute (`model=gpt`; a user's class or function may carry one too)."""
+    try:
+        factory = model_factory(model)
+    except Exception:  # an unknown model: validation names it
+        return "classify"
+    objective = getattr(factory, "objective", "classify")
+    return objective if objective in OBJECTIVES else "classify"
+
+
+def build_dataset(plugin: Plugin, objective: str = "classify") -> Any:
+    """The dataset plugin (nothing loaded yet: `spec()` is cheap, `load()` reads the data);
+    for a `next_token` objective its next-token form (`dataset.next_token()`), which a token
+    dataset offers (`kjv`, `tokens`)."""
+    dataset = dataset_factory(plugin)(**plugin.options)
+    if objective == "next_token":
+        form = getattr(dataset, "next_token", None)
+        if form is None:
+            raise ValueError(f"{plugin.shown('dataset')} has no next-token form, which a "
+                             f"language model trains on: choose a token dataset (dataset=kjv "
+                             f"or dataset=tokens)")
+        return form()
+    return dataset
 
 
 def model_factory(plugin: Plugin) -> Callable[..., nn.Module]:
@@ -203,7 +228,7 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
     """Every part of `run`. On the CPU the model's weights come from the current torch seed;
     on `device="meta"` it has shapes only (planning, preflight)."""
     import_plugins(run)
-    dataset = build_dataset(run.dataset)
+    dataset = build_dataset(run.dataset, objective_of(run.model))
     spec = dataset.spec()
     return RunParts(dataset, spec, model_for(run.model, spec, dtype_of(run), device),
                     build_strategy(run.strategy, costs, rows_touched(dataset),

@@ -61,10 +61,12 @@ class ProgressReporter:
             self.console.print(f"step {step:>6}/{self.total}  loss {loss:.4f}  "
                                f"{samples_per_s:,.0f} samples/s")
 
-    def evaluation(self, step: int, loss: float, accuracy: float) -> None:
+    def evaluation(self, step: int, loss: float, accuracy: float,
+                   perplexity: float | None = None) -> None:
         if self.enabled:
+            shown = "" if perplexity is None else f"  val perplexity {perplexity:.2f}"
             self.console.print(f"step {step:>6}/{self.total}  val loss {loss:.4f}  "
-                               f"val accuracy {accuracy:.4f}")
+                               f"val accuracy {accuracy:.4f}{shown}")
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
@@ -112,6 +114,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("steps", _fmt(summary.get("steps"))),
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
         ("val accuracy", _fmt(summary.get("val_accuracy"), ".4f")),
+        *([("val perplexity", _fmt(summary["val_perplexity"], ".2f"))]
+          if summary.get("val_perplexity") is not None else []),
         *([("workers' mean val accuracy", _fmt(summary["workers_val_accuracy"], ".4f"))]
           if summary.get("workers_val_accuracy") is not None else []),
         ("wall time", f"{_fmt(summary.get('wall_time_s'), '.2f')} s"),

@@ -87,14 +87,23 @@ class KingJamesVerses:
         words, labels = self._verses()
         y = torch.tensor(labels, dtype=torch.long)
         order = _split(torch.arange(len(words)), y, self.spec().val_size)
-        frequency = Counter(w for i in order.train_x.tolist() for w in words[i])
-        ids = {w: 2 + rank for rank, (w, _) in
-               enumerate(frequency.most_common(self.vocab_size - 2))}
+        ids = self.vocabulary(words, order.train_x.tolist())
         x = torch.full((len(words), self.seq_len), PAD, dtype=torch.long)
         for i, verse in enumerate(words):
             tokens = [ids.get(w, UNKNOWN) for w in verse[: self.seq_len]]
             x[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         return ClassificationData(x[order.train_x], order.train_y, x[order.val_x], order.val_y)
+
+    def next_token(self) -> KjvNextTokens:
+        """The verses as one stream of words for next-token prediction (`KjvNextTokens`)."""
+        return KjvNextTokens(self)
+
+    def vocabulary(self, words: list[list[str]], train: list[int]) -> dict[str, int]:
+        """Word → id: the `vocab_size` − 2 most frequent words of the training verses from
+        id 2, most frequent first (ids 0 and 1 are PAD and UNKNOWN)."""
+        frequency = Counter(w for i in train for w in words[i])
+        return {w: 2 + rank for rank, (w, _) in
+                enumerate(frequency.most_common(self.vocab_size - 2))}
 
     def expected_unique_tokens(self, samples: int) -> float:
         """Measured, not modelled: the mean number of distinct ids in 20 seeded batches of
@@ -102,6 +111,62 @@ class KingJamesVerses:
         if self._train_x is None:  # the planner asks once per sparse mode: load once
             self._train_x = self.load().train_x
         train = self._train_x
+        gen = torch.Generator().manual_seed(0)
+        counts = [len(torch.unique(train[torch.randperm(len(train), generator=gen)[:samples]]))
+                  for _ in range(20)]
+        return sum(counts) / len(counts)
+
+
+class KjvNextTokens:
+    """Next-token prediction on the King James Bible: the training verses (the classification
+    split's, in canonical order) as one stream of word ids, each verse followed by id 0 (PAD
+    reads "end of verse" here), cut into windows of `seq_len` + 1 ids that overlap by one: a
+    sample is a window's first `seq_len` ids, its targets the ids one position later. The
+    validation verses make the validation windows. Every position is a target (no padding)."""
+
+    def __init__(self, verses: KingJamesVerses) -> None:
+        self.verses = verses
+        self._data: ClassificationData | None = None
+
+    def _streams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        words, labels = self.verses._verses()
+        y = torch.tensor(labels, dtype=torch.long)
+        order = _split(torch.arange(len(words)), y, _val_size(VERSES, self.verses.val_fraction))
+        train, val = sorted(order.train_x.tolist()), sorted(order.val_x.tolist())
+        ids = self.verses.vocabulary(words, train)
+
+        def stream(verses: list[int]) -> torch.Tensor:
+            out: list[int] = []
+            for i in verses:
+                out += [ids.get(w, UNKNOWN) for w in words[i]]
+                out.append(PAD)
+            return torch.tensor(out, dtype=torch.long)
+
+        return stream(train), stream(val)
+
+    def _windows(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.verses.seq_len
+        count = (len(stream) - 1) // t
+        windows = stream[: count * t + 1]
+        return windows[:-1].view(count, t), windows[1:].view(count, t)
+
+    def load(self) -> ClassificationData:
+        if self._data is None:
+            train, val = self._streams()
+            (train_x, train_y), (val_x, val_y) = self._windows(train), self._windows(val)
+            self._data = ClassificationData(train_x, train_y, val_x, val_y)
+        return self._data
+
+    def spec(self) -> DatasetSpec:
+        kjv_file()
+        data = self.load()  # sizes come from the words: the corpus is read (about 1 s)
+        t = self.verses.seq_len
+        return DatasetSpec((t,), self.verses.vocab_size, len(data.train_x), len(data.val_x),
+                           vocab_size=self.verses.vocab_size, target_shape=(t,))
+
+    def expected_unique_tokens(self, samples: int) -> float:
+        """The mean number of distinct ids in 20 seeded batches of `samples` windows."""
+        train = self.load().train_x
         gen = torch.Generator().manual_seed(0)
         counts = [len(torch.unique(train[torch.randperm(len(train), generator=gen)[:samples]]))
                   for _ in range(20)]

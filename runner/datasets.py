@@ -30,6 +30,9 @@ class DatasetSpec:
     val_size: int
     vocab_size: int | None = None  # token datasets: samples are int64 token ids below this
     padding_id: int | None = None  # the id that fills short documents (no word)
+    # A sample's targets: () one class; (T,) a class per position (next-token: the token ids
+    # that follow each position, `num_classes` the vocabulary)
+    target_shape: tuple[int, ...] = ()
 
 
 @dataclass
@@ -211,12 +214,42 @@ class ZipfTokens:
             x[members] = draws.view(len(members), self.seq_len)
         return _split(x, y, self.spec().val_size)
 
+    def next_token(self) -> NextTokens:
+        """The same documents, one token longer, as next-token targets: inputs a document's
+        first `seq_len` tokens, targets its last `seq_len` (each position's next token)."""
+        longer = ZipfTokens(self.vocab_size, self.seq_len + 1, self.classes, self.samples,
+                            self.exponent, self.shift, self.topic_share, self.val_fraction,
+                            self.seed)
+        return NextTokens(longer, self.seq_len)
+
     def expected_unique_tokens(self, samples: int) -> float:
         """The expected number of distinct token ids in `samples` documents of random classes:
         Σ_v 1 − (mean_c (1 − p_cv)^seq_len)^samples. What one rank's batch touches of the
         embedding table, for the planner."""
         absent_from_one = (1 - self.token_probabilities()).pow(self.seq_len).mean(dim=0)
         return float((1 - absent_from_one.pow(samples)).sum())
+
+
+class NextTokens:
+    """A token dataset's documents of `seq_len` + 1 ids as next-token samples: inputs (N, T)
+    the first T ids, targets (N, T) the ids one position later."""
+
+    def __init__(self, documents: ZipfTokens, seq_len: int) -> None:
+        self.documents, self.seq_len = documents, seq_len
+
+    def spec(self) -> DatasetSpec:
+        docs = self.documents.spec()
+        assert docs.vocab_size is not None
+        return DatasetSpec((self.seq_len,), docs.vocab_size, docs.train_size, docs.val_size,
+                           vocab_size=docs.vocab_size, target_shape=(self.seq_len,))
+
+    def load(self) -> ClassificationData:
+        data = self.documents.load()
+        return ClassificationData(data.train_x[:, :-1], data.train_x[:, 1:],
+                                  data.val_x[:, :-1], data.val_x[:, 1:])
+
+    def expected_unique_tokens(self, samples: int) -> float:
+        return self.documents.expected_unique_tokens(samples)
 
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",

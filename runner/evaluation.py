@@ -6,12 +6,12 @@ only the three sums each rank contributes travel, as a host float64 control mess
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from runner.core import CountedComm, Partition
+from runner.core import CountedComm
 from runner.optim import ReplicaOptimizer
 from strategies import ParallelModel
 
@@ -28,22 +28,46 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu") if param is None else param.device
 
 
-def _score(model: ParallelModel, x: torch.Tensor, targets: torch.Tensor,
+# A language model's validation set is scored in pieces of about this many targets (positions)
+# per piece of the global set: its logits (targets × vocabulary) would not fit at once.
+EVAL_TARGETS = 4096
+
+
+def targets_per_row(y: object) -> int:
+    """1 for a class per sample, T for a token id per position (a user's lazily read targets
+    are classes)."""
+    return math.prod(y.shape[1:]) if isinstance(y, torch.Tensor) else 1
+
+
+def _chunks(rows: int, targets_per_row: int) -> list[slice]:
+    """Pieces of the global set's rows: one for a classifier, pieces of about EVAL_TARGETS
+    targets for a language model. Every rank cuts the same pieces (collectives match)."""
+    if targets_per_row <= 1:
+        return [slice(0, rows)]
+    size = max(1, EVAL_TARGETS // targets_per_row)
+    return [slice(start, min(rows, start + size)) for start in range(0, max(rows, 1), size)]
+
+
+def _score(model: ParallelModel, pieces: list[tuple[torch.Tensor, torch.Tensor]],
            comm: CountedComm) -> Evaluation:
-    """Loss and accuracy of `model` fed `x`, each rank scoring its output rows, summed over
-    `comm`."""
+    """Loss and accuracy of `model` fed each piece's inputs, each rank scoring its output
+    rows, summed over `comm`."""
     device = model_device(model)
-    x = x.to(device, non_blocking=True)
-    targets = targets.to(device, non_blocking=True)
+    loss_sum = correct = count = 0.0
     model.eval()
     with torch.no_grad():
-        out = model(x)
-        sums = torch.stack([F.cross_entropy(out, targets, reduction="sum").double(),
-                            (out.argmax(dim=1) == targets).sum().double()])
-        loss_sum, correct = sums.tolist()  # one read back from the device
+        for x, targets in pieces:
+            x = x.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            score = model.score(model(x), targets, correct=True)
+            assert score.correct is not None
+            sums = torch.stack([score.loss_sum.double(), score.correct.double()])
+            piece_loss, piece_correct = sums.tolist()  # one read back from the device
+            loss_sum, correct, count = (loss_sum + piece_loss, correct + piece_correct,
+                                        count + score.count)
     model.train()
     # host: control (three numbers, summed over the ranks)
-    stats = torch.tensor([loss_sum, correct, float(len(targets))], dtype=torch.float64)
+    stats = torch.tensor([loss_sum, correct, count], dtype=torch.float64)
     comm.allreduce_(stats, label="eval")
     loss_sum, correct, count = stats.tolist()
     return Evaluation(loss_sum / count, correct / count)
@@ -51,25 +75,40 @@ def _score(model: ParallelModel, x: torch.Tensor, targets: torch.Tensor,
 
 def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
     """Validation loss and accuracy over the whole set, its rows split over all ranks."""
-    return _score(model, x[model.input_rows(len(x))], y[model.output_rows(len(x))],
-                  model.loss_comm)
+    pieces = []
+    for rows in _chunks(len(x), targets_per_row(y)):
+        size = rows.stop - rows.start
+        xs, ys = x[rows], y[rows]
+        pieces.append((xs[model.input_rows(size)], ys[model.output_rows(size)]))
+    return _score(model, pieces, model.loss_comm)
 
 
 def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
     """This replica's (model group's) own weights on the whole set, with no other replica
     taking part: the group is fed every row and each rank scores its sub-shard."""
     grid = model.grid
-    # x[:]: every row (a user's map-style dataset is read only on indexing)
-    return _score(model, x[:], y[Partition(len(x), grid.pr).slice(grid.model_index)],
-                  grid.model)
+    # x[rows]: every row, piece by piece (a user's map-style dataset is read only on indexing)
+    pieces = [(x[rows], y[rows][model.own_rows(rows.stop - rows.start)])
+              for rows in _chunks(len(x), targets_per_row(y))]
+    return _score(model, pieces, grid.model)
 
 
 def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
                y: torch.Tensor, everyone: bool) -> dict[str, float] | None:
-    """The validation line: the model's loss and accuracy, or for an optimizer with a centre
+    """The validation line: the model's loss and accuracy (a language model's per token, and
+    its perplexity exp(loss)), or for an optimizer with a centre
     variable the centre's, next to the workers' mean (`everyone`: every replica takes part) or
     replica 0's own (asynchronous runs mid-way: replica 0 alone, so nobody waits; other
     replicas return None)."""
+    line = _validation(model, optimizer, x, y, everyone)
+    if line is not None and targets_per_row(y) > 1:  # a language model: the perplexity of its losses
+        line.update({key.replace("loss", "perplexity"): math.exp(min(value, 700.0))
+                     for key, value in line.items() if key.endswith("loss")})
+    return line
+
+
+def _validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
+                y: torch.Tensor, everyone: bool) -> dict[str, float] | None:
     if not optimizer.has_centre:
         result = evaluate(model, x, y)
         return {"loss": result.loss, "accuracy": result.accuracy}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from runner.registry import register_model
+from strategies.transformer import GPT
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
@@ -359,3 +360,39 @@ def vgg(input_shape: Sequence[int], num_classes: int,
     model = nn.Sequential(*layers)
     _init_convolutions(model)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT (Radford et al., 2019): a decoder-only transformer of gridrun's splittable layers.
+
+
+@register_model("gpt")
+class ZooGPT(GPT):
+    """`strategies.transformer.GPT` for a token dataset: the context is the dataset's sequence
+    length, the vocabulary its. Trained on next-token targets (`objective`). GPT-2 small is
+    width 768, 12 layers, 12 heads, vocabulary 50257, context 1024 (`conf/model/gpt2_small`)."""
+
+    def __init__(self, input_shape: Sequence[int], vocab_size: int | None = None,
+                 width: int = 64, layers: int = 2, heads: int = 4, mlp_ratio: int = 4,
+                 bias: bool = True, tie_weights: bool = True, sparse_embedding: bool = False,
+                 context: int | None = None) -> None:
+        if vocab_size is None or vocab_size < 2:
+            raise ValueError("gpt embeds token ids: it needs a token dataset (dataset=kjv or "
+                             "dataset=tokens)")
+        if len(input_shape) != 1:
+            raise ValueError(f"gpt reads sequences of token ids, shape (length,), got "
+                             f"{tuple(input_shape)}")
+        problems = [f"model.{name} must be >= 1, got {value}" for name, value in
+                    (("width", width), ("layers", layers), ("heads", heads),
+                     ("mlp_ratio", mlp_ratio)) if int(value) < 1]
+        if not problems and width % heads:
+            problems.append(f"model.width={width} must be a multiple of model.heads={heads}")
+        length = int(input_shape[0])
+        if context is not None and context < length:
+            problems.append(f"model.context={context} is shorter than the dataset's sequences "
+                            f"({length} tokens)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        super().__init__(int(vocab_size), int(context or length), int(width), int(layers),
+                         int(heads), int(mlp_ratio), bool(bias), bool(tie_weights),
+                         bool(sparse_embedding))

@@ -157,7 +157,7 @@ def machine_problems(run: RunConfig, run_dir: Path, inside_mpi_job: bool = False
     problems = [] if inside_mpi_job or run.grid.size == 1 else launcher_problems(run.launcher)
     # One plain model for every check below: its parameter names, shapes and bytes, and the
     # planner's counts (on the CPU when it is small, see assembly.probe_model).
-    spec = assembly.build_dataset(run.dataset).spec()
+    spec = assembly.build_dataset(run.dataset, assembly.objective_of(run.model)).spec()
     model = assembly.probe_model(run.model, spec, assembly.dtype_of(run))
     memory = memory_problem(run, spec, model, inside_mpi_job)
     if memory:

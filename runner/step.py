@@ -12,7 +12,6 @@ import signal
 import time
 
 import torch
-import torch.nn.functional as F
 
 from runner.config import DebugConfig
 from runner.core import CountedComm
@@ -67,7 +66,7 @@ def forward_backward_step(model: ParallelModel, x: torch.Tensor, y: torch.Tensor
     (unscaled; float32 under autocast, whose cross-entropy is float32)."""
     model.zero_grad()
     with precision.autocast():
-        loss = F.cross_entropy(model(x), y, reduction="sum") * loss_scale
+        loss = model.score(model(x), y).loss_sum * loss_scale
     if debug.fail_at_step == step and rank == debug.fail_on_rank:
         loss = inject_failure(debug.fail_mode, rank, step, loss)
     (loss if scaler is None else loss * scaler.scale).backward()

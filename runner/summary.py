@@ -67,8 +67,10 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                       evaluation: dict[str, float] | None, rates: list[float], wall: float,
                       predicted_ops: list[CommOp] | None, costs: MachineCosts, start: Start,
                       last_checkpoint: Path | None,
-                      predicted_step: StepPrediction | None = None) -> dict[str, Any]:
-    """`summary.json` of a run that trained every step."""
+                      predicted_step: StepPrediction | None = None,
+                      tokens: int = 1) -> dict[str, Any]:
+    """`summary.json` of a run that trained every step (`tokens`: targets per sample, the
+    sequence length of a language model)."""
     median_step = statistics.median(history.seconds)
     summary: dict[str, Any] = {
         "status": "completed",
@@ -81,6 +83,8 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         "final_loss": final_loss,
         "val_loss": evaluation["loss"] if evaluation else None,
         "val_accuracy": evaluation["accuracy"] if evaluation else None,
+        # a language model's (next-token objective): exp(val_loss); None for a classifier
+        "val_perplexity": evaluation.get("perplexity") if evaluation else None,
         # with a centre variable: val_* are the centre's, workers_val_* the replicas' mean
         "workers_val_loss": evaluation.get("workers_loss") if evaluation else None,
         "workers_val_accuracy": evaluation.get("workers_accuracy") if evaluation else None,
@@ -95,6 +99,8 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         "predicted_wait_time_s": (predicted_step.wait_s if predicted_step is not None
                                   else None),
         "samples_per_s": run.trainer.batch_size / median_step,
+        # a language model's targets per second (batch × sequence length); None for a classifier
+        "tokens_per_s": (run.trainer.batch_size * tokens / median_step if tokens > 1 else None),
         "comm_bytes_per_step": statistics.fmean(history.comm_bytes),
         "predicted_comm_bytes_per_step": (step_bytes(predicted_ops)
                                           if predicted_ops is not None else None),

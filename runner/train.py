@@ -71,6 +71,7 @@ class Training:
     device: torch.device
     precision: Precision
     scaler: DynamicLossScale | None  # fp16's loss scale
+    targets_per_sample: int  # 1: a class per sample; T: a token id per position (next-token)
     sinks: list[Any] = field(default_factory=list)  # metrics.jsonl, TensorBoard (rank 0)
     run_info: dict[str, Any] = field(default_factory=dict)  # what each checkpoint records
     history: StepHistory = field(default_factory=StepHistory)
@@ -104,6 +105,8 @@ class Training:
                         "lr": self.optimizer.lr, "step_time_s": seconds,
                         "comm_time_s": comm.seconds, "comm_bytes": comm.nbytes,
                         "comm_share": comm.seconds / seconds, "samples_per_s": rate,
+                        **({"tokens_per_s": rate * self.targets_per_sample}
+                           if self.targets_per_sample > 1 else {}),
                         **sparse_line(self.model)})
         progress.step(step, loss, rate)
         if step % every == 0:
@@ -144,7 +147,8 @@ class Training:
         if result is not None:
             self.evaluation = result
             get_logger().info("step %d val %s", step, json.dumps(result))
-            progress.evaluation(step, result["loss"], result["accuracy"])
+            progress.evaluation(step, result["loss"], result["accuracy"],
+                                result.get("perplexity"))
             self.write({"step": step, "split": "val", "time_s": self.time_s, **result})
 
     def close(self) -> None:
@@ -229,6 +233,7 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         scaler.load_state(start.loss_scale)
     training = Training(run, run_dir, grid, model, optimizer, data, sampler, start, loss_comm,
                         predicted, predicted_step, costs, device, precision, scaler,
+                        math.prod(parts.spec.target_shape),
                         last_checkpoint=start.checkpoint_path)
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
@@ -253,7 +258,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     t = build_training(run, run_dir, grid, device)
     trainer = run.trainer
     steps, every, eval_every = trainer.steps, trainer.checkpoint_every, trainer.eval_every
-    loss_scale = grid.size / trainer.batch_size
+    # per target: a class per sample, or (next-token) a token id per position
+    loss_scale = grid.size / (trainer.batch_size * t.targets_per_sample)
     step, loss, stopped_by = t.start.step, float("nan"), None
     title = f"{run.strategy.name} {grid.pr}x{grid.pc}"
     with StopRequest() as stop, ProgressReporter(grid.rank == 0, steps, title) as progress:
@@ -284,7 +290,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     devices = grid.world.allgather_object(describe_device(t.device))
     summary = completed_summary(run, run_dir, grid, t.model, t.history, loss, t.evaluation,
                                 rates, time.perf_counter() - started, t.predicted_ops, t.costs,
-                                t.start, t.last_checkpoint, t.predicted_step)
+                                t.start, t.last_checkpoint, t.predicted_step,
+                                t.targets_per_sample)
     summary.update(devices=devices, device_buffers=grid.devices.describe(grid.backend),
                    precision=precision_summary(t.precision, t.scaler))
     if grid.rank == 0:

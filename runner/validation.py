@@ -160,7 +160,8 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
         problems += found
         if not found:
             try:
-                spec = assembly.build_dataset(run.dataset).spec()
+                spec = assembly.build_dataset(run.dataset,
+                                              assembly.objective_of(run.model)).spec()
             except (TypeError, ValueError) as exc:
                 problems.append(f"{run.dataset.shown('dataset')}: {exc}")
     if factory is not None:
@@ -255,9 +256,13 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
         problems.append(f"{plugin.shown('model')} returns a {type(out).__name__}: gridrun's "
                         f"objective needs a tensor of class scores (batch, classes)")
         return None
-    if tuple(out.shape) != (2, spec.num_classes):
+    expected = (2, *spec.target_shape, spec.num_classes)
+    if tuple(out.shape) != expected:
+        what = (f"the dataset has {spec.num_classes} classes" if not spec.target_shape else
+                f"next-token targets need logits of shape {expected[1:]} (a score per "
+                f"position and token id)")
         problems.append(f"{plugin.shown('model')} gives outputs of shape {tuple(out.shape[1:])}, "
-                        f"the dataset has {spec.num_classes} classes")
+                        f"{what}")
         return None
     return net
 

@@ -8,6 +8,13 @@ Rows of a global batch of B samples:
 So every sample's loss is computed on exactly one rank. Each rank's loss is (P/B) × the sum of its
 samples' losses, so the mean over all P ranks is the global mean loss, whatever the shard sizes
 (a rank may even have none); gradient exchanges scale by 1/P accordingly.
+
+A target is a class per sample, or (next-token objective) a token id per position: the loss is
+then per target, each rank's (P/(B·T)) × the sum over its targets. A model that keeps the
+contract differently (a sequence split over the model group scores its own positions; a
+vocabulary split scores its rows from every rank's piece of the logits) says which targets its
+output rows are (`output_rows`) and how it scores them (`score`); still each target is scored
+on exactly one rank.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
@@ -51,6 +59,25 @@ class GradientExchange(Protocol):
         """What the exchange chose, per parameter group (empty: nothing to say)."""
 
 
+@dataclass
+class Score:
+    """What a rank's outputs make of its targets."""
+
+    loss_sum: torch.Tensor  # the sum of its targets' cross-entropy (differentiable)
+    count: int  # how many targets it scored
+    correct: torch.Tensor | None = None  # how many of them the arg-max predicts (if asked)
+
+
+def cross_entropy_score(output: torch.Tensor, targets: torch.Tensor,
+                        correct: bool = False) -> Score:
+    """Whole logits (rows, [positions,] classes) against targets (rows, [positions])."""
+    logits = output.reshape(-1, output.shape[-1])
+    flat = targets.reshape(-1)
+    loss = F.cross_entropy(logits, flat, reduction="sum")
+    right = (logits.argmax(dim=1) == flat).sum() if correct else None
+    return Score(loss, flat.numel(), right)
+
+
 class ParallelModel(nn.Module):
     """This rank's part of the model, and the gradient exchanges that make its steps agree."""
 
@@ -72,8 +99,18 @@ class ParallelModel(nn.Module):
 
     def output_rows(self, global_rows: int) -> slice:
         group = self.input_rows(global_rows)
-        own = Partition(group.stop - group.start, self.grid.pr).slice(self.grid.model_index)
+        own = self.own_rows(group.stop - group.start)
         return slice(group.start + own.start, group.start + own.stop)
+
+    def own_rows(self, group_rows: int) -> slice:
+        """Which of its model group's rows this rank's outputs are: its sub-shard, or (a model
+        that scores its targets from the whole group's rows, `score`) all of them."""
+        return Partition(group_rows, self.grid.pr).slice(self.grid.model_index)
+
+    def score(self, output: torch.Tensor, targets: torch.Tensor,
+              correct: bool = False) -> Score:
+        """The loss of this rank's `output` against the targets of its `output_rows`."""
+        return cross_entropy_score(output, targets, correct)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         # Gradients may be views into communication buckets: zero them, never drop them. A

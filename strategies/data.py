@@ -35,6 +35,7 @@ from strategies.sparse_exchange import (
     SparseGradientExchange,
     sparse_tables,
 )
+from strategies.transformer import GPT, activation_elements
 
 
 class DataParallelModel(ParallelModel):
@@ -145,6 +146,10 @@ class DataParallel(Strategy):
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
+        if isinstance(model, GPT):
+            rows = Partition(global_batch, grid.size).sizes[0]
+            return (activation_elements(model, rows, sample_shape[0])
+                    * activation_itemsize([model], self.compute_dtype))
         if not isinstance(model, nn.Sequential):  # every node's output, as the tree plan counts
             from strategies.tree import TreeRefused, tree_activation_bytes
 
