@@ -9,15 +9,22 @@ model group (adjoint: reduce-scatter) moves the result into the fully-connected 
 Gradients: a sharded weight is held by the `Pc` ranks of one batch group, so its gradient is
 all-reduced over that group (|W|/Pr per rank); the batch-parallel layers' weights are replicated
 on all P ranks and all-reduced over all of them. Both are bucketed and overlapped with backward.
+
+A GPT (`strategies.transformer.GPT`) is split Megatron-style instead (`tensor_parallel.py`):
+vocabulary, heads and MLP features over the model group, in the layout `strategy.tp_layout`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp
+from runner.core.compute import DEFAULT_RATES, ComputeRates
+from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
 from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
@@ -38,6 +45,18 @@ from strategies.sharded import (
     whole_norm_problems,
     whole_param_items,
 )
+from strategies.tensor_parallel import (
+    TP_LAYOUTS,
+    Layout,
+    build_tensor_parallel,
+    choose_layout,
+    gpt_problems,
+    predict_tp_ops,
+    tp_activation_bytes,
+    tp_compute_seconds,
+    tp_param_bytes,
+)
+from strategies.transformer import GPT, is_gpt
 from strategies.tree import (
     Mode,
     build_tree_model,
@@ -133,6 +152,11 @@ def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, 
             + predict_gradient_ops(prefix, "world", grid.size, *caps))
 
 
+def as_gpt(model: nn.Module) -> GPT | None:
+    """The model, if it is a GPT (`is_gpt`): split by `tensor_parallel.py`, not by layers."""
+    return cast(GPT, model) if is_gpt(model) else None
+
+
 @register_strategy("grid")
 class GridParallel(Strategy):
     """A Sequential by the layer plan of `sharded.py`; any other module tree by the rules of
@@ -141,12 +165,46 @@ class GridParallel(Strategy):
 
     tree_mode: Mode = "grid"  # model: every Linear and Conv2d split
 
+    def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 tp_layout: str = "auto", *, costs: MachineCosts = DEFAULT_COSTS,
+                 rows_touched: Callable[[int], float] | None = None,
+                 compute_dtype: torch.dtype | None = None,
+                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
+                 slowdown: float = 1.0) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
+                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
+                         slowdown=slowdown)
+        # A GPT's tensor-parallel layout: pairing (Megatron), gather, or auto (the cheaper
+        # predicted step, chosen once per model shape, grid and batch).
+        self.tp_layout = tp_layout
+        self._layouts: dict[tuple[object, ...], Layout] = {}
+
+    def check(self, grid: GridShape, global_batch: int) -> list[str]:
+        if self.tp_layout not in TP_LAYOUTS:
+            return [f"strategy.tp_layout={self.tp_layout}: must be one of "
+                    f"{', '.join(TP_LAYOUTS)}"]
+        return super().check(grid, global_batch)
+
+    def layout(self, model: GPT, sample_shape: tuple[int, ...], grid: GridShape,
+               global_batch: int | None) -> Layout:
+        """The GPT's tensor-parallel layout on `grid` (`auto`: priced for the strategy's
+        global batch where it knows one)."""
+        batch = self.global_batch if self.global_batch is not None else global_batch
+        key = (repr(model), next(model.parameters()).dtype, tuple(sample_shape), grid, batch,
+               self.tp_layout)
+        if key not in self._layouts:
+            self._layouts[key] = choose_layout(self, self.tp_layout, model, sample_shape, grid,
+                                               batch)
+        return self._layouts[key]
+
     def split(self, model: nn.Sequential) -> int:
         """Layers before this index run batch-parallel; the rest are split over the model group."""
         return split_at_first_linear(model)
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
+        if (gpt := as_gpt(model)) is not None:
+            return gpt_problems(gpt, grid.pr, self.name)
         if not isinstance(model, nn.Sequential):
             return tree_problems(model, sample_shape, self.name, self.tree_mode,
                                  grid.pr)
@@ -159,6 +217,10 @@ class GridParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
+        if (gpt := as_gpt(model)) is not None:
+            return build_tensor_parallel(
+                gpt, grid, self.layout(gpt, sample_shape, grid.shape, None),
+                sync_replica_gradients, self.bucket_cap_bytes, self.first_bucket_bytes)
         if not isinstance(model, nn.Sequential):
             return build_tree_model(model, sample_shape, grid, self.tree_mode,
                                     sync_replica_gradients, self.bucket_cap_bytes,
@@ -168,6 +230,10 @@ class GridParallel(Strategy):
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
+        if (gpt := as_gpt(model)) is not None:
+            return predict_tp_ops(gpt, sample_shape, grid, global_batch,
+                                  self.layout(gpt, sample_shape, grid, global_batch),
+                                  self.bucket_caps, self.compute_dtype)
         if not isinstance(model, nn.Sequential):
             return predict_tree_ops(model, sample_shape, grid, global_batch,
                                     self.tree_mode, self.bucket_caps,
@@ -178,12 +244,19 @@ class GridParallel(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
+        if (gpt := as_gpt(model)) is not None:
+            return tp_param_bytes(gpt, grid.pr,
+                                  self.layout(gpt, sample_shape, grid, self.global_batch))
         if not isinstance(model, nn.Sequential):
             return tree_param_bytes(model, sample_shape, self.tree_mode, grid.pr)
         return split_param_bytes(list(model), self.split(model), grid.pr)
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
+        if (gpt := as_gpt(model)) is not None:
+            return tp_activation_bytes(gpt, sample_shape, grid, global_batch,
+                                       self.layout(gpt, sample_shape, grid, global_batch),
+                                       activation_itemsize([gpt], self.compute_dtype))
         if not isinstance(model, nn.Sequential):
             return tree_activation_bytes(model, sample_shape, grid, global_batch,
                                          self.tree_mode,
@@ -200,3 +273,11 @@ class GridParallel(Strategy):
         elements += body_activation_elements(layers, plan_layers(layers, split, grid.pr),
                                              sample_shape, rows, grid.pr)
         return elements * activation_itemsize(layers, self.compute_dtype)
+
+    def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape, global_batch: int) -> float:
+        if (gpt := as_gpt(model)) is not None:
+            return tp_compute_seconds(gpt, sample_shape, grid, global_batch,
+                                      self.layout(gpt, sample_shape, grid, global_batch),
+                                      self.rates)
+        return super().predict_compute_seconds(model, sample_shape, grid, global_batch)

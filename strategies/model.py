@@ -2,7 +2,8 @@
 
 Fully-connected layers are split by rows of W, convolutions by output channel (`sharded.py`);
 every rank sees the whole batch. This is the grid strategy with one model group and no
-batch-parallel layers.
+batch-parallel layers; a GPT is split Megatron-style over all P ranks (`tensor_parallel.py`,
+`strategy.tp_layout`).
 """
 
 from __future__ import annotations
