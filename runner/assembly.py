@@ -111,9 +111,8 @@ def build_dataset(plugin: Plugin, objective: str = "classify") -> Any:
     if objective == "next_token":
         form = getattr(dataset, "next_token", None)
         if form is None:
-            raise ValueError(f"{plugin.shown('dataset')} has no next-token form, which a "
-                             f"language model trains on: choose a token dataset (dataset=kjv "
-                             f"or dataset=tokens)")
+            raise ValueError("it has no next-token form, which a language model trains on: "
+                             "choose a token dataset (dataset=kjv or dataset=tokens)")
         return form()
     return dataset
 

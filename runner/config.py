@@ -76,6 +76,8 @@ class TrainerConfig:
     """A metrics.jsonl line every N steps."""
     eval_every: Optional[int] = 100  # noqa: UP045
     """Validation loss and accuracy every N steps (null: only at the end)."""
+    eval_samples: Optional[int] = None  # noqa: UP045
+    """Validate on the first N samples of the validation set (null: all of it)."""
     checkpoint_every: Optional[int] = None  # noqa: UP045
     """A sharded checkpoint every N steps, and at the end (null: none)."""
     keep_checkpoints: Optional[int] = 3  # noqa: UP045

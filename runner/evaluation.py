@@ -101,7 +101,7 @@ def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tenso
     replica 0's own (asynchronous runs mid-way: replica 0 alone, so nobody waits; other
     replicas return None)."""
     line = _validation(model, optimizer, x, y, everyone)
-    if line is not None and targets_per_row(y) > 1:  # a language model: the perplexity of its losses
+    if line is not None and targets_per_row(y) > 1:  # a language model: its perplexity
         line.update({key.replace("loss", "perplexity"): math.exp(min(value, 700.0))
                      for key, value in line.items() if key.endswith("loss")})
     return line

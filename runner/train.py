@@ -142,7 +142,10 @@ class Training:
         if at_end and asynchronous:
             self.grid.world.barrier()  # every worker's last exchange is in the centre
         with self.precision.autocast():
-            result = validation(self.model, self.optimizer, self.data.val_x, self.data.val_y,
+            count = self.run.trainer.eval_samples
+            val_x, val_y = ((self.data.val_x, self.data.val_y) if count is None else
+                            (self.data.val_x[:count], self.data.val_y[:count]))
+            result = validation(self.model, self.optimizer, val_x, val_y,
                                 everyone=at_end or not asynchronous)
         if result is not None:
             self.evaluation = result

@@ -74,6 +74,7 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     at_least("trainer.batch_size", trainer.batch_size, 1)
     at_least("trainer.log_every", trainer.log_every, 1)
     at_least("trainer.eval_every", trainer.eval_every, 1)
+    at_least("trainer.eval_samples", trainer.eval_samples, 1)
     at_least("trainer.checkpoint_every", trainer.checkpoint_every, 1)
     at_least("trainer.keep_checkpoints", trainer.keep_checkpoints, 1)
     at_least("trainer.threads", trainer.threads, 1)

@@ -27,6 +27,12 @@ TOKENS = ["model=bag_classifier", "dataset=tokens", "strategy=data", "grid.pr=1"
 # (overrides, a fragment the one line must contain: the key or the value it names)
 BAD: list[tuple[list[str], str]] = [
     (["seed=-1"], "seed=-1"),
+    (["model=gpt", "dataset=digits"], "dataset=digits: it has no next-token form"),
+    (["model=gpt", "dataset=tokens", "model.width=30", "model.heads=4"],
+     "model.width=30 must be a multiple of model.heads=4"),
+    (["model=gpt", "dataset=tokens", "model.context=4"], "model.context=4 is shorter"),
+    (["model=gpt", "dataset=tokens", "model.sparse_embedding=true"],
+     "model.sparse_embedding=true needs model.tie_weights=false"),
     (["seed=99999999999999999999"], "seed=99999999999999999999"),
     (["seed=abc"], "seed=abc"),
     (["seed=1.5"], "seed=1.5"),
@@ -41,6 +47,7 @@ BAD: list[tuple[list[str], str]] = [
     (["trainer.batch_size=-8"], "trainer.batch_size=-8"),
     (["trainer.log_every=0"], "trainer.log_every=0"),
     (["trainer.eval_every=0"], "trainer.eval_every=0"),
+    (["trainer.eval_samples=0"], "trainer.eval_samples=0"),
     (["trainer.checkpoint_every=0"], "trainer.checkpoint_every=0"),
     (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints=0"),
     (["trainer.threads=0"], "trainer.threads=0"),
