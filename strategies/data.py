@@ -144,6 +144,15 @@ class DataParallel(Strategy):
                             grid: GridShape) -> int:
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
+    def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape, global_batch: int) -> float:
+        if isinstance(model, GPT):  # attention's products and passes, as tensor parallelism's
+            from strategies.tensor_parallel import tp_compute_seconds
+
+            return tp_compute_seconds(model, sample_shape, grid, global_batch, "pairing",
+                                      self.rates)
+        return super().predict_compute_seconds(model, sample_shape, grid, global_batch)
+
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
         if isinstance(model, GPT):
