@@ -125,6 +125,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         *([("layouts", " ".join(f"{k}:{v}" for k, v in summary["layouts"].items()))]
           if summary.get("layouts") else []),
         ("samples / s", _fmt(summary.get("samples_per_s"), ",.0f")),
+        *([("tokens / s", _fmt(summary["tokens_per_s"], ",.0f"))]
+          if summary.get("tokens_per_s") is not None else []),
         ("comm bytes / step", f"{measured} measured, {predicted} predicted"),
         ("comm time / step", f"{_ms(summary.get('comm_time_s_per_step'))} measured, "
                              f"{_ms(summary.get('predicted_comm_time_s_per_step'))} predicted"

@@ -233,12 +233,44 @@ def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
         console.print(f"auto {best_auto.pr} x {best_auto.pc}: "
                       f"{best_auto.step_time * 1e3:,.3f} ms per step{against}")
         console.print(layouts_table(best_auto))
+    for line in variant_lines(plan):
+        console.print(line)
     if plan_cfg.layers:
         for row in sorted(plan.feasible, key=order):
             console.print(layer_table(plan, row))
     if plan_cfg.out:
         Path(plan_cfg.out).write_text(json.dumps(plan_json(plan), indent=2) + "\n")
         console.print(f"plan written to {plan_cfg.out}")
+
+
+# A transformer's variants the plan lists side by side: strategy → (option, its choices).
+TRANSFORMER_CHOICES = {"model": ("tp_layout", ("pairing", "gather")),
+                       "grid": ("tp_layout", ("pairing", "gather")),
+                       "domain": ("kv_exchange", ("ring", "allgather"))}
+
+
+def variant_lines(plan: Plan) -> list[str]:
+    """For each strategy planned in several variants (`grid tp_layout=pairing`, ...), a line at
+    the grid (Pr > 1: a model group to split over) where its best variant is fastest: every
+    variant's step time there, and which is cheaper."""
+    by_grid: dict[tuple[str, str, int, int], dict[str, float]] = {}
+    for row in plan.feasible:
+        base, _, variant = row.strategy.partition(" ")
+        if "=" in variant and row.pr > 1:  # a variant of how the model group splits
+            key, _, choice = variant.partition("=")
+            by_grid.setdefault((base, key, row.pr, row.pc), {})[choice] = row.step_time
+    lines = []
+    for base, key in dict.fromkeys((b, k) for b, k, _, _ in by_grid):
+        grids = {(pr, pc): times for (b, k, pr, pc), times in by_grid.items()
+                 if (b, k) == (base, key) and len(times) > 1}
+        if not grids:
+            continue
+        (pr, pc), times = min(grids.items(), key=lambda item: min(item[1].values()))
+        cheapest = min(times, key=lambda choice: times[choice])
+        shown = ", ".join(f"{choice} {seconds * 1e3:,.3f} ms"
+                          for choice, seconds in sorted(times.items(), key=lambda i: i[1]))
+        lines.append(f"{base} {pr} x {pc}: {key}={cheapest} is cheaper ({shown} per step)")
+    return lines
 
 
 def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
@@ -248,6 +280,7 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     from runner.machine import load_compute_rates, load_machine_costs
     from runner.plan.planner import make_plan
     from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
+    from strategies.transformer import is_gpt
 
     run = parse(cfg)
     assembly.import_plugins(run)  # a model the user's `plugins` modules register
@@ -284,6 +317,18 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
                 Plugin("data", {**options, "sparse": mode}), costs, rows_touched,
                 run.trainer.precision, rates, batch, plan_cfg.slowdown)
         del strategies["data"]
+    if is_gpt(model):
+        # a transformer: one row per tensor-parallel layout and per key/value exchange, so the
+        # plan says which is cheaper where
+        for name, (key, choices) in TRANSFORMER_CHOICES.items():
+            if name not in strategies:
+                continue
+            options = run.strategy.options if run.strategy.name == name else {}
+            for choice in choices:
+                strategies[f"{name} {key}={choice}"] = assembly.build_strategy(
+                    Plugin(name, {**options, key: choice}), costs, rows_touched,
+                    run.trainer.precision, rates, batch, plan_cfg.slowdown)
+            del strategies[name]
     return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch)
 
 
