@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -217,3 +218,25 @@ def test_plan_compares_the_sparse_modes_of_an_embedding_model(tmp_path: Path) ->
     assert auto["comm_bytes_per_step"] < table / 10
     sparse = [rows[f"data sparse={m}"]["comm_time_s_per_step"] for m in ("allgather", "sharded")]
     assert min(sparse) <= auto["comm_time_s_per_step"] <= max(sparse) * 1.2
+
+
+def test_plan_of_a_gpt_prices_both_tensor_layouts_and_both_kv_exchanges(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = plan_cli("model=gpt", "model.width=256", "model.heads=8", "dataset=tokens",
+                      "dataset.vocab_size=8192", "dataset.seq_len=128", "trainer.batch_size=8",
+                      "plan.world=4", "plan.alpha=1e-5", "plan.beta=1e-9", f"plan.out={out}",
+                      env={"GRIDRUN_CALIBRATION": str(tmp_path / "none.json")})  # defaults
+    assert result.returncode == 0, result.stderr
+    rows = {(r["strategy"], r["pr"], r["pc"]): r for r in json.loads(out.read_text())["rows"]}
+    pairing, gather = rows["grid tp_layout=pairing", 4, 1], rows["grid tp_layout=gather", 4, 1]
+    # Megatron's pairing: two all-reduces of the activations per block each way; the gather
+    # layout moves every Linear's output, several times the bytes
+    assert gather["comm_bytes_per_step"] > 2 * pairing["comm_bytes_per_step"]
+    assert pairing["step_time_s"] < gather["step_time_s"]
+    assert re.search(r"grid \d x \d: tp_layout=pairing is cheaper", " ".join(result.stdout.split()))
+    # the sequence split: either exchange of keys and values is priced, and named
+    assert {("domain kv_exchange=ring", 4, 1), ("domain kv_exchange=allgather", 4, 1)} <= set(rows)
+    assert "domain" in " ".join(result.stdout.split()) and "kv_exchange=" in result.stdout
+    # a rank of the sequence split keeps a quarter of the positions' activations
+    assert (rows["domain kv_exchange=allgather", 4, 1]["activation_bytes_per_rank"]
+            < rows["data", 1, 4]["activation_bytes_per_rank"] * 4 / 2)
