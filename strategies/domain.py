@@ -11,6 +11,10 @@ layout, and the fully-connected layers are split as in `strategy=grid`.
 
 Weights of the spatial layers are replicated and all-reduced over all P ranks; this is what lets
 training scale past the batch size, since one sample is worked on by `Pr` ranks.
+
+A GPT's domain is its sequence: for a `strategies.transformer.GPT` each sequence is split over
+the model group instead (sequence parallelism, `strategies.sequence`; `kv_exchange` chooses how
+attention's keys and values travel).
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ from strategies.buckets import predict_gradient_ops
 from strategies.grid import sequential_problems
 from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
+from strategies.sequence import (
+    KV_EXCHANGES,
+    build_sequence_parallel,
+    choose_kv_exchange,
+    sequence_activation_elements,
+    sequence_compute_seconds,
+    sequence_ops,
+    sequence_param_bytes,
+    sequence_problems,
+)
 from strategies.sharded import (
     CHANNEL_LOCAL,
     activation_itemsize,
@@ -48,6 +62,7 @@ from strategies.sharded import (
     whole_norm_problems,
     whole_param_items,
 )
+from strategies.transformer import GPT, is_gpt
 
 Windowed = nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d
 WINDOWED = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)  # left to inference: isinstance narrows
@@ -226,7 +241,8 @@ def spatial_end(layers: Sequence[nn.Module]) -> int:
 @register_strategy("domain")
 class DomainParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 overlap: bool = True, *, costs: MachineCosts = DEFAULT_COSTS,
+                 overlap: bool = True, kv_exchange: str = "auto", *,
+                 costs: MachineCosts = DEFAULT_COSTS,
                  rows_touched: Callable[[int], float] | None = None,
                  compute_dtype: torch.dtype | None = None,
                  rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
@@ -235,12 +251,30 @@ class DomainParallel(Strategy):
                          compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
                          slowdown=slowdown)
         self.overlap = overlap
+        self.kv_exchange = kv_exchange
+
+    def check(self, grid: GridShape, global_batch: int) -> list[str]:
+        if self.kv_exchange not in KV_EXCHANGES:
+            return [f"strategy.kv_exchange={self.kv_exchange}: must be one of "
+                    f"{', '.join(KV_EXCHANGES)}"]
+        return super().check(grid, global_batch)
+
+    def sequence_exchange(self, model: GPT, sample_shape: tuple[int, ...],
+                          grid: GridShape) -> str:
+        """The key/value exchange a GPT's split sequence uses on `grid` (auto: chosen from the
+        cost model, for the strategy's global batch, one row a group when unknown)."""
+        rows = Partition(self.global_batch, grid.pc).sizes[0] if self.global_batch else 1
+        return choose_kv_exchange(self.kv_exchange, model, int(sample_shape[0]), grid, rows,
+                                  activation_itemsize([model], self.compute_dtype), self.costs)
 
     def splits_parameters(self, grid: GridShape) -> bool:
         return False  # the model group splits each sample's domain; weights stay whole
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
+        if is_gpt(model):
+            assert isinstance(model, GPT)
+            return sequence_problems(model, sample_shape, grid)
         if not isinstance(model, nn.Sequential):  # a module tree (strategies/tree.py)
             from strategies.tree import tree_problems
 
@@ -278,6 +312,13 @@ class DomainParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
+        if is_gpt(model):
+            assert isinstance(model, GPT)
+            return build_sequence_parallel(model, sample_shape, grid,
+                                           self.sequence_exchange(model, sample_shape,
+                                                                  grid.shape),
+                                           sync_replica_gradients, self.bucket_cap_bytes,
+                                           self.first_bucket_bytes)
         if not isinstance(model, nn.Sequential):
             from strategies.tree import build_tree_model
 
@@ -309,6 +350,13 @@ class DomainParallel(Strategy):
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
+        if is_gpt(model):
+            assert isinstance(model, GPT)
+            rows = Partition(global_batch, grid.pc).sizes[0]
+            return sequence_ops(model, sample_shape, grid, rows,
+                                self.sequence_exchange(model, sample_shape, grid),
+                                activation_itemsize([model], self.compute_dtype),
+                                self.bucket_caps)
         if not isinstance(model, nn.Sequential):
             from strategies.tree import predict_tree_ops
 
@@ -355,6 +403,8 @@ class DomainParallel(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
+        if is_gpt(model):
+            return sequence_param_bytes(model)
         if not isinstance(model, nn.Sequential):
             from strategies.tree import tree_param_bytes
 
@@ -363,6 +413,13 @@ class DomainParallel(Strategy):
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
+        if is_gpt(model):
+            assert isinstance(model, GPT)
+            rows = Partition(global_batch, grid.pc).sizes[0]
+            return sequence_activation_elements(
+                model, int(sample_shape[0]), grid, rows,
+                self.sequence_exchange(model, sample_shape, grid)) * activation_itemsize(
+                [model], self.compute_dtype)
         if not isinstance(model, nn.Sequential):
             from strategies.tree import tree_activation_bytes
 
@@ -381,3 +438,13 @@ class DomainParallel(Strategy):
         elements += body_activation_elements(layers, plan_layers(layers, end, grid.pr),
                                              sample_shape, rows, grid.pr)
         return elements * activation_itemsize(layers, self.compute_dtype)
+
+    def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape, global_batch: int) -> float:
+        if is_gpt(model):
+            assert isinstance(model, GPT)
+            return sequence_compute_seconds(model, int(sample_shape[0]), grid,
+                                            Partition(global_batch, grid.pc).sizes[0],
+                                            self.sequence_exchange(model, sample_shape, grid),
+                                            self.rates)
+        return super().predict_compute_seconds(model, sample_shape, grid, global_batch)

@@ -28,6 +28,9 @@ TOKENS = ["model=bag_classifier", "dataset=tokens", "strategy=data", "grid.pr=1"
 BAD: list[tuple[list[str], str]] = [
     (["seed=-1"], "seed=-1"),
     (["model=gpt", "dataset=digits"], "dataset=digits: it has no next-token form"),
+    (["model=gpt", "dataset=tokens", "strategy=domain", "strategy.kv_exchange=tree"],
+     "strategy.kv_exchange=tree"),
+    (["model=gpt", "dataset=tokens", "strategy.tp_layout=rows"], "strategy.tp_layout=rows"),
     (["model=gpt", "dataset=tokens", "model.width=30", "model.heads=4"],
      "model.width=30 must be a multiple of model.heads=4"),
     (["model=gpt", "dataset=tokens", "model.context=4"], "model.context=4 is shorter"),

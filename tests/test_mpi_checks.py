@@ -31,6 +31,9 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_layouts.py": {"mpi": (4,)},
     "tests/mpi/check_easgd.py": {"mpi": (4,)},
     "tests/mpi/check_sparse.py": {"mpi": (2, 4), "torch": (4,)},
+    "tests/mpi/check_sequence.py": {"mpi": (4,)},
+    "tests/mpi/check_tensor_parallel.py": {"mpi": (4,)},
+    "tests/mpi/check_gpt.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
          for backend, sizes in backends.items() for ranks in sizes]

@@ -11,6 +11,8 @@ primitive, and that adjoint is its backward:
     redistribute (Cartesian partition → another) ↔ its scatter-add: each block back to the rank
                                                    it was read from, summed there
                                                    (`runner.core.cartesian`)
+    ring shift  (y_k = x_{k−s}: each rank's x  ↔  the opposite shift (y_k = x_{k+s}: each rank's
+                 to the rank s places on)          y back s places, to the rank its x came from)
 
 Pieces may be uneven: a `Partition` says how long each rank's piece is along the split dim.
 Every call goes through the counted communicator. Outputs are new tensors (autograd keeps them)
@@ -149,6 +151,38 @@ def repartition_op(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Pa
     return torch.cat(pieces, dim=split_dim)
 
 
+def ring_shift_op(x: torch.Tensor, comm: CountedComm, dim: int, sizes: tuple[int, ...],
+                  offset: int = 1, label: str = "") -> torch.Tensor:
+    """y_k = x_{(k − offset) mod P}: every rank sends its tensor `offset` places on around the
+    ring and receives the one from `offset` places back (a send and a receive, waited on).
+    `sizes[k]` is x's length along `dim` on rank k; every other dim is the same on every rank.
+    The ring attention of a split sequence passes key/value blocks this way."""
+    if len(sizes) != comm.size:
+        raise ValueError(f"ring shift: {len(sizes)} lengths for a group of {comm.size}")
+    if x.shape[dim] != sizes[comm.rank]:
+        raise ValueError(f"ring shift: rank {comm.rank} holds {x.shape[dim]} along dim {dim}, "
+                         f"its length is {sizes[comm.rank]}")
+    if comm.size == 1 or offset % comm.size == 0:
+        return x.detach().clone()
+    source, destination = (comm.rank - offset) % comm.size, (comm.rank + offset) % comm.size
+    shape = list(x.shape)
+    shape[dim] = sizes[source]
+    # flat buffers: an empty tensor's strides need not be row-major's, which MPI checks
+    out = torch.empty(math.prod(shape), dtype=x.dtype, device=x.device)
+    comm.exchange([(_dense(x).reshape(-1), destination)], [(out, source)], label).wait()
+    return out.view(shape)
+
+
+def ring_shift_adjoint_op(y: torch.Tensor, comm: CountedComm, dim: int,
+                          sizes: tuple[int, ...], offset: int = 1,
+                          label: str = "") -> torch.Tensor:
+    """The adjoint of `ring_shift_op(·, comm, dim, sizes, offset)`: the shift by −offset of
+    tensors whose lengths are the forward's outputs' (rank k's: `sizes[k − offset]`)."""
+    p = comm.size
+    moved = tuple(sizes[(k - offset) % p] for k in range(p))
+    return ring_shift_op(y, comm, dim, moved, -offset, label)
+
+
 def _check_piece(x: torch.Tensor, dim: int, part: Partition, comm: CountedComm) -> None:
     if part.parts != comm.size:
         raise ValueError(f"partition into {part.parts} pieces on a group of {comm.size}")
@@ -204,3 +238,5 @@ repartition: Callable[..., torch.Tensor] = _operator(
     "Repartition", repartition_op,
     lambda g, comm, split_dim, split, new_dim, new_split, label="": repartition_op(
         g, comm, new_dim, new_split, split_dim, split, label))
+ring_shift: Callable[..., torch.Tensor] = _operator(
+    "RingShift", ring_shift_op, ring_shift_adjoint_op)
