@@ -19,6 +19,7 @@ attention's keys and values travel).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 
@@ -31,7 +32,7 @@ from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
 from runner.core.halo import HaloPlan, Window, halo_exchange, halo_window, start_halo_exchange
 from runner.core.primitives import all_gather
-from strategies.base import ParallelModel, Strategy, split_model_exchanges
+from strategies.base import ParallelModel, Strategy, predict_step, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
 from strategies.grid import sequential_problems
 from strategies.norm import batch_norm_ops, distribute_batch_norms
@@ -263,6 +264,16 @@ class DomainParallel(Strategy):
                           grid: GridShape) -> str:
         """The key/value exchange a GPT's split sequence uses on `grid` (auto: chosen from the
         cost model, for the strategy's global batch, one row a group when unknown)."""
+        if self.kv_exchange == "auto" and self.global_batch and grid.pr > 1:
+            # the least predicted step time: the ring computes only the blocks a rank's
+            # queries see, the all-gather has fewer latencies
+            times = {}
+            for choice in ("allgather", "ring"):
+                fixed = copy.copy(self)
+                fixed.kv_exchange = choice
+                times[choice] = predict_step(fixed, model, sample_shape, grid,
+                                             self.global_batch).total_s
+            return min(times, key=lambda choice: times[choice])
         rows = Partition(self.global_batch, grid.pc).sizes[0] if self.global_batch else 1
         return choose_kv_exchange(self.kv_exchange, model, int(sample_shape[0]), grid, rows,
                                   activation_itemsize([model], self.compute_dtype), self.costs)

@@ -17,7 +17,9 @@ brought by one of two exchanges (`strategy.kv_exchange`):
   shifts); each block that is not entirely in the rank's future is attended to, and the outputs
   merge by log-sum-exp (the online softmax of flash attention); a score matrix is (T/Pr)² per
   block;
-- `auto`: the cheaper of the two under the α–β cost model (`runner.core.cost`).
+- `auto`: the one of less predicted step time (`predict_step`: the ring computes fewer blocks,
+  the all-gather waits on fewer latencies); without a global batch, the cheaper exchange under
+  the α–β cost model (`runner.core.cost`).
 
 The rows contract (`strategies.base`): a rank's output is the logits of its own positions of
 its batch group's rows, so its output rows are the whole group's and it scores
