@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
-from timing import run_worker
+from timing import free_port, run_worker
 
 LAYERS = (512, 2048, 2048, 10)
 GLOBAL_BATCH = 256
@@ -73,7 +72,7 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
     ours_opt = torch.optim.SGD(ours.parameters(), lr=0.01)
     ours_fns = {"zero": ours.zero_grad, "sync": ours.finish_gradient_sync}
 
-    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    port = comm.bcast(free_port() if rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)
     ddp = DistributedDataParallel(build_model())
@@ -101,11 +100,6 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
             "max_weight_difference": diff,
         }))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import statistics
 import time
 from typing import Any
 
-from timing import run_worker
+from timing import free_port, run_worker
 
 # data twice: BatchNorm over every rank's rows (one process's model), and over each rank's own
 # (strategy.batch_norm=local: what DDP without SyncBatchNorm computes)
@@ -138,7 +138,7 @@ def ddp_runs(batch: int, steps: int, warmup: int, widths: list[int], blocks: lis
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    port = world.bcast(_free_port() if rank == 0 else None, root=0)
+    port = world.bcast(free_port() if rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)
     rows = slice(rank * batch // size, (rank + 1) * batch // size)
@@ -159,11 +159,6 @@ def ddp_runs(batch: int, steps: int, warmup: int, widths: list[int], blocks: lis
     dist.destroy_process_group()
     return out
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

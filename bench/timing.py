@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,14 @@ def run_worker(script: str, ranks: int, *args: str) -> dict[str, Any]:
                           *args], capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    """A TCP port on this host nobody listens on (torch.distributed's rendezvous for a DDP
+    baseline)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def barrier_timed(comm: Any, fn: Callable[[], object], repeats: int,

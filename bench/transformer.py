@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
-from timing import run_worker
+from timing import free_port, run_worker
 
 WIDTH, LAYERS, HEADS, VOCAB, CONTEXT, BATCH = 128, 4, 4, 2048, 64, 16
 
@@ -102,7 +101,7 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
 
         contenders[label] = (step, predicted, predicted_bytes)
     if size > 1:
-        port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+        port = comm.bcast(free_port() if rank == 0 else None, root=0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size)
         ddp = DistributedDataParallel(build_gpt())
@@ -154,11 +153,6 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
                                      / results["ddp"]["median_step_s"])
         print(json.dumps(line))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
