@@ -78,9 +78,15 @@ def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluati
     pieces = []
     for rows in _chunks(len(x), targets_per_row(y)):
         size = rows.stop - rows.start
-        xs, ys = x[rows], y[rows]
-        pieces.append((xs[model.input_rows(size)], ys[model.output_rows(size)]))
+        # global slices: a user's lazily read dataset reads only this rank's rows
+        pieces.append((x[_within(rows, model.input_rows(size))],
+                       y[_within(rows, model.output_rows(size))]))
     return _score(model, pieces, model.loss_comm)
+
+
+def _within(piece: slice, rows: slice) -> slice:
+    """`rows` of `piece` (a slice of the set) as a slice of the set."""
+    return slice(piece.start + rows.start, piece.start + rows.stop)
 
 
 def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
@@ -88,7 +94,7 @@ def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> 
     taking part: the group is fed every row and each rank scores its sub-shard."""
     grid = model.grid
     # x[rows]: every row, piece by piece (a user's map-style dataset is read only on indexing)
-    pieces = [(x[rows], y[rows][model.own_rows(rows.stop - rows.start)])
+    pieces = [(x[rows], y[_within(rows, model.own_rows(rows.stop - rows.start))])
               for rows in _chunks(len(x), targets_per_row(y))]
     return _score(model, pieces, grid.model)
 

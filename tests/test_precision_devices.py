@@ -18,6 +18,7 @@ from runner.core.torchdist import LocalTransport
 from runner.precision import DynamicLossScale, Precision
 from runner.rundir import release_run_dirs
 from runner.step import train_step
+from strategies.base import Score, cross_entropy_score
 
 
 def test_half_precision_stores_floating_inputs_in_the_half_type() -> None:
@@ -52,6 +53,9 @@ class _NoExchange(nn.Sequential):
 
     def finish_gradient_sync(self) -> None:
         return None
+
+    def score(self, output: torch.Tensor, targets: torch.Tensor, correct: bool = False) -> Score:
+        return cross_entropy_score(output, targets, correct)
 
 
 class _Recorder:
