@@ -31,8 +31,7 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_layouts.py": {"mpi": (4,)},
     "tests/mpi/check_easgd.py": {"mpi": (4,)},
     "tests/mpi/check_sparse.py": {"mpi": (2, 4), "torch": (4,)},
-    "tests/mpi/check_sequence.py": {"mpi": (4,)},
-    "tests/mpi/check_tensor_parallel.py": {"mpi": (4,)},
+    # with check_tensor_parallel.py and check_sequence.py, which it imports
     "tests/mpi/check_gpt.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
@@ -40,9 +39,19 @@ CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
 
 
 def _declared_checks(script: str) -> list[str]:
-    tree = ast.parse((ROOT / script).read_text())
-    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-            and any(getattr(d, "id", None) == "check" for d in node.decorator_list)]
+    """The script's checks, and those of the check scripts it imports (they run in its
+    launch)."""
+    path = ROOT / script
+    tree = ast.parse(path.read_text())
+    names = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+             and any(getattr(d, "id", None) == "check" for d in node.decorator_list)]
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("check_"):
+                    imported = path.parent / f"{alias.name}.py"
+                    names += _declared_checks(str(imported.relative_to(ROOT)))
+    return names
 
 
 @pytest.mark.parametrize("script,ranks,backend", CASES)

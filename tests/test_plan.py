@@ -120,7 +120,7 @@ def test_plan_refuses_bad_input_in_one_line() -> None:
 
 def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
     env = {"GRIDRUN_CALIBRATION": str(tmp_path / "ab.json")}
-    result = plan_cli("plan.calibrate=true", "plan.calibrate_repeats=3", env=env)
+    result = plan_cli("plan.calibrate=true", "plan.calibrate_repeats=1", env=env)
     assert result.returncode == 0, result.stderr
     stored = json.loads((tmp_path / "ab.json").read_text())
     for kind in ("point_to_point", "collective"):

@@ -1,4 +1,5 @@
-"""A small GPT trained end to end by every strategy, on 4 ranks, against one process.
+"""A small GPT trained end to end by every strategy, on 4 ranks, against one process (and, in
+the same launch, the checks of `check_tensor_parallel.py` and `check_sequence.py`).
 
 - each strategy (data, data with the token table exchanged sparsely, model with the gather
   layout, grid with the Megatron pairing, domain splitting the sequence with either key/value
@@ -17,6 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# The split layers' own checks run in this launch too: one start-up of 4 ranks, not three.
+import check_sequence  # noqa: F401
+import check_tensor_parallel  # noqa: F401
 from harness import check, make_grids, run_checks, train_losses, train_run
 from mpi4py import MPI
 
