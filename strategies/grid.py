@@ -17,7 +17,6 @@ vocabulary, heads and MLP features over the model group, in the layout `strategy
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 import torch
 from torch import nn
@@ -154,7 +153,7 @@ def predict_grid_ops(model: nn.Sequential, split: int, sample_shape: tuple[int, 
 
 def as_gpt(model: nn.Module) -> GPT | None:
     """The model, if it is a GPT (`is_gpt`): split by `tensor_parallel.py`, not by layers."""
-    return cast(GPT, model) if is_gpt(model) else None
+    return model if is_gpt(model) else None
 
 
 @register_strategy("grid")

@@ -19,6 +19,7 @@ Samples are token ids (batch, T); the output is logits (batch, T, vocab).
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,7 @@ def transformer_blocks(model: nn.Module) -> list[TransformerBlock]:
     return [m for m in model.modules() if isinstance(m, TransformerBlock)]
 
 
-def is_gpt(model: nn.Module) -> bool:
+def is_gpt(model: nn.Module) -> TypeGuard[GPT]:
     return isinstance(model, GPT)
 
 
