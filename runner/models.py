@@ -108,6 +108,17 @@ def alexnet(input_shape: Sequence[int], num_classes: int,
                          nn.Linear(4096, num_classes))
 
 
+def _token_inputs(model: str, samples: str, input_shape: Sequence[int], vocab_size: int | None,
+                  datasets: str) -> int:
+    """The vocabulary of a model that embeds token ids, or ValueError naming what it needs."""
+    if vocab_size is None or vocab_size < 1:
+        raise ValueError(f"{model} embeds token ids: it needs a token dataset ({datasets})")
+    if len(input_shape) != 1:
+        raise ValueError(f"{model} reads {samples} of token ids, shape (length,), got "
+                         f"{tuple(input_shape)}")
+    return int(vocab_size)
+
+
 @register_model("bag_classifier")
 def bag_classifier(input_shape: Sequence[int], num_classes: int, vocab_size: int | None = None,
                    embedding_dim: int = 64, hidden: Sequence[int] = (64,), mode: str = "mean",
@@ -118,12 +129,8 @@ def bag_classifier(input_shape: Sequence[int], num_classes: int, vocab_size: int
     Nearly all weights are the (vocab_size × embedding_dim) table, and a batch touches only the
     rows of its tokens: with `sparse=True` its gradient holds just those rows, which is what the
     sparse exchanges of `strategy.sparse` move."""
-    if vocab_size is None or vocab_size < 1:
-        raise ValueError("bag_classifier embeds token ids: it needs a token dataset "
-                         "(dataset=tokens)")
-    if len(input_shape) != 1:
-        raise ValueError(f"bag_classifier reads documents of token ids, shape (length,), got "
-                         f"{tuple(input_shape)}")
+    vocab_size = _token_inputs("bag_classifier", "documents", input_shape, vocab_size,
+                               "dataset=tokens")
     layers: list[nn.Module] = [nn.EmbeddingBag(int(vocab_size), int(embedding_dim), mode=mode,
                                                sparse=bool(sparse), padding_idx=padding_idx)]
     width = int(embedding_dim)
@@ -376,12 +383,8 @@ class ZooGPT(GPT):
                  width: int = 64, layers: int = 2, heads: int = 4, mlp_ratio: int = 4,
                  bias: bool = True, tie_weights: bool = True, sparse_embedding: bool = False,
                  context: int | None = None) -> None:
-        if vocab_size is None or vocab_size < 2:
-            raise ValueError("gpt embeds token ids: it needs a token dataset (dataset=kjv or "
-                             "dataset=tokens)")
-        if len(input_shape) != 1:
-            raise ValueError(f"gpt reads sequences of token ids, shape (length,), got "
-                             f"{tuple(input_shape)}")
+        vocab_size = _token_inputs("gpt", "sequences", input_shape, vocab_size,
+                                   "dataset=kjv or dataset=tokens")
         problems = [f"model.{name} must be >= 1, got {value}" for name, value in
                     (("width", width), ("layers", layers), ("heads", heads),
                      ("mlp_ratio", mlp_ratio)) if int(value) < 1]

@@ -253,6 +253,7 @@ class DomainParallel(Strategy):
                          slowdown=slowdown)
         self.overlap = overlap
         self.kv_exchange = kv_exchange
+        self._exchanges: dict[tuple[object, ...], str] = {}  # auto's choices
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         if self.kv_exchange not in KV_EXCHANGES:
@@ -266,14 +267,18 @@ class DomainParallel(Strategy):
         cost model, for the strategy's global batch, one row a group when unknown)."""
         if self.kv_exchange == "auto" and self.global_batch and grid.pr > 1:
             # the least predicted step time: the ring computes only the blocks a rank's
-            # queries see, the all-gather has fewer latencies
-            times = {}
-            for choice in ("allgather", "ring"):
-                fixed = copy.copy(self)
-                fixed.kv_exchange = choice
-                times[choice] = predict_step(fixed, model, sample_shape, grid,
-                                             self.global_batch).total_s
-            return min(times, key=lambda choice: times[choice])
+            # queries see, the all-gather has fewer latencies. Chosen once per model shape
+            # and grid: predictions and parallelize ask again and again.
+            key = (repr(model), next(model.parameters()).dtype, tuple(sample_shape), grid)
+            if key not in self._exchanges:
+                times = {}
+                for choice in ("allgather", "ring"):
+                    fixed = copy.copy(self)
+                    fixed.kv_exchange = choice
+                    times[choice] = predict_step(fixed, model, sample_shape, grid,
+                                                 self.global_batch).total_s
+                self._exchanges[key] = min(times, key=lambda choice: times[choice])
+            return self._exchanges[key]
         rows = Partition(self.global_batch, grid.pc).sizes[0] if self.global_batch else 1
         return choose_kv_exchange(self.kv_exchange, model, int(sample_shape[0]), grid, rows,
                                   activation_itemsize([model], self.compute_dtype), self.costs)

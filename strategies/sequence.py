@@ -48,7 +48,7 @@ from strategies.base import (
     split_model_exchanges,
 )
 from strategies.buckets import predict_gradient_ops
-from strategies.transformer import GPT, CausalAttention, transformer_blocks
+from strategies.transformer import GPT, CausalAttention, GPTShapes, transformer_blocks
 
 KV_EXCHANGES = ("auto", "allgather", "ring")
 
@@ -225,22 +225,14 @@ def sequence_problems(model: GPT, sample_shape: tuple[int, ...], grid: GridShape
     return problems
 
 
-def _dims(model: GPT) -> tuple[int, int, int, int, int]:
-    """(width, heads, MLP hidden features, vocabulary, layers)."""
-    blocks = transformer_blocks(model)
-    width = model.tok_emb.embedding_dim
-    heads = blocks[0].attn.heads if blocks else 1
-    hidden = blocks[0].mlp.fc.out_features if blocks else 0
-    return width, heads, hidden, model.head.out_features, len(blocks)
-
-
 def kv_exchange_ops(mode: str, model: GPT, length: int, grid: GridShape, rows: int,
                     itemsize: int) -> list[CommOp]:
     """The key/value exchanges rank 0 issues in a step (forward and backward, every layer) for
     `rows` rows of its batch group, each element `itemsize` bytes."""
     if grid.pr == 1:
         return []
-    width, _, _, _, layers = _dims(model)
+    shapes = GPTShapes.of(model)
+    width, layers = shapes.width, shapes.layers
     part = Partition(length, grid.pr)
     per_position = rows * 2 * width * itemsize  # K and V of one position of every row
     ops: list[CommOp] = []
@@ -316,7 +308,9 @@ def sequence_activation_elements(model: GPT, length: int, grid: GridShape, rows:
     attention's keys and values and its score matrices, (t × T) with the all-gather, (t × t_j)
     per block the ring brings. With allgather the busiest rank is rank 0 (the longest piece);
     with ring, the last rank, which attends to every block."""
-    width, heads, hidden, vocab, layers = _dims(model)
+    shapes = GPTShapes.of(model)
+    width, heads, hidden, vocab, layers = (shapes.width, shapes.heads, shapes.hidden,
+                                           shapes.vocab, shapes.layers)
     part = Partition(length, grid.pr)
 
     def rank_elements(rank: int) -> int:
@@ -338,8 +332,9 @@ def sequence_compute_seconds(model: GPT, length: int, grid: GridShape, rows: int
     attention by its two products per score block (qkᵀ and pv, at rows·heads·t rows, the
     backward twice the forward's), a softmax's passes over the scores, and the residual
     sums. Not measured against a calibration: an estimate of the same form as the others'."""
-    width, heads, hidden, _, _ = _dims(model)
-    head_dim = width // heads
+    shapes = GPTShapes.of(model)
+    width, heads, hidden = shapes.width, shapes.heads, shapes.hidden
+    head_dim = shapes.head_dim
     part = Partition(length, grid.pr)
     itemsize = 4  # the rates are float32's
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -62,6 +61,7 @@ from strategies.transformer import (
     GPT,
     MLP,
     CausalSelfAttention,
+    GPTShapes,
     TransformerBlock,
     activation_elements,
 )
@@ -183,29 +183,6 @@ class TensorParallelGPT(ParallelModel):
 # -- the plan: what each parameter becomes ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Shapes:
-    """A GPT's sizes, as the split needs them."""
-
-    vocab: int
-    width: int
-    heads: int
-    head_dim: int
-    hidden: int
-    layers: int
-    tied: bool
-
-    @classmethod
-    def of(cls, model: GPT) -> Shapes:
-        blocks = list(model.blocks)
-        first = blocks[0] if blocks else None
-        width = model.tok_emb.embedding_dim
-        heads = first.attn.heads if isinstance(first, TransformerBlock) else 0
-        hidden = first.mlp.fc.out_features if isinstance(first, TransformerBlock) else 0
-        return cls(model.tok_emb.num_embeddings, width, heads, width // max(heads, 1), hidden,
-                   len(blocks), model.head.weight is model.tok_emb.weight)
-
-
 def _kind(name: str, layout: Layout) -> str:
     """What the parameter `name` (of a GPT's named_parameters) becomes: `vocab` rows,
     `heads` rows (qkv), `hidden` rows (fc), `width` rows (a proj under gather), `head_cols`
@@ -245,7 +222,7 @@ def gpt_problems(model: GPT, pr: int, strategy: str) -> list[str]:
     if len(blocks) != len(model.blocks):
         return [f"strategy={strategy} splits a GPT of strategies.transformer's "
                 f"TransformerBlocks only"]
-    shapes = Shapes.of(model)
+    shapes = GPTShapes.of(model)
     if any(b.attn.heads != shapes.heads or b.mlp.fc.out_features != shapes.hidden
            for b in blocks):
         problems.append(f"strategy={strategy} needs every block of the GPT alike (heads, MLP "
@@ -263,7 +240,7 @@ def gpt_problems(model: GPT, pr: int, strategy: str) -> list[str]:
     return problems
 
 
-def local_shape(name: str, shape: tuple[int, ...], shapes: Shapes, pr: int, index: int,
+def local_shape(name: str, shape: tuple[int, ...], shapes: GPTShapes, pr: int, index: int,
                 layout: Layout) -> tuple[tuple[int, ...], bool]:
     """Rank `index`'s shape of the parameter `name` and whether it is split (else
     replicated)."""
@@ -291,7 +268,7 @@ def build_tensor_parallel(model: GPT, grid: ProcessGrid, layout: Layout,
     """This rank's part of `model`, whose layers it takes over (replicated parameters are the
     model's own objects)."""
     comm, index, pr = grid.model, grid.model_index, grid.pr
-    shapes = Shapes.of(model)
+    shapes = GPTShapes.of(model)
     vocab_rows = Partition(shapes.vocab, pr).slice(index)
     heads = Partition(shapes.heads, pr)
     head_rows = heads.slice(index)
@@ -348,7 +325,7 @@ def _param_items(model: GPT, pr: int, layout: Layout,
                  trainable_only: bool = True) -> tuple[Items, Items]:
     """Rank 0's (label, [(bytes, dtype)]) of its split and its replicated parameters, in the
     parallel model's registration order (one parameter an item, as the buckets see them)."""
-    shapes = Shapes.of(model)
+    shapes = GPTShapes.of(model)
     split: Items = []
     whole: Items = []
     for name, param in model.named_parameters():
@@ -371,7 +348,7 @@ def activation_ops(model: GPT, tokens: int, pr: int, layout: Layout,
     (its batch group's rows × positions)."""
     if pr == 1:
         return []
-    shapes = Shapes.of(model)
+    shapes = GPTShapes.of(model)
     whole = activation_itemsize([model])  # the embedding's output: the table's dtype
     act = activation_itemsize([model], compute_dtype)  # a Linear's output
     logits = compute_dtype or next(model.parameters()).dtype  # autocast: the half type
@@ -412,7 +389,7 @@ def tp_activation_bytes(model: GPT, sample_shape: tuple[int, ...], grid: GridSha
     positions = sample_shape[0]
     elements = activation_elements(model, rows, positions, model_split=grid.pr)
     if layout == "gather" and grid.pr > 1:
-        shapes = Shapes.of(model)
+        shapes = GPTShapes.of(model)
         elements += rows * positions * shapes.layers * (shapes.width + shapes.hidden)
     return elements * itemsize
 
@@ -423,7 +400,7 @@ def tp_compute_seconds(model: GPT, sample_shape: tuple[int, ...], grid: GridShap
     (meta-device stand-ins), the attention's products on its heads, norms and activations on
     the tensors it holds, residual sums as passes. Approximate: the softmax and masking of the
     attention are priced as a few passes over its scores."""
-    shapes = Shapes.of(model)
+    shapes = GPTShapes.of(model)
     pr = grid.pr
     rows = Partition(global_batch, grid.pc).sizes[0]
     t = sample_shape[0]

@@ -19,6 +19,7 @@ Samples are token ids (batch, T); the output is logits (batch, T, vocab).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TypeGuard
 
 import torch
@@ -136,6 +137,28 @@ class GPT(nn.Module):
         return logits
 
 
+@dataclass(frozen=True)
+class GPTShapes:
+    """A GPT's sizes, as its splits and their predictions need them."""
+
+    vocab: int
+    width: int
+    heads: int
+    head_dim: int
+    hidden: int  # the MLP's features
+    layers: int
+    tied: bool
+
+    @classmethod
+    def of(cls, model: GPT) -> GPTShapes:
+        blocks = transformer_blocks(model)
+        width = model.tok_emb.embedding_dim
+        heads = blocks[0].attn.heads if blocks else 0
+        hidden = blocks[0].mlp.fc.out_features if blocks else 0
+        return cls(model.tok_emb.num_embeddings, width, heads, width // max(heads, 1), hidden,
+                   len(blocks), model.head.weight is model.tok_emb.weight)
+
+
 def transformer_blocks(model: nn.Module) -> list[TransformerBlock]:
     return [m for m in model.modules() if isinstance(m, TransformerBlock)]
 
@@ -151,14 +174,11 @@ def activation_elements(model: GPT, rows: int, positions: int, key_positions: in
     `key_positions` keys, its output, the MLP's two hidden tensors and the residual sums; and the
     embeddings, final norm and logits. `model_split`: the heads, MLP features and vocabulary
     are split that many ways (tensor parallelism)."""
-    blocks = transformer_blocks(model)
-    if not blocks:
+    shapes = GPTShapes.of(model)
+    if not shapes.layers:
         return 0
-    block = blocks[0]
-    width = block.ln1.normalized_shape[0]
-    heads, hidden = block.attn.heads, block.mlp.fc.out_features
-    vocab = model.head.out_features
+    width, heads, hidden = shapes.width, shapes.heads, shapes.hidden
     keys = positions if key_positions is None else key_positions
     per_position = ((4 * width) + (4 * width + heads * keys + 2 * hidden) // model_split)
-    return rows * positions * (len(blocks) * per_position + 2 * width
-                               + vocab // model_split)
+    return rows * positions * (shapes.layers * per_position + 2 * width
+                               + shapes.vocab // model_split)
