@@ -7,9 +7,23 @@ learning rate η and moving rate α = ηρ, every τ-th step of a worker is
 
     d  = α (Wᵢ − W̄)                    (W̄ as this worker reads it)
     W̄ ← W̄ + d                          (centre update)
-    Wᵢ ← Wᵢ − η∇ᵢ − d                   (MEASGD: Vᵢ ← μVᵢ − η∇ᵢ;  Wᵢ ← Wᵢ + Vᵢ − d)
+    Wᵢ ← Wᵢ − η∇ᵢ − d
 
-and the other steps are plain local SGD steps. The methods differ in how the centre is shared:
+and the other steps are plain local SGD steps. With momentum μ (`momentum`, `async_measgd`'s
+default) the local step is one of two forms, named by `nesterov`:
+
+- heavy-ball (`nesterov=false`, SC17's MEASGD): Vᵢ ← μVᵢ − η∇ᵢ;  Wᵢ ← Wᵢ + Vᵢ − d, the gradient
+  and d both taken at Wᵢ;
+- Nesterov (`nesterov=true`, the EAMSGD of Zhang, Choromanska & LeCun, Algorithm 2): the gradient
+  is taken at the look-ahead point Wᵢ + μVᵢ; Vᵢ ← μVᵢ − η∇ᵢ(Wᵢ + μVᵢ);  Wᵢ ← Wᵢ + Vᵢ, and every τ
+  steps the elastic move d = α(Wᵢ − W̄) follows the update (Algorithm 2 moves at the start of
+  the next iteration: the same thing). The model holds the look-ahead point, as torch's
+  Nesterov SGD does, so the forward pass needs no second copy; Wᵢ itself is recovered as
+  look-ahead − μVᵢ when it meets the centre.
+
+The centre update is a contraction (the centre cannot overshoot the replicas' mean) only for
+Pc·α < 1, which the configuration check demands (`grid_problems`). The methods differ in how
+the centre is shared:
 
 | optimizer       | centre                   | how workers meet it                           |
 | `sync_easgd`    | a copy on every worker   | all at once: one all-reduce of the Wᵢ         |
@@ -32,12 +46,11 @@ back in one. `sync_easgd`, which has no window, keeps its centre on the paramete
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from runner.core import ProcessGrid
 from runner.core.rma import OneSidedVector
@@ -58,8 +71,8 @@ def resolve_moving_rate(lr: float, rho: float | None, moving_rate: float | None,
     return DEFAULT_BETA / replicas
 
 
-def _pieces(params: list[nn.Parameter],
-            flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+def _pieces(params: Sequence[torch.Tensor],
+            flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each parameter with its piece of `flat` (the parameters laid end to end), shaped like it."""
     offset = 0
     for p in params:
@@ -67,7 +80,7 @@ def _pieces(params: list[nn.Parameter],
         offset += p.numel()
 
 
-def _flatten_into(params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor:
+def _flatten_into(params: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """`out` ← the parameters laid end to end; one transfer when `out` lies on another device
     (the host windows of a model on a GPU), not one per parameter."""
     if params and params[0].device != out.device:
@@ -90,10 +103,10 @@ class ElasticAveraging(ReplicaOptimizer):
 
     def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
                  lr: float = 0.2, rho: float | None = None, moving_rate: float | None = None,
-                 period: int = 1, momentum: float = 0.0) -> None:
+                 period: int = 1, momentum: float = 0.0, nesterov: bool = False) -> None:
         self.grid, self.base_lr, self.period = grid, lr, period
         self.alpha = resolve_moving_rate(lr, rho, moving_rate, grid.pc)
-        self.momentum = momentum
+        self.momentum, self.nesterov = momentum, nesterov
         in_group = {id(p) for p in model.replicated_in_model_group}
         params = list(model.parameters())
         # This rank's share of the centre: its shard, plus the group-replicated parameters on
@@ -113,7 +126,7 @@ class ElasticAveraging(ReplicaOptimizer):
 
     @staticmethod
     def check(lr: float, rho: float | None, moving_rate: float | None, period: int,
-              momentum: float) -> list[str]:
+              momentum: float, nesterov: bool = False) -> list[str]:
         errors = []
         if not lr > 0:
             errors.append(f"optimizer.lr must be > 0, got {lr}")
@@ -130,7 +143,23 @@ class ElasticAveraging(ReplicaOptimizer):
                           f">= 1, got {period}")
         if not 0 <= momentum < 1:
             errors.append(f"optimizer.momentum must be in [0, 1), got {momentum}")
+        if nesterov and not momentum > 0:
+            errors.append(f"optimizer.nesterov=true needs optimizer.momentum > 0, got "
+                          f"{momentum}")
         return errors
+
+    @classmethod
+    def grid_problems(cls, options: Mapping[str, Any], pr: int, pc: int) -> list[str]:
+        """The centre update W̄ ← W̄ + α Σᵢ (Wᵢ − W̄) is a contraction only for Pc·α < 1 (the
+        EASGD paper's β = Pc·α; 0.9 by default)."""
+        lr, rho, moving_rate = options["lr"], options["rho"], options["moving_rate"]
+        alpha = resolve_moving_rate(lr, rho, moving_rate, pc)
+        if pc * alpha < 1:
+            return []
+        given = (f"optimizer.moving_rate={moving_rate}" if moving_rate is not None else
+                 f"optimizer.lr={lr} × optimizer.rho={rho} = moving rate {alpha:g}")
+        return [f"{given} with grid.pc={pc}: Pc·α = {pc * alpha:g}, but the centre update is a "
+                f"contraction only for Pc·α < 1; lower the moving rate below {1 / pc:g}"]
 
     # -- the update -----------------------------------------------------------------------------
 
@@ -145,8 +174,24 @@ class ElasticAveraging(ReplicaOptimizer):
         """This rank's share of the centre variable, as it is now."""
         raise NotImplementedError
 
+    def meets_replicas(self, step: int) -> bool:
+        """Synchronous methods meet on exchange steps only (every τ-th)."""
+        return not self.asynchronous and self._exchanges_at(step)
+
+    def logged_loss(self) -> str:
+        if self.asynchronous or self.period == 1:
+            return super().logged_loss()
+        return (f"global batch on exchange steps (every {self.period}th), replica 0 on the "
+                f"others")
+
+    def _exchanges_at(self, step: int) -> bool:
+        return (step + 1) % self.period == 0
+
     def step(self, step: int) -> None:
-        exchange = (step + 1) % self.period == 0
+        if self.nesterov:
+            self._nesterov_step(step)
+            return
+        exchange = self._exchanges_at(step)
         if exchange:  # with the weights the gradient was taken at
             self._differences(_flatten_into(self.owned, self.flat), self.differences)
             self.exchanges += 1
@@ -161,10 +206,36 @@ class ElasticAveraging(ReplicaOptimizer):
                     p.add_(p.grad, alpha=-self.base_lr)
             if exchange:  # one transfer to the parameters' device (none when already there)
                 differences = self.differences.to(self.device)
-                for p, difference in _pieces(self.owned, differences):
-                    p.sub_(difference)
+                for weight, difference in _pieces(self.owned, differences):
+                    weight.sub_(difference)
         if exchange:
             self._broadcast_group_replicated()
+
+    def _nesterov_step(self, step: int) -> None:
+        """EAMSGD (Algorithm 2): the model holds the look-ahead point Y = W + μV, where the
+        gradient was taken. V' = μV − η∇ and W' = W + V' give Y' = Y + (1 + μ)V' − μV; then, on
+        an exchange step, W' meets the centre and Y' moves by the same elastic difference."""
+        mu = self.momentum
+        with torch.no_grad():
+            for p, velocity in zip(self.params, self.velocity, strict=True):
+                if p.grad is None:
+                    continue
+                p.sub_(velocity, alpha=mu)
+                velocity.mul_(mu).add_(p.grad, alpha=-self.base_lr)
+                p.add_(velocity, alpha=1 + mu)
+        if not self._exchanges_at(step):
+            return
+        velocity_of = {id(p): v for p, v in zip(self.params, self.velocity, strict=True)}
+        weights = _flatten_into(self.owned, self.flat)  # the look-ahead points Y
+        velocities = _flatten_into([velocity_of[id(p)] for p in self.owned], self.differences)
+        weights.sub_(velocities, alpha=mu)  # W = Y − μV
+        self._differences(weights, self.differences)
+        self.exchanges += 1
+        with torch.no_grad():
+            differences = self.differences.to(self.device)
+            for weight, difference in _pieces(self.owned, differences):
+                weight.sub_(difference)
+        self._broadcast_group_replicated()
 
     def _broadcast_group_replicated(self) -> None:
         for p in self.group_replicated:
@@ -269,12 +340,14 @@ class AsyncEASGD(SharedCentre):
 
 @register_optimizer("async_measgd")
 class AsyncMEASGD(SharedCentre):
-    """`async_easgd` with momentum on the workers (the centre has none)."""
+    """`async_easgd` with momentum on the workers (the centre has none): heavy-ball as in
+    SC17 by default, Nesterov (Zhang et al.'s EAMSGD) with `nesterov=true`."""
 
     def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
                  lr: float = 0.05, rho: float | None = None, moving_rate: float | None = None,
-                 period: int = 1, momentum: float = 0.9) -> None:
-        super().__init__(model, grid, total_steps, lr, rho, moving_rate, period, momentum)
+                 period: int = 1, momentum: float = 0.9, nesterov: bool = False) -> None:
+        super().__init__(model, grid, total_steps, lr, rho, moving_rate, period, momentum,
+                         nesterov)
 
 
 @register_optimizer("hogwild_easgd")

@@ -94,8 +94,26 @@ class ReplicaOptimizer:
         for the ones the config leaves out: the defaults live in `__init__` alone)."""
         return []
 
+    @classmethod
+    def grid_problems(cls, options: Mapping[str, Any], pr: int, pc: int) -> list[str]:
+        """Every problem with these options (given whole, as for `check`) on a `pr` × `pc`
+        grid: what depends on the number of replicas."""
+        return []
+
     def step(self, step: int) -> None:
         raise NotImplementedError
+
+    def meets_replicas(self, step: int) -> bool:
+        """Whether 0-based step `step` has the replicas meet (an exchange across them): the
+        training loop then reduces the logged loss and the stop request over the world; on a
+        step where they do not meet, over the replica alone, so no replica waits for another.
+        Synchronous optimizers meet every step, asynchronous ones never as a group."""
+        return not self.asynchronous
+
+    def logged_loss(self) -> str:
+        """Whose rows the logged training loss is the mean over (the summary's
+        `logged_loss`), as `meets_replicas` decides it."""
+        return "replica 0" if self.asynchronous else "global batch"
 
     @property
     def lr(self) -> float:

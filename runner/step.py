@@ -29,6 +29,11 @@ class StepFailure(RuntimeError):
     not be written): the job ends without any rank having to abort the others."""
 
 
+class ReplicaFailure(RuntimeError):
+    """A failure one replica meets alone (a non-finite loss on a step where the replicas did
+    not meet): its rank ends the job for everyone (an abort)."""
+
+
 def inject_failure(mode: str, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
     """`debug.fail_mode` on this rank at this step: what a test of failure handling needs."""
     if mode == "raise":

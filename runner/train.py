@@ -38,7 +38,7 @@ from runner.precision import DynamicLossScale, Precision
 from runner.resume import Start, start_or_resume
 from runner.rundir import MetricsWriter, RunDir, git_commit, write_json
 from runner.sampling import EpochSampler
-from runner.step import StepFailure, train_step
+from runner.step import ReplicaFailure, StepFailure, train_step
 from runner.summary import (
     StepHistory,
     completed_summary,
@@ -64,7 +64,7 @@ class Training:
     data: ClassificationData
     sampler: EpochSampler
     start: Start
-    loss_comm: CountedComm  # over whose rows the logged loss is the mean
+    loss_comm: CountedComm  # over whose rows the logged loss is the mean, when replicas meet
     predicted_ops: list[CommOp] | None  # a step's collectives (synchronous exchange only)
     predicted_step: StepPrediction | None  # and its time: compute + communication
     costs: MachineCosts
@@ -96,7 +96,8 @@ class Training:
             sink.write(record)
 
     def log_step(self, step: int, loss: float, seconds: float, comm: Any,
-                 progress: ProgressReporter) -> None:
+                 progress: ProgressReporter, replica_loss: bool = False) -> None:
+        """`replica_loss`: the loss is replica 0's own rows' (the replicas did not meet)."""
         self.history.add(seconds, comm.nbytes, comm.seconds)
         rate = self.run.trainer.batch_size / seconds
         every, steps = self.run.trainer.log_every, self.run.trainer.steps
@@ -105,6 +106,7 @@ class Training:
                         "lr": self.optimizer.lr, "step_time_s": seconds,
                         "comm_time_s": comm.seconds, "comm_bytes": comm.nbytes,
                         "comm_share": comm.seconds / seconds, "samples_per_s": rate,
+                        **({"replica_loss": True} if replica_loss else {}),
                         **({"tokens_per_s": rate * self.targets_per_sample}
                            if self.targets_per_sample > 1 else {}),
                         **sparse_line(self.model)})
@@ -112,11 +114,21 @@ class Training:
         if step % every == 0:
             get_logger().info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss,
                               seconds, comm.seconds, comm.nbytes)
-        if not math.isfinite(loss):  # every rank sees the same all-reduced loss
+        if not math.isfinite(loss):
             kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
                     else "no checkpoint was written (trainer.checkpoint_every)")
-            raise StepFailure(f"the loss is {loss} at step {step}: training stopped; {kept}. "
-                              f"Lower optimizer.lr, or check the data")
+            message = (f"the loss is {loss} at step {step}: training stopped; {kept}. "
+                       f"Lower optimizer.lr, or check the data")
+            # Reduced over the world every rank stops here alike; over one replica, the others
+            # are elsewhere, and this rank's failure must end the job (an abort).
+            raise ReplicaFailure(message) if replica_loss else StepFailure(message)
+
+    def stop_request(self, requested: bool, meets: bool) -> bool:
+        """Whether this step carries a stop request. On a step where the replicas do not meet
+        (their loss is reduced over each replica alone), replicas of a synchronous optimizer
+        hold the request for the next step where they do, so that they all stop there
+        together; an asynchronous optimizer's replicas each act on it at once."""
+        return requested and (meets or self.optimizer.asynchronous)
 
     def anyone_stopping(self, stopping: bool) -> bool:
         """Collective over the world: asynchronous replicas each stop when they see the signal,
@@ -225,9 +237,7 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     sampler = EpochSampler(parts.spec.train_size, run.trainer.batch_size, run.seed)
     if start.sampler_state is not None:
         sampler.load_state(start.sampler_state)
-    # An asynchronous optimizer's replicas never meet during a step: the loss shown is then
-    # replica 0's (the mean over its rows), reduced over its model group only.
-    loss_comm = grid.model if optimizer.asynchronous else model.loss_comm
+    loss_comm = model.loss_comm
     get_logger().info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)",
                       grid, sum(p.numel() for p in model.parameters()), run.dataset.name,
                       parts.spec.train_size, parts.spec.val_size)
@@ -269,11 +279,14 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         for step in range(t.start.step + 1, steps + 1):
             began, before = time.perf_counter(), grid.counter.snapshot()
             x, y = t.batch()
+            meets = t.optimizer.meets_replicas(step - 1)
             loss, stopping = train_step(t.model, t.optimizer, x, y, step, loss_scale,
-                                        t.loss_comm, stop.requested, grid.rank, run.debug,
-                                        t.precision, t.scaler)
+                                        t.loss_comm if meets else grid.model,
+                                        t.stop_request(stop.requested, meets), grid.rank,
+                                        run.debug, t.precision, t.scaler)
             seconds = time.perf_counter() - began
-            t.log_step(step, loss, seconds, grid.counter.since(before), progress)
+            t.log_step(step, loss, seconds, grid.counter.since(before), progress,
+                       replica_loss=not meets and grid.pc > 1)
             at_end = step == steps
             due = every is not None and step % every == 0 and not at_end
             if stopping or due or at_end:
@@ -295,7 +308,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                                 rates, time.perf_counter() - started, t.predicted_ops, t.costs,
                                 t.start, t.last_checkpoint, t.predicted_step,
                                 t.targets_per_sample)
-    summary.update(devices=devices, device_buffers=grid.devices.describe(grid.backend),
+    summary.update(logged_loss=t.optimizer.logged_loss() if grid.pc > 1 else "global batch",
+                   devices=devices, device_buffers=grid.devices.describe(grid.backend),
                    precision=precision_summary(t.precision, t.scaler))
     if grid.rank == 0:
         write_json(run_dir.summary, summary)

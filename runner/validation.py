@@ -173,8 +173,13 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
     if optimizer_cls is not None:
         found = _options_problems("optimizer", run.optimizer, optimizer_cls,
                                   assembly.OPTIMIZER_INPUTS)
-        problems += found or optimizer_cls.check(**with_defaults(
-            optimizer_cls, run.optimizer.options, assembly.OPTIMIZER_INPUTS))
+        if not found:
+            options = with_defaults(optimizer_cls, run.optimizer.options,
+                                    assembly.OPTIMIZER_INPUTS)
+            found = optimizer_cls.check(**options)
+            if not found and grid_ok:
+                found = optimizer_cls.grid_problems(options, run.grid.pr, run.grid.pc)
+        problems += found
     if strategy_cls is not None:
         found = option_problems("strategy", strategy_cls, run.strategy.options,
                                 Strategy.CONTEXT_ARGUMENTS)

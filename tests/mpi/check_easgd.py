@@ -3,7 +3,9 @@
 - the one-sided vector: pieces read and added without their owner's help (an owner asleep for
   a second delays nobody), the ticket lock excludes, the turn counter orders;
 - `sync_easgd` against a two-step example worked by hand, and `easgd` against the same example
-  served in rank order; ρ = 0 is independent SGD per replica;
+  served in rank order; with Nesterov momentum against EAMSGD (Algorithm 2) written out; ρ = 0
+  is independent SGD per replica (plain, heavy-ball and Nesterov momentum as torch's);
+- with a period τ, the steps without an exchange make no collective across replicas;
 - `sync_easgd` is deterministic and the same mathematics under `grid` 2×2 and `domain` 2×2 (a
   replica is a model group, the centre sharded like the weights) as under `data` 1×2;
 - every method reaches 0.9 validation accuracy on digits;
@@ -91,7 +93,8 @@ def ticket_lock_excludes_and_turns_go_in_rank_order() -> None:
     shared.close()
 
 
-def scalar_workers(optimizer_cls: type, alpha: float) -> tuple[list[float], float]:
+def scalar_workers(optimizer_cls: type, alpha: float,
+                   **options: object) -> tuple[list[float], float]:
     """Two steps of a 1-weight model per worker, worker i's loss a_i·w²/2 (a_i = i + 1), from
     w = 1; lr 0.5. Returns the weights after each step and the centre."""
     grid = ProcessGrid(1, SIZE, WORLD)
@@ -99,7 +102,7 @@ def scalar_workers(optimizer_cls: type, alpha: float) -> tuple[list[float], floa
     with torch.no_grad():
         model.weight.fill_(1.0)
     pmodel = DataParallel().parallelize(model, (1,), grid, sync_replica_gradients=False)
-    optimizer = optimizer_cls(pmodel, grid, 2, lr=0.5, moving_rate=alpha)
+    optimizer = optimizer_cls(pmodel, grid, 2, lr=0.5, moving_rate=alpha, **options)
     weights = []
     for step in range(2):
         weight = pmodel.module.weight
@@ -139,15 +142,47 @@ def round_robin_easgd_serves_workers_in_rank_order() -> None:
 
 
 @check
+def nesterov_momentum_easgd_is_eamsgd_algorithm_2() -> None:
+    # Zhang, Choromanska & LeCun's EAMSGD, written out here as the paper states it: the gradient
+    # at the look-ahead x + μv, v ← μv − η∇(x + μv), x ← x + v; and at the start of every τ-th
+    # (here every) iteration x ← x − α(x − x̃), x̃ ← x̃ + Σ α(x − x̃) over the workers, which is
+    # where our step ends. The model holds the look-ahead point.
+    lr, mu, alpha = 0.5, 0.5, 0.125
+    weights, centre = scalar_workers(SyncEASGD, alpha, momentum=mu, nesterov=True)
+    xs, vs, c = [1.0] * SIZE, [0.0] * SIZE, 1.0
+    lookahead = []
+    for _ in range(2):
+        for i in range(SIZE):
+            gradient = (i + 1) * (xs[i] + mu * vs[i])
+            vs[i] = mu * vs[i] - lr * gradient
+            xs[i] += vs[i]
+        moves = [alpha * (x - c) for x in xs]
+        c += sum(moves)
+        xs = [x - m for x, m in zip(xs, moves, strict=True)]
+        lookahead.append(xs[RANK] + mu * vs[RANK])
+    assert all(abs(a - b) < 1e-12 for a, b in zip(weights, lookahead, strict=True)), \
+        (weights, lookahead)
+    assert abs(centre - c) < 1e-12, (centre, c)
+
+
+@check
 def zero_elastic_force_is_independent_sgd_per_replica() -> None:
+    for options, torch_options in (({}, {}), ({"momentum": 0.9}, {"momentum": 0.9}),
+                                   ({"momentum": 0.9, "nesterov": True},
+                                    {"momentum": 0.9, "nesterov": True})):
+        independent_replicas(options, torch_options)
+
+
+def independent_replicas(options: dict, torch_options: dict) -> None:
+    """ρ = 0: each replica is plain SGD (heavy-ball and Nesterov momentum as torch's)."""
     grid = ProcessGrid(1, SIZE, WORLD)
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     reference = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     reference.load_state_dict(model.state_dict())
     pmodel = DataParallel().parallelize(model, (6,), grid, sync_replica_gradients=False)
-    optimizer = SyncEASGD(pmodel, grid, 10, lr=0.1, rho=0.0)
-    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = SyncEASGD(pmodel, grid, 10, lr=0.1, rho=0.0, **options)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, **torch_options)
     gen = torch.Generator().manual_seed(RANK)  # each replica its own data
     for step in range(10):
         x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
@@ -204,6 +239,32 @@ def sync_easgd_is_deterministic_and_the_same_under_every_strategy() -> None:
             gap = max(abs(a - b) / abs(b) for a, b in zip(runs[name], runs["data_a"],
                                                           strict=True))
             assert gap < 1e-9, f"sync_easgd under {name} 2x2 differs from data 1x2 by {gap}"
+
+
+@check
+def with_a_period_steps_without_an_exchange_meet_no_other_replica() -> None:
+    # sync_easgd, τ = 3, grid 2 × 2: on the steps between exchanges the loss is reduced over
+    # the replica (model group) alone and the batch groups (across replicas) carry nothing.
+    grid = ProcessGrid(2, SIZE // 2, WORLD)
+    grid.counter.keep_records = True
+    grid.counter.records.clear()
+    steps, period = 9, 3
+    path = train_run(config({"name": "sync_easgd", "lr": 0.1, "period": period}, "grid", 2,
+                            SIZE // 2, steps=steps), OUT / "period", grid)
+    records = grid.counter.records
+    grid.counter.keep_records = False
+    loss_groups = [r.group for r in records if r.label == "loss"]
+    exchanges = steps // period
+    assert loss_groups.count("world") == exchanges, loss_groups
+    assert loss_groups.count("model") == steps - exchanges, loss_groups
+    across = {(r.label, r.op) for r in records if r.group == "batch"}
+    assert across <= {("elastic", "allreduce"), ("eval", "allreduce")}, across
+    assert sum(r.label == "elastic" and r.group == "batch" for r in records) == exchanges
+    if RANK == 0:
+        lines = train_losses(path)[1]
+        flags = [bool(line.get("replica_loss")) for line in lines]
+        assert flags == [(i + 1) % period != 0 for i in range(steps)], flags
+        assert summary(path)["logged_loss"].startswith("global batch on exchange steps")
 
 
 @check
