@@ -21,7 +21,7 @@ register_dataset = DATASETS.register
 register_optimizer = OPTIMIZERS.register
 
 _BUILTIN_MODULES = ("runner.models", "runner.datasets", "runner.corpus", "runner.optim",
-                    "runner.easgd", "strategies")
+                    "runner.easgd", "runner.parameter_server", "strategies")
 
 
 def load_plugins() -> None:

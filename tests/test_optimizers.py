@@ -38,6 +38,7 @@ from runner.optim import (
     wrap_torch_optimizer,
 )
 from runner.options import option_problems, with_defaults
+from runner.parameter_server import AsyncMSGD, AsyncSGD, HogwildSGD
 from runner.registry import OPTIMIZERS, load_plugins
 from tests.conftest import assert_ok, read_metrics, run_cli
 
@@ -368,3 +369,93 @@ def test_scalars_are_checked_and_a_checkpoint_without_them_still_loads(
                                   lambda m: m["scalars"].__setitem__(0, ["step", None, "x"]))
     assert Checkpoint(foreign).model_problem(parameter_shapes(model)) == (
         "its step value for 'x' is not a parameter of this model")
+
+
+# -- SC17's parameter-server baselines (runner/parameter_server.py) -------------------------------
+
+PARAMETER_SERVERS = {"async_sgd": AsyncSGD, "async_msgd": AsyncMSGD, "hogwild_sgd": HogwildSGD}
+
+
+def test_the_parameter_servers_are_registered_asynchronous_and_score_the_server() -> None:
+    load_plugins()
+    for name, cls in PARAMETER_SERVERS.items():
+        assert OPTIMIZERS.get(name) is cls
+        assert cls.asynchronous and cls.has_centre and cls.per_replica and cls.elementwise
+        assert not cls.syncs_gradients  # no all-reduce of the replicas' gradients
+    assert AsyncSGD.locks_pieces and AsyncMSGD.locks_pieces and not HogwildSGD.locks_pieces
+    # the server's velocity is checkpointed, whatever μ
+    assert AsyncMSGD.state_copies({"momentum": 0.0}) == 1 and AsyncSGD.state_copies({}) == 0
+
+
+@pytest.mark.parametrize(("cls", "options", "problems"), [
+    (AsyncSGD, {"lr": 0}, ["optimizer.lr must be > 0, got 0"]),
+    (HogwildSGD, {"lr": -0.1}, ["optimizer.lr must be > 0, got -0.1"]),
+    (AsyncMSGD, {"momentum": 1.0}, ["optimizer.momentum must be in [0, 1), got 1.0"]),
+    (AsyncMSGD, {"lr": 0, "momentum": -0.5}, ["optimizer.lr must be > 0, got 0",
+                                              "optimizer.momentum must be in [0, 1), got -0.5"]),
+    (AsyncSGD, {"momentum": 0.9}, ["optimizer: unknown option(s) optimizer.momentum; valid: lr"]),
+    (HogwildSGD, {"lr": "fast"}, ["optimizer.lr=fast: must be a number"]),
+])
+def test_parameter_server_options_are_checked_by_name(cls: Any, options: dict[str, Any],
+                                                      problems: list[str]) -> None:
+    assert checked(cls, **options) == problems
+
+
+def test_the_parameter_server_yaml_defaults_are_the_classes() -> None:
+    import yaml
+
+    root = Path(__file__).resolve().parents[1] / "conf" / "optimizer"
+    for name, cls in PARAMETER_SERVERS.items():
+        written = yaml.safe_load((root / f"{name}.yaml").read_text())
+        assert written.pop("name") == name
+        assert written == with_defaults(cls, {}, INPUTS)
+        assert checked(cls, **written) == []
+
+
+def _served(*tensors: torch.Tensor) -> SimpleNamespace:
+    model = _parameters(*tensors)
+    model.replicated_in_model_group = []
+    return model
+
+
+@pytest.mark.parametrize("cls", [AsyncSGD, HogwildSGD, AsyncMSGD])
+def test_one_replica_is_torch_sgd_and_the_server_velocity_round_trips(cls: Any) -> None:
+    """One process (no MPI): each is torch's SGD (async_msgd with momentum μ: V = −η·buf).
+    A server built afresh from the weights (a resume puts W in the model first) and given the
+    saved state then steps exactly as the first one."""
+    from runner.core import ProcessGrid
+
+    grid = ProcessGrid(1, 1)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 4, generator=gen, dtype=torch.float64),
+               torch.randn(5, generator=gen, dtype=torch.float64)]
+    grads = [[torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in tensors]
+             for _ in range(6)]
+    momentum = {"momentum": 0.9} if cls is AsyncMSGD else {}
+    model = _served(*tensors)
+    server = cls(model, grid, 6, lr=0.1, **momentum)
+    reference = [torch.nn.Parameter(t.clone()) for t in tensors]
+    plain = torch.optim.SGD(reference, lr=0.1, **momentum)
+    for step_grads in grads:
+        for param, grad in zip(reference, step_grads, strict=True):
+            param.grad = grad.clone()
+        plain.step()
+    _steps(server, model.params, grads[:3])
+    saved = server.param_states()
+    assert list(saved) == list(server.state_kinds())
+    resumed_model = _served(*[p.detach() for p in model.params])
+    resumed = cls(resumed_model, grid, 6, lr=0.1, **momentum)
+    resumed.load_param_states(saved)
+    _steps(server, model.params, grads[3:], first=3)
+    _steps(resumed, resumed_model.params, grads[3:], first=3)
+    for mine, again, want in zip(model.params, resumed_model.params, reference, strict=True):
+        assert torch.equal(mine, again)
+        assert torch.allclose(mine, want, rtol=0, atol=1e-13), (mine - want).abs().max()
+    centre = server.centre(torch.empty(17, dtype=torch.float64))
+    assert torch.equal(centre, torch.cat([p.detach().reshape(-1) for p in model.params]))
+    if cls is AsyncMSGD:
+        velocity = server.server_velocity(torch.empty(17, dtype=torch.float64))
+        buffers = torch.cat([plain.state[p]["momentum_buffer"].reshape(-1) for p in reference])
+        assert torch.allclose(velocity, -0.1 * buffers, rtol=0, atol=1e-13)
+    server.close()
+    resumed.close()

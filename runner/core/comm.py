@@ -37,7 +37,7 @@ import torch
 CollectiveOp = Literal["allreduce", "iallreduce", "allgather", "reduce_scatter", "bcast", "reduce",
                        "alltoall", "alltoallv", "exchange"]
 # One-sided accesses (`runner.core.rma`): recorded, never predicted.
-OneSidedOp = Literal["rma_read", "rma_add", "rma_lock", "rma_turn"]
+OneSidedOp = Literal["rma_read", "rma_add", "rma_write", "rma_lock", "rma_turn"]
 RecordedOp = Literal[CollectiveOp, OneSidedOp]
 # Small control messages: watched while in flight, not recorded.
 ControlOp = Literal["allgather_object", "barrier"]

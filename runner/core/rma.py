@@ -99,6 +99,20 @@ class OneSidedVector:
             self._data_window.Flush(owner)
             self._record("rma_add", values, start)
 
+    def write(self, owner: int, values: torch.Tensor) -> None:
+        """`owner`'s piece ← `values` (atomic per element: `MPI_Accumulate` with `MPI_REPLACE`),
+        complete at the owner on return. A replacing write, where `add` sums: an update made
+        without the lock that should have excluded it is then lost, and seen."""
+        if self._data_window is None:
+            self._local[self.piece(owner)] = values
+            return
+        if values.numel():
+            MPI = _mpi()
+            start = time.perf_counter()
+            self._data_window.Accumulate(values, owner, op=MPI.REPLACE)
+            self._data_window.Flush(owner)
+            self._record("rma_write", values, start)
+
     def read_all(self, out: torch.Tensor) -> torch.Tensor:
         """The whole vector (each piece atomic per element; pieces read one after another)."""
         for owner in range(self.comm.size):
@@ -156,7 +170,7 @@ class OneSidedVector:
             else:
                 time.sleep(20e-6)
 
-    def _record(self, op: Literal["rma_read", "rma_add"], tensor: torch.Tensor,
+    def _record(self, op: Literal["rma_read", "rma_add", "rma_write"], tensor: torch.Tensor,
                 start: float) -> None:
         self.comm.counter.add(op, self.comm.name, self.comm.size,
                               tensor.numel() * tensor.element_size(),

@@ -9,8 +9,9 @@
 - `sync_easgd` is deterministic and the same mathematics under `grid` 2×2 and `domain` 2×2 (a
   replica is a model group, the centre sharded like the weights) as under `data` 1×2;
 - every method reaches 0.9 validation accuracy on digits;
-- with rank 3 sleeping in every step, the other workers keep ≥ 80% of their rate under
-  `async_easgd` and `hogwild_easgd`, while `sync_easgd` falls to the straggler's pace.
+- with rank 3 sleeping in every step, the other workers run at ≥ 2.5 times its rate under
+  every asynchronous method (`async_easgd`, `hogwild_easgd`, `async_sgd`, `async_msgd`,
+  `hogwild_sgd`), while under `sync_easgd` they fall to the straggler's pace.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import check_async_sgd  # noqa: F401
 import torch
 import torch.nn.functional as F
 from harness import check, run_checks, train_losses, train_run
@@ -287,30 +289,32 @@ def every_method_reaches_90_percent_on_digits() -> None:
         assert summary(path)["val_accuracy"] >= 0.9, summary(path)["val_accuracy"]
 
 
+ASYNCHRONOUS = ("async_easgd", "hogwild_easgd", "async_sgd", "async_msgd", "hogwild_sgd")
+
+
 @check
 def asynchronous_methods_do_not_wait_for_a_straggler() -> None:
-    # Four ranks share two cores, so one worker's rate swings with the scheduler (a worker may
-    # run at a third of another's in the same job); the others' rates are summed, and the
-    # asynchronous runs are long enough (~0.3 s) that a time slice or two does not decide.
+    # Rank 3 sleeps 40 ms in every step, so it cannot pass 25 steps/s. A replica that waited
+    # for it, even once every few steps, would be held near its rate; one that never waits
+    # runs at its own pace, several times faster. Each rank's rate counts its steps alone (not
+    # the end, where all meet). The others' rates are summed: with four ranks on two cores a
+    # single worker's rate swings threefold with the scheduler, while the straggler's sleep
+    # bounds its rate whatever the load, so the comparison needs no unslowed run.
     grid = ProcessGrid(1, SIZE, WORLD)
-    straggler = {"slow_rank": SIZE - 1, "slow_seconds": 0.015}
+    straggler = {"slow_rank": SIZE - 1, "slow_seconds": 0.04}
     ratios = {}
-    for name, steps in (("async_easgd", 200), ("hogwild_easgd", 250), ("sync_easgd", 60)):
-        rates = {}
-        for slowed in (False, True):
-            path = train_run(config({"name": name, "lr": 0.2}, steps=steps,
-                                    debug=straggler if slowed else None),
-                             OUT / f"straggler_{name}_{slowed}", grid)
-            rates[slowed] = summary(path)["steps_per_s_by_rank"] if RANK == 0 else None
+    for name in (*ASYNCHRONOUS, "sync_easgd"):  # each optimizer's default lr
+        path = train_run(config({"name": name}, steps=40, debug=straggler),
+                         OUT / f"straggler_{name}", grid)
         if RANK == 0:
-            others = range(SIZE - 1)
-            ratios[name] = (sum(rates[True][r] for r in others)
-                            / sum(rates[False][r] for r in others))
+            rates = summary(path)["steps_per_s_by_rank"]
+            ratios[name] = sum(rates[:SIZE - 1]) / (SIZE - 1) / rates[SIZE - 1]
     if RANK == 0:
-        print(f"straggler: others' slowed/unslowed step rate {json.dumps(ratios)}", flush=True)
-        for name in ("async_easgd", "hogwild_easgd"):
-            assert ratios[name] >= 0.8, f"{name} waits for the straggler: {ratios}"
-        assert ratios["sync_easgd"] < 0.5, f"sync_easgd did not wait for the straggler: {ratios}"
+        print(f"straggler: the others' mean step rate over the straggler's "
+              f"{json.dumps(ratios)}", flush=True)
+        for name in ASYNCHRONOUS:
+            assert ratios[name] >= 2.5, f"{name} waits for the straggler: {ratios}"
+        assert ratios["sync_easgd"] < 1.5, f"sync_easgd did not wait for the straggler: {ratios}"
 
 
 if __name__ == "__main__":
