@@ -22,9 +22,10 @@ sparse exchange (when `auto` picks dense, that is the exchange's own path: the r
 a zero table, all-reduced, applied as a dense update). Each mode starts from the same weights and
 sees the same batches; the optimizer is plain SGD (lr 0.1, no momentum). Modes run one after the
 other in the order dense, allgather, sharded, auto (dense first: the others are checked against
-it). A timed step is the whole training step: zero_grad, forward (including the sharded mode's pull
-of stale rows), backward, finish_gradient_sync, SGD step, each step started right after a barrier;
-the median over `--repeats` steps after `--warmup` untimed ones is reported, with min and max.
+it). A timed step is the whole training step: zero_grad, forward (including the sharded mode's
+pull of the rows other ranks own), backward, finish_gradient_sync, SGD step, each step started
+right after a barrier; the median over `--repeats` steps after `--warmup` untimed ones is
+reported, with min and max.
 Tables of `--big-vocab` rows or more (1M rows × 64 float32 = 256 MB per copy) get only
 `--big-repeats` timed steps after `--big-warmup`, to keep the whole default run within about 5
 minutes on 2 cores (peak ≈ 12 GB of RAM over the 4 ranks). Within one run the steps mostly stay
@@ -39,8 +40,12 @@ rank 0 and the largest over ranks. With ring algorithms a rank sends 2(P−1)/P 
 all-reduce's payload but (P−1)/P of an all-gather's, so the dense / allgather ratio of these
 bytes understates the saving on the wire twofold. After its steps each mode brings every copy
 up to date (`refresh_copies`) and its weights are compared with dense's on every rank: the
-largest difference relative to the largest dense weight (≲ 1e-7 when they did the same work).
-For `auto`, the steps spent in each mode it chose.
+largest difference relative to the largest dense weight (≲ 1e-7 when they did the same work;
+a sharded table, held by its owners only, gathered whole first). For `auto`, the steps spent in
+each mode it chose. Memory per rank, the largest over ranks: the parameters a rank holds
+(`param_bytes_max_rank`: under `sharded` its block of the table and the hot replicas, else the
+whole table) and with them the largest working set of rows it pulled
+(`memory_bytes_max_rank`).
 
 Per (P, vocab) the summary gives the crossover: the smallest measured density at which dense's
 median step time is at most the best of allgather and sharded (null if dense never wins), and
@@ -119,7 +124,11 @@ def run_mode(mode: str, initial_table: Any, batches: list[tuple[Any, Any]], grid
 
     from strategies.data import DataParallel
 
-    strategy = DataParallel(sparse=mode, costs=calibration)
+    # what the runner gives a strategy from the dataset: the rows a rank's batch touches (here
+    # exactly round(d · vocab)), from which `auto` decides per table whether to shard it
+    bags, rows = len(batches[0][1]), int(torch.unique(batches[0][0]).numel())
+    strategy = DataParallel(sparse=mode, costs=calibration, rows_touched=lambda _: float(rows),
+                            global_batch=bags * grid.size)
     pmodel = strategy.parallelize(build_model(initial_table), (IDS_PER_BAG,), grid)
     optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
     comm = grid.world.mpi_comm
@@ -141,20 +150,42 @@ def run_mode(mode: str, initial_table: Any, batches: list[tuple[Any, Any]], grid
 
     times = barrier_timed(comm, step, repeats, warmup)
     report = pmodel.exchange_report()
-    pmodel.refresh_copies()  # sharded: the rows other ranks own, fetched from them
-    weights = [p.detach().clone() for p in pmodel.parameters()]
+    pmodel.refresh_copies()  # sharded: the hot replicas written back into their owners' rows
+    weights = whole_parameters(pmodel)
     mean_bytes = statistics.fmean(step_bytes[warmup:])
+    # memory per rank: the parameters this rank holds (a sharded table: its block and the hot
+    # replicas) and the largest working set it pulled (`held_bytes` of the report)
+    param_bytes = sum(p.numel() * p.element_size() for p in pmodel.parameters())
+    pulled = sum(t.get("pulled_rows_max", 0) * EMBEDDING_DIM * 4 for t in report.values())
     result = {
         "median_step_s": statistics.median(times), "min_step_s": min(times),
         "max_step_s": max(times),
         "median_comm_s": statistics.median(comm_seconds[warmup:]),
         "bytes_per_step_rank0": comm.bcast(mean_bytes, root=0),
         "bytes_per_step_max_rank": comm.allreduce(mean_bytes, op=MPI.MAX),
+        "param_bytes_max_rank": comm.allreduce(param_bytes, op=MPI.MAX),
+        "memory_bytes_max_rank": comm.allreduce(param_bytes + pulled, op=MPI.MAX),
     }
     if mode == "auto":
         result["auto_steps_by_mode"] = {name: table["steps_by_mode"]
                                         for name, table in report.items()}
     return result, weights
+
+
+def whole_parameters(pmodel: Any) -> list[Any]:
+    """The model's parameters as one process holds them: a sharded table gathered whole from
+    its owners (its hot replicas, not the model's, left out)."""
+    from strategies.sparse_exchange import SparseGradientExchange, is_hot_row_tensor
+
+    exchanges = [r for r in pmodel.reducers if isinstance(r, SparseGradientExchange)]
+    tables = {id(t.weight): (e, t.name) for e in exchanges for t in e.tables}
+    out = []
+    for name, param in pmodel.module.named_parameters():
+        if is_hot_row_tensor(name):
+            continue
+        exchange, table = tables.get(id(param), (None, ""))
+        out.append(param.detach().clone() if exchange is None else exchange.whole_table(table))
+    return out
 
 
 def worker(vocabs: list[int], densities: list[float], repeats: int, warmup: int,
@@ -247,6 +278,8 @@ def at_density(case: dict[str, Any]) -> dict[str, Any]:
         "bytes_at_least_10x_less": bytes_ratio >= 10,
         "step_time_clearly_lower": fastest["max_step_s"] < dense["min_step_s"],
         "auto_steps_by_mode": modes["auto"].get("auto_steps_by_mode"),
+        "memory_per_rank_dense_bytes": dense["memory_bytes_max_rank"],
+        "memory_per_rank_sharded_bytes": modes["sharded"]["memory_bytes_max_rank"],
     }
 
 

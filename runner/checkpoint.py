@@ -25,13 +25,16 @@ in rank 0's shard (`scalar/<kind>/<replica>/<name>`), listed in the manifest's `
 holding a parameter must agree on it, or the checkpoint is not written. A manifest without
 `scalars` (written before them) has none: it loads as it always did.
 
-Saving is collective over the world: the copies a parameter-server exchange left stale are made
-whole first (`strategy.sparse=sharded`: each table row's weights and optimizer state, momentum or
-Adam's moments, are true on its owner alone; `refresh_copies`, `refresh_state_copies`), so the
-lowest rank holding a row writes its owner's values. Then the ranks agree on who writes what,
-each writes its file (temporary name, fsync, rename), they share what went wrong, and rank 0
-writes the manifest only when every file is in place. A failed write leaves no manifest, so the
-previous checkpoint stays the latest.
+Saving is collective over the world. Under `strategy.sparse=sharded` a rank holds only its
+block of each embedding table (placed like any row shard) and replicas of the table's hot rows,
+which took the steps while their owners' rows went stale: the replicas' weights and optimizer
+state (momentum, Adam's moments) are written back into the owners' rows first
+(`refresh_copies`, `refresh_state_copies`), so the blocks saved are true; the replicas and
+their ids (`<table>.hot_weight`, `<table>.hot_ids`, no tensors of the sequential model) are
+kept too, read back only by a resume with as many hot rows and ignored by any other. Then the
+ranks agree on who writes what, each writes its file (temporary name, fsync, rename), they
+share what went wrong, and rank 0 writes the manifest only when every file is in place. A failed
+write leaves no manifest, so the previous checkpoint stays the latest.
 
 A checkpoint proves itself (format 2): the manifest records each shard's size and the sha256 of
 the bytes written (hashed as they are written, not re-read). A shard is named `rank-NNNNN.pt`
@@ -73,7 +76,7 @@ from runner.core.placement import Placement, global_cols, global_rows, placement
 from runner.optim import ReplicaOptimizer, UnsavableState
 from runner.rundir import atomic_write_text, nearest_existing
 from strategies import ParallelModel
-from strategies.sparse_exchange import UnevenState
+from strategies.sparse_exchange import HOT_IDS, UnevenState, is_hot_row_tensor
 
 # 2: shard sizes and sha256 in the manifest. Column-split entries (8 fields) need no new
 # format: a reader that predates them refuses such an entry as malformed, it never misreads it.
@@ -899,6 +902,8 @@ class Checkpoint:
         spans: dict[tuple[str, int | None, str], list[Placement]] = {}
         known = {**(buffers or {}), **shapes}
         for _, entry in self.entries:
+            if is_hot_row_tensor(entry.name):
+                continue  # a sharded table's hot-row replicas: no tensor of the sequential model
             shape = (buffers or {}).get(entry.name) if entry.kind == BUFFERS else \
                 shapes.get(entry.name)
             if shape is None:
@@ -908,7 +913,7 @@ class Checkpoint:
                         f"{list(shape)} in this model")
             spans.setdefault((entry.kind, entry.replica, entry.name), []).append(entry.place)
         for scalar in self.scalars:
-            if scalar.name not in shapes:
+            if scalar.name not in shapes and not is_hot_row_tensor(scalar.name):
                 return (f"its {scalar.kind} value for {scalar.name!r} is not a parameter of "
                         f"this model")
         for (kind, _, name), blocks in spans.items():
@@ -950,6 +955,8 @@ class Checkpoint:
         for file, entry in self.entries:
             if entry.kind != kind or entry.replica != replica or entry.name != place.name:
                 continue
+            if entry.shape != place.shape and is_hot_row_tensor(place.name):
+                continue  # another number of hot rows: none for this run (the table is whole)
             if entry.shape != place.shape:
                 raise CheckpointError(
                     f"checkpoint {self.path}: {place.name} has shape {list(entry.shape)} in "
@@ -1047,11 +1054,40 @@ def resume_plan(checkpoint: Checkpoint, per_replica: bool, has_centre: bool,
                       same_replicas or not saved_per_replica)
 
 
+def _is_hot(tensor: torch.Tensor) -> bool:
+    return is_hot_row_tensor(_placement(tensor).name)
+
+
+def _read_weights(checkpoint: Checkpoint, kind: str, replica: int | None,
+                  params: Sequence[torch.Tensor]) -> None:
+    """Copy `kind`'s values into `params`; a sharded table's hot-row replicas only when the
+    checkpoint has them (one written under another exchange has its rows in the table)."""
+    for param in params:
+        checkpoint.read_into(kind, replica, _placement(param), param.data,
+                             optional=_is_hot(param))
+
+
+def _hot_rows_without_checkpoint(checkpoint: Checkpoint, buffers: Sequence[torch.Tensor],
+                                 plan: ResumePlan) -> list[str]:
+    """A sharded table resumed from a checkpoint without hot rows keeps none (every slot
+    empty): replicas chosen now would start their optimizer state from zero, while their
+    owners' rows hold the true state."""
+    kind, replica = _buffers_source(plan)
+    notes = []
+    for buffer in buffers:
+        place = _placement(buffer)
+        if place.name.rsplit(".", 1)[-1] != HOT_IDS:
+            continue
+        if not checkpoint.files_for(kind, replica, [place], optional=True):
+            buffer.fill_(-1)
+            notes.append(f"{place.name}: no hot rows in the checkpoint, so none this run")
+    return notes
+
+
 def load_centre(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelModel) -> None:
     """Before the optimizer is built (it takes its centre from the model's weights)."""
     if plan.centre is not None:
-        params = list(model.parameters())
-        _copy_into(params, checkpoint.read_tensors(*plan.centre, params))
+        _read_weights(checkpoint, *plan.centre, list(model.parameters()))
 
 
 def load_training_state(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelModel,
@@ -1061,7 +1097,7 @@ def load_training_state(checkpoint: Checkpoint, plan: ResumePlan, model: Paralle
     state whole) and this rank's RNG; returns what could not be restored exactly (for the
     log)."""
     params = list(model.parameters())
-    _copy_into(params, checkpoint.read_tensors(*plan.weights, params))
+    _read_weights(checkpoint, *plan.weights, params)
     notes = []
     buffers = _placed_buffers(model)
     if buffers and checkpoint.has(BUFFERS):
@@ -1069,8 +1105,9 @@ def load_training_state(checkpoint: Checkpoint, plan: ResumePlan, model: Paralle
         saved = checkpoint.read_states(kind, replica, buffers)
         _copy_into([b for b, v in zip(buffers, saved, strict=True) if v is not None],
                    [v for v in saved if v is not None])
-    elif buffers:
+    elif any(not _is_hot(buffer) for buffer in buffers):
         notes.append("running statistics start afresh (the checkpoint has none)")
+    notes += _hot_rows_without_checkpoint(checkpoint, buffers, plan)
     states: dict[str, list[torch.Tensor | None]] = {}
     scalar_kinds = optimizer.scalar_kinds()
     for kind in (*optimizer.state_kinds(), *scalar_kinds):
@@ -1108,7 +1145,10 @@ def prepare_resume(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelMode
     waiting). Only these shards are hashed here (the head verified the whole checkpoint): the
     bytes hashed are the bytes loaded, so a file changed since the head's check is caught."""
     places = _placements(model)
+    hot = [place for place in places if is_hot_row_tensor(place.name)]
+    places = [place for place in places if not is_hot_row_tensor(place.name)]
     files = checkpoint.files_for(*plan.weights, places)
+    files |= checkpoint.files_for(*plan.weights, hot, optional=True)
     if checkpoint.has(BUFFERS):
         files |= checkpoint.files_for(*_buffers_source(plan),
                                       [_placement(b) for b in _placed_buffers(model)],
@@ -1117,7 +1157,8 @@ def prepare_resume(checkpoint: Checkpoint, plan: ResumePlan, model: ParallelMode
         files |= checkpoint.files_for(*plan.centre, places)
     if plan.same_replicas:  # the optimizer's state: read only for the same replicas
         for kind in {entry.kind for _, entry in checkpoint.entries} - set(WHOLE_KINDS):
-            files |= checkpoint.files_for(kind, plan.states_replica, places, optional=True)
+            files |= checkpoint.files_for(kind, plan.states_replica, places + hot,
+                                          optional=True)
     same_grid = checkpoint.manifest["grid"] == {"pr": grid.pr, "pc": grid.pc}
     files |= {shard_file(0), shard_file(grid.rank if same_grid else 0)}  # sampler, RNG
     checkpoint.load_shards(sorted(files))

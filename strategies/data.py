@@ -20,15 +20,20 @@ from runner.core.cost import (
     CommOp,
     MachineCosts,
     SparseMode,
+    choose_partitions,
     choose_sparse_mode,
+    node_push_seconds,
+    sharded_rows_per_rank,
     sparse_exchange_ops,
 )
+from runner.core.sparse import NodeRoutes
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import batch_norm_ops, batch_norm_problems, distribute_batch_norms
 from strategies.registry import register_strategy
 from strategies.sharded import activation_itemsize, feature_sizes
 from strategies.sparse_exchange import (
+    PER_STEP_MODES,
     SPARSE_CHOICES,
     EmbeddingTable,
     SparseChoice,
@@ -49,12 +54,20 @@ class DataParallelModel(ParallelModel):
 
 
 BATCH_NORM_MODES = ("global", "local")
+# Hot rows per owners-only table. Blocks of frequency-ranked ids put the head of the vocabulary
+# on owner 0; replicating the 256 most widely read rows takes it away (measured on
+# `dataset=tokens`, 4 ranks: rank 0 moved 39% more than the balanced prediction with none,
+# within 3% with 256), and their all-reduce stays small (256 rows). The cost model may take
+# fewer.
+DEFAULT_HOT_ROWS = 256
 
 
 @register_strategy("data")
 class DataParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 sparse: SparseChoice = "auto", batch_norm: str = "global", *,
+                 sparse: SparseChoice = "auto", batch_norm: str = "global",
+                 sparse_hot_rows: int = DEFAULT_HOT_ROWS, sparse_partitions: int | str = "auto",
+                 ranks_per_node: int | str = "auto", *,
                  costs: MachineCosts = DEFAULT_COSTS,
                  rows_touched: Callable[[int], float] | None = None,
                  compute_dtype: torch.dtype | None = None,
@@ -64,6 +77,13 @@ class DataParallel(Strategy):
                          compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
                          slowdown=slowdown)
         self.sparse = sparse
+        # the most rows of a table replicated on every rank under the owners-only exchange
+        self.sparse_hot_rows = sparse_hot_rows
+        # how many ranks own a table's rows: `auto` (the cost model) or a number ≤ P
+        self.sparse_partitions = sparse_partitions
+        # which ranks share a node, for the owners-only push's sums inside a node: `auto` (MPI's
+        # shared-memory groups) or a number (ranks r // n share a node: a test on one machine)
+        self.ranks_per_node = ranks_per_node
         # global: BatchNorm statistics of every rank's rows (one process's model); local: each
         # rank's own rows, as DDP without SyncBatchNorm (another model: not one process's
         # losses, no statistics exchanged).
@@ -72,6 +92,20 @@ class DataParallel(Strategy):
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         if self.sparse not in SPARSE_CHOICES:
             return [f"strategy.sparse={self.sparse}: must be one of {', '.join(SPARSE_CHOICES)}"]
+        if (not isinstance(self.sparse_hot_rows, int) or isinstance(self.sparse_hot_rows, bool)
+                or self.sparse_hot_rows < 0):
+            return [f"strategy.sparse_hot_rows={self.sparse_hot_rows}: must be a whole number "
+                    f"of rows, 0 or more (0: no replicated hot rows)"]
+        parts = self.sparse_partitions
+        if parts != "auto" and (not isinstance(parts, int) or isinstance(parts, bool)
+                                or not 1 <= parts <= grid.size):
+            return [f"strategy.sparse_partitions={parts}: must be auto or a number of owner "
+                    f"ranks from 1 to the {grid.size} ranks"]
+        per_node = self.ranks_per_node
+        if per_node != "auto" and (not isinstance(per_node, int) or isinstance(per_node, bool)
+                                   or not 1 <= per_node <= grid.size):
+            return [f"strategy.ranks_per_node={per_node}: must be auto or a number of ranks "
+                    f"from 1 to the {grid.size} ranks"]
         if self.batch_norm not in BATCH_NORM_MODES:
             return [f"strategy.batch_norm={self.batch_norm}: must be one of "
                     f"{', '.join(BATCH_NORM_MODES)}"]
@@ -88,7 +122,13 @@ class DataParallel(Strategy):
                     grid: GridShape) -> list[str]:
         if grid.size == 1:
             return []
-        return [f"strategy=data cannot split {p}" for p in batch_norm_problems(model)]
+        problems = [f"strategy=data cannot split {p}" for p in batch_norm_problems(model)]
+        if self.sparse == "sharded":  # tables that live on their owners only
+            problems += [f"strategy.sparse=sharded: table {name or 'model'} has max_norm, "
+                         f"which renormalises the rows it reads in place; the owners-only "
+                         f"exchange cannot (use strategy.sparse=allgather or dense)"
+                         for name, module in sparse_tables(model) if module.max_norm is not None]
+        return problems
 
     def _split(self, model: nn.Module) -> tuple[list[tuple[str, EmbeddingTable]],
                                                list[nn.Parameter]]:
@@ -108,9 +148,75 @@ class DataParallel(Strategy):
             pmodel.reducers = gradient_exchange(dense, grid.world, 1.0 / grid.size,
                                                 self.bucket_cap_bytes, self.first_bucket_bytes)
             if tables and grid.size > 1:
+                owners_only = [name for name, module in tables  # max_norm: whole tables
+                               if self._table_mode(module.weight, grid.size) == "sharded"
+                               and module.max_norm is None]
+                parts = {name: self.table_parts(module.weight, grid.size)
+                         for name, module in tables}
+                nodes = self._nodes(grid) if owners_only else None
+                routes = {name: NodeRoutes(nodes) for name, module in tables
+                          if name in owners_only and nodes is not None
+                          and self.node_push_pays(module.weight, grid.size, nodes)}
                 pmodel.reducers.append(SparseGradientExchange(
-                    tables, grid.world, 1.0 / grid.size, self.sparse, self.costs))
+                    tables, grid.world, 1.0 / grid.size, self.sparse, self.costs,
+                    owners_only=owners_only, parts=parts, hot_rows=self.sparse_hot_rows,
+                    node_routes=routes))
         return pmodel
+
+    def _nodes(self, grid: ProcessGrid) -> list[int]:
+        """Each rank's node (collective): by `ranks_per_node`, or MPI's shared-memory groups
+        (each named by its lowest world rank)."""
+        if isinstance(self.ranks_per_node, int):
+            return [rank // self.ranks_per_node for rank in range(grid.size)]
+        from mpi4py import MPI
+
+        world = grid.world.communicator
+        shared = world.Split_type(MPI.COMM_TYPE_SHARED)
+        node = shared.allreduce(world.Get_rank(), op=MPI.MIN)
+        shared.Free()
+        return [int(k) for k in world.allgather(node)]
+
+    def node_push_pays(self, weight: torch.Tensor, p: int, nodes: list[int]) -> bool:
+        """Whether summing a node's rows before the push across nodes is cheaper for this
+        table (`node_push_seconds`): only with nodes of equal size, more than one of them and
+        of more than one rank, and rows that the node's ranks share (from the data's
+        expected rows of a node's batch)."""
+        sizes = {nodes.count(node) for node in set(nodes)}
+        if len(sizes) != 1 or len(set(nodes)) < 2 or sizes == {1}:
+            return False
+        per_node = sizes.pop()
+        num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
+        direct, through = node_push_seconds(p, per_node, row_bytes,
+                                            self._expected_rows(num_rows, p),
+                                            self._node_rows(num_rows, p, per_node), self.costs)
+        return through < direct
+
+    def _node_rows(self, num_rows: int, p: int, per_node: int) -> float | None:
+        """The distinct rows a node's batch is expected to touch (None: no model of the data)."""
+        if self.rows_touched is None or self.global_batch is None:
+            return None
+        return min(num_rows, self.rows_touched(self.global_batch // p * per_node))
+
+    def _expected_rows(self, num_rows: int, p: int) -> float:
+        """The rows of a table a rank's batch is expected to touch (all, without a model of
+        the data)."""
+        if self.rows_touched is None or self.global_batch is None:
+            return num_rows
+        return min(num_rows, self.rows_touched(self.global_batch // p))
+
+    def _table_mode(self, weight: torch.Tensor, p: int) -> SparseChoice:
+        """How a table is exchanged for the whole run: `sharded` (owners-only storage) when
+        asked, or under `auto` when the cost model prefers it for the rows a batch is expected
+        to touch (decided once: a table on its owners cannot become whole again every other
+        step); `auto` then means a per-step choice of dense and allgather."""
+        if self.sparse != "auto":
+            return self.sparse
+        if p <= 1:
+            return "auto"
+        num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
+        rows = self._expected_rows(num_rows, p)
+        best = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs)
+        return "sharded" if best == "sharded" else "auto"
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
@@ -127,6 +233,24 @@ class DataParallel(Strategy):
                                            global_batch // grid.size)
         return ops
 
+    def table_parts(self, weight: torch.Tensor, p: int) -> int:
+        """How many ranks own the rows of an owners-only table: `strategy.sparse_partitions`,
+        or under `auto` the cost model's choice for the rows a batch is expected to touch."""
+        if isinstance(self.sparse_partitions, int):
+            return min(self.sparse_partitions, p)
+        num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
+        return choose_partitions(p, num_rows, row_bytes, self._expected_rows(num_rows, p),
+                                 self.costs)
+
+    def table_rows_per_rank(self, weight: torch.Tensor, p: int) -> int:
+        """Rows of a sparse table that rank 0 holds as parameters: the whole table, or under
+        the owners-only exchange its block and the hot replicas (`sharded_rows_per_rank`)."""
+        num_rows = weight.shape[0]
+        if p <= 1 or self._table_mode(weight, p) != "sharded":
+            return num_rows
+        return sharded_rows_per_rank(num_rows, self.table_parts(weight, p),
+                                     min(self.sparse_hot_rows, num_rows))
+
     def predict_sparse_ops(self, name: str, weight: torch.Tensor, p: int,
                            samples_per_rank: int) -> list[CommOp]:
         """The exchange of one table, its rows per rank expected from the data (`rows_touched`;
@@ -135,14 +259,34 @@ class DataParallel(Strategy):
         num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
         rows = (num_rows if self.rows_touched is None
                 else min(num_rows, self.rows_touched(samples_per_rank)))
-        mode: SparseMode = (choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs)
+        if self._table_mode(weight, p) == "sharded":
+            hot = min(self.sparse_hot_rows, num_rows)
+            node_ranks, node_rows = 1, 0.0
+            if isinstance(self.ranks_per_node, int):  # `auto`: the planner sees one node
+                nodes = [rank // self.ranks_per_node for rank in range(p)]
+                if self.node_push_pays(weight, p, nodes):
+                    node_ranks = self.ranks_per_node
+                    node_rows = (self._node_rows(num_rows, p, node_ranks)
+                                 or rows * node_ranks)
+            return sparse_exchange_ops("sharded", "world", p, num_rows, row_bytes, rows,
+                                       rows * p, label=name, hot_rows=hot,
+                                       parts=self.table_parts(weight, p),
+                                       node_ranks=node_ranks, node_rows=node_rows)
+        mode: SparseMode = (choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs,
+                                               PER_STEP_MODES)
                             if self.sparse == "auto" else self.sparse)
         return sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, rows, rows * p,
                                    label=name, counts_first=self.sparse == "auto")
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+        tables = {id(module.weight): module.weight for _, module in self._split(model)[0]}
+        total = sum(p.numel() * p.element_size() for p in model.parameters()
+                    if id(p) not in tables)
+        for weight in tables.values():  # rank 0's rows of each table
+            row_bytes = weight[0].numel() * weight.element_size()
+            total += self.table_rows_per_rank(weight, grid.size) * row_bytes
+        return total
 
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:

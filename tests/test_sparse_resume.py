@@ -1,12 +1,14 @@
-"""Resuming under the sharded sparse exchange is exact (`strategy.sparse=sharded`).
+"""Resuming under the owners-only sharded exchange is exact (`strategy.sparse=sharded`).
 
-Under `sharded` each row of an embedding table has one owner, which alone updates it with the
-true gradient; the other ranks' copies of the row, and of its optimizer state (momentum, Adam's
-moments), are caches. A checkpoint must keep the owners' state for every row, not one rank's
-copy of the whole table. Real ranks at 1 x 2, float64: 20 straight steps against 10 steps,
-a checkpoint and a resume to 20 in the same run directory; the losses must agree bit for bit,
-with Adam and with SGD's momentum. Rank 0's comm bytes per step are the same in both (a
-checkpoint's traffic is not a step's).
+Under `sharded` each rank holds only its block of each embedding table's rows (and their
+optimizer state), plus the replicated hot rows, which take the steps while their owners' copies
+go stale. A checkpoint must keep the true value and state of every row: the hot replicas are
+written back into their owners' blocks first, the blocks are saved as row blocks of the table,
+and the replicas and their choice are kept too. Real ranks at 1 x 2, float64: 20 straight steps
+against 10 steps, a checkpoint and a resume to 20 in the same run directory; the losses must
+agree bit for bit, with Adam and with SGD's momentum. Rank 0's comm bytes per step are the same
+in both (a checkpoint's traffic is not a step's). The same checkpoint resumed on one process
+(the table whole again) gives the straight run's losses to rounding.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,6 +51,11 @@ def _finish_all(processes: list[subprocess.Popen[str]]) -> None:
                 process.communicate()
 
 
+def _batch(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {table: {key: report[key] for key in ("mode", "rows", "density", "hot_rows")}
+            for table, report in metrics["sparse"].items()}
+
+
 def _steps(run_dir: Path) -> dict[int, dict[str, float]]:
     lines = [m for m in read_metrics(run_dir) if "split" not in m]
     steps = [m["step"] for m in lines]
@@ -70,8 +78,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
         checkpoint = latest_checkpoint(halves / "checkpoints")
         assert checkpoint is not None and checkpoint.name == f"step-{HALF:08d}"
     _finish_all([_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}", "trainer.resume=auto",
-                        f"hydra.run.dir={halves}") for name, (_, halves) in dirs.items()])
+                        f"hydra.run.dir={halves}") for name, (_, halves) in dirs.items()]
+                + [_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}", "grid.pc=1",
+                          f"trainer.resume={halves / 'checkpoints' / f'step-{HALF:08d}'}",
+                          f"hydra.run.dir={tmp / f'{name}_one'}")
+                   for name, (_, halves) in dirs.items()])
     return dirs
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_sharded_checkpoint_resumes_on_one_process(runs: dict[str, tuple[Path, Path]],
+                                                     optimizer: str) -> None:
+    straight, halves = runs[optimizer]
+    expected, got = _steps(straight), _steps(halves.parent / f"{optimizer}_one")
+    assert sorted(got) == list(range(HALF + 1, STEPS + 1))
+    worst = max(abs(got[s]["loss"] - expected[s]["loss"]) / abs(expected[s]["loss"])
+                for s in got)
+    assert worst <= 1e-12, f"{optimizer}: one process's losses differ by up to {worst:.3g}"
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -81,7 +104,8 @@ def test_a_sharded_table_resumes_exactly(runs: dict[str, tuple[Path, Path]],
     expected, got = _steps(straight), _steps(halves)
     assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
     assert all(got[s]["loss"] == expected[s]["loss"] for s in range(1, HALF + 1))
-    assert all(got[s]["sparse"] == expected[s]["sparse"] for s in got)  # sharded every step
+    # sharded every step, the same rows (the memory report's largest pull counts from the start)
+    assert all(_batch(got[s]) == _batch(expected[s]) for s in got)
     worst = max(abs(got[s]["loss"] - expected[s]["loss"]) for s in range(HALF + 1, STEPS + 1))
     assert worst <= 1e-12, f"{optimizer}: resumed losses differ by up to {worst:.3g}"
 
@@ -96,15 +120,15 @@ def test_a_checkpoint_s_traffic_is_no_step_s(runs: dict[str, tuple[Path, Path]],
     assert [got[s]["comm_bytes"] for s in got] == [expected[s]["comm_bytes"] for s in got]
 
 
-# -- the hook itself, on real ranks (`ParallelModel.refresh_state_copies`) ----------------------
+# -- the write-back itself, on real ranks (`refresh_copies`, `refresh_state_copies`) -------------
 
 HOOK_CHECK = '''
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from runner.core import CommCounter, CountedComm, ProcessGrid
-from runner.core.sparse import CyclicRows
+from runner.core import CommCounter, ProcessGrid
+from runner.core.sparse import BlockRows
 from runner.datasets import ZipfTokens
 from runner.models import bag_classifier
 from runner.optim import SynchronousSGD, TorchAdam
@@ -114,7 +138,7 @@ from strategies.sparse_exchange import UnevenState
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 COUNTER = CommCounter(keep_records=True)
-VOCAB, WIDTH = 503, 8  # a prime number of rows: owners with different row counts
+VOCAB, WIDTH, HOT = 503, 8, 16  # a prime number of rows: blocks of different sizes
 
 
 def trained(optimizer_cls, **options):
@@ -122,7 +146,7 @@ def trained(optimizer_cls, **options):
     grid = ProcessGrid(1, SIZE, WORLD, counter=COUNTER)
     torch.manual_seed(0)
     model = bag_classifier((16,), 4, vocab_size=VOCAB, embedding_dim=WIDTH, hidden=(8,)).double()
-    pmodel = DataParallel(sparse="sharded").parallelize(model, (16,), grid)
+    pmodel = DataParallel(sparse="sharded", sparse_hot_rows=HOT).parallelize(model, (16,), grid)
     optimizer = optimizer_cls(pmodel, grid, 6, **options)
     for step in range(6):
         rows = slice(step * 16 * SIZE + RANK * 16, step * 16 * SIZE + (RANK + 1) * 16)
@@ -133,68 +157,54 @@ def trained(optimizer_cls, **options):
     return pmodel, optimizer
 
 
-def owners_truth(tensor):
-    """Every owner's own rows of `tensor` (its copy), put together (by plain MPI)."""
-    rows = CyclicRows(VOCAB, SIZE)
-    truth = torch.empty_like(tensor)
-    for owner in range(SIZE):
-        piece = tensor[rows.owned(owner)].contiguous() if owner == RANK else None
-        truth[rows.owned(owner)] = WORLD.bcast(piece, root=owner)
-    return truth
-
-
 for optimizer_cls, options in ((SynchronousSGD, {"lr": 0.5, "momentum": 0.9}),
                                (TorchAdam, {"lr": 0.01})):
     pmodel, optimizer = trained(optimizer_cls, **options)
-    table = pmodel.module[0].weight
-    index = [p is table for p in pmodel.parameters()].index(True)
+    module = pmodel.module[0]
+    block = BlockRows(VOCAB, SIZE).block(RANK)
+    assert module.weight.shape == (block.stop - block.start, WIDTH), module.weight.shape
+    hot_ids = module.hot_ids[module.hot_ids >= 0]
+    assert 0 < len(hot_ids) <= HOT, module.hot_ids
+    params = list(pmodel.parameters())
+    ids = [id(p) for p in params]
+    table, hot = ids.index(id(module.weight)), ids.index(id(module.hot_weight))
     states = optimizer.param_states()
     kinds = [k for k in states if k not in optimizer.scalar_kinds()]
-    assert kinds and all(states[k][index] is not None for k in kinds), "state on every rank"
-    truth = {k: owners_truth(states[k][index]) for k in kinds}
-    others = {k: [t.clone() for i, t in enumerate(states[k]) if i != index] for k in kinds}
-    stale = [not torch.equal(states[k][index], truth[k]) for k in kinds]
-    assert SIZE == 1 or any(WORLD.allgather(any(stale))), "nothing was stale: a weak check"
+    assert kinds and all(states[k][table].shape == module.weight.shape for k in kinds), \
+        "the optimizer's state of the table holds the owned rows only"
+    mine = (hot_ids >= block.start) & (hot_ids < block.stop)
+    local, slots = hot_ids[mine] - block.start, torch.nonzero(mine).flatten()
+    stale = [not torch.equal(states[k][table][local], states[k][hot][slots]) for k in kinds]
+    assert any(WORLD.allgather(any(stale))), "nothing was stale: a weak check"
+    others = {k: [t.clone() for i, t in enumerate(states[k]) if i not in (table, hot)]
+              for k in kinds}
     before = len(COUNTER.records)
+    pmodel.refresh_copies()
     pmodel.refresh_state_copies(states)  # the scalars (Adam's step) are left alone
-    for k in kinds:  # filled in place, from the owners; the other parameters' state untouched
-        assert torch.equal(optimizer.param_states()[k][index], truth[k]), k
+    assert len(COUNTER.records) == before, "the write-back is local"
+    assert torch.equal(module.weight[local], module.hot_weight[slots])
+    for k in kinds:  # the owners' rows take the replicas' state; nothing else changes
+        assert torch.equal(states[k][table][local], states[k][hot][slots]), k
         assert all(torch.equal(a, b) for a, b in zip(
-            [t for i, t in enumerate(optimizer.param_states()[k]) if i != index], others[k]))
-    moved = COUNTER.records[before:]
-    assert [r.label for r in moved] == ["state refresh flags"] + ["0 state refresh"] * len(kinds)
-    assert sum(r.nbytes for r in moved[1:]) == len(kinds) * table.numel() * 8
-    before = len(COUNTER.records)
-    pmodel.refresh_state_copies(states)  # nothing stale any more: nothing moves
-    assert len(COUNTER.records) == before
-    # a state some ranks lack: refused on every rank alike, and the ranks stay in step
-    pmodel.module[0].weight.grad = None
-    x = torch.zeros(16, 16, dtype=torch.long)
-    pmodel.zero_grad()
-    F.cross_entropy(pmodel(x), torch.zeros(16, dtype=torch.long)).backward()
-    pmodel.finish_gradient_sync()  # a sharded step: the state is stale again
-    uneven = {k: [None if (i == index and RANK == SIZE - 1) else t
-                  for i, t in enumerate(states[k])] for k in kinds}
+            [t for i, t in enumerate(states[k]) if i not in (table, hot)], others[k]))
+    # the replicas' state without the owned rows' (or the other way round): refused
+    uneven = {k: [None if i == table else t for i, t in enumerate(states[k])] for k in kinds}
     try:
         pmodel.refresh_state_copies(uneven)
         raise AssertionError("uneven state was not refused")
     except UnevenState as exc:
-        assert f"held by {SIZE - 1} of {SIZE} ranks" in str(exc), exc
-    # none holds it: nothing but the flags moves
-    before = len(COUNTER.records)
-    pmodel.refresh_state_copies({k: [None] * len(states[k]) for k in kinds})
-    assert [r.label for r in COUNTER.records[before:]] == ["state refresh flags"]
+        assert "hot rows" in str(exc), exc
     WORLD.Barrier()
 if RANK == 0:
     print("hook ok", flush=True)
 '''
 
 
-def test_the_hook_fills_every_copy_from_the_owners(tmp_path: Path) -> None:
-    """Momentum and Adam's moments of the table made the owners' on every rank, in place, the
-    other parameters' state untouched, the bytes counted under their own labels; nothing moves
-    once whole; a state that some ranks lack is refused on all of them (no rank left waiting).
-    Three ranks: owners of different numbers of rows."""
+def test_the_hot_rows_are_written_back_into_their_owners(tmp_path: Path) -> None:
+    """Each rank's table parameter and its momentum or Adam's moments hold its block of rows
+    only; the hot replicas' weights and state are written back into their owners' rows, in
+    place, without moving a byte; the other parameters' state is untouched; state held for the
+    replicas but not for the owned rows is refused. Three ranks: blocks of different sizes."""
     script = tmp_path / "hook_check.py"
     script.write_text(HOOK_CHECK)
     result = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(script)], cwd=ROOT,

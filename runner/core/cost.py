@@ -116,7 +116,9 @@ INDEX_BYTES = 8  # int64 row ids
 
 def sparse_exchange_ops(mode: SparseMode, group: GridGroup, p: int, num_rows: int, row_bytes: int,
                         own_rows: float, all_rows: float, label: str = "",
-                        counts_first: bool = False) -> list[CommOp]:
+                        counts_first: bool = False, hot_rows: int = 0,
+                        parts: int | None = None, node_ranks: int = 1,
+                        node_rows: float = 0.0) -> list[CommOp]:
     """The operations one rank issues to exchange the gradient of a (num_rows × row) table of
     which it touched `own_rows` rows and all ranks together `all_rows` (counted per rank, so
     rows touched by two ranks count twice), in `mode`:
@@ -125,7 +127,12 @@ def sparse_exchange_ops(mode: SparseMode, group: GridGroup, p: int, num_rows: in
     - allgather: all-gather of the indices and of the rows (every rank gets everyone's rows);
     - sharded: push to the row owners (counts, indices, rows: three all-to-all-v) and the pull
       of the rows the next batch needs (the same three), each rank sending the fraction
-      (p−1)/p of its rows that others own.
+      (K−1)/K of its rows that others own (`parts`: K owners, p when None; rank 0 is an
+      owner); with `hot_rows` H replicated rows, one all-reduce of their H rows as well (their
+      rows are not pushed or pulled: `own_rows` then counts the others). With `node_ranks` > 1
+      ranks per node the push takes two steps (`push_rows_by_node`): (P−N)/P of a rank's rows
+      to the ranks of its node (N nodes), then a delegate's share, (N−1)/P, of the node's
+      `node_rows` distinct rows across the nodes.
 
     `counts_first`: the all-gather of every rank's row count that precedes an `auto` choice
     (and that `allgather` needs anyway). Row counts may be expectations (floats): bytes are
@@ -142,12 +149,22 @@ def sparse_exchange_ops(mode: SparseMode, group: GridGroup, p: int, num_rows: in
         ops += [CommOp("allgather", group, p, round(all_rows * INDEX_BYTES), label + " indices"),
                 CommOp("allgather", group, p, round(all_rows * row_bytes), label + " rows")]
     elif mode == "sharded":
-        sent = own_rows * (p - 1) / p
-        for phase in ("push", "pull"):
+        owners = p if parts is None else parts
+        sent = own_rows * (owners - 1) / owners  # its rows other owners own (push, requests)
+        answered = own_rows * (p - 1) / owners  # the rows of its block others ask for
+        if hot_rows:
+            ops.append(CommOp("allreduce", group, p, hot_rows * row_bytes, label + " hot"))
+        phases = [("push", sent, sent), ("pull", sent, answered)]
+        if node_ranks > 1:  # the push in two steps: inside the node, then the node's sums across
+            nodes = p / node_ranks
+            inside = own_rows * (p - nodes) / p
+            across = node_rows * (nodes - 1) / p
+            phases[:1] = [("push node", inside, inside), ("push", across, across)]
+        for phase, ids_sent, rows_sent in phases:
             ops += [CommOp("alltoallv", group, p, INDEX_BYTES * p, f"{label} {phase} counts"),
-                    CommOp("alltoallv", group, p, round(sent * INDEX_BYTES),
+                    CommOp("alltoallv", group, p, round(ids_sent * INDEX_BYTES),
                            f"{label} {phase} indices"),
-                    CommOp("alltoallv", group, p, round(sent * row_bytes),
+                    CommOp("alltoallv", group, p, round(rows_sent * row_bytes),
                            f"{label} {phase} rows")]
     else:
         raise ValueError(f"unknown sparse exchange mode '{mode}'; known: {', '.join(SPARSE_MODES)}")
@@ -200,7 +217,8 @@ def sparse_local_time(mode: SparseMode, num_rows: int, row_bytes: int, own_rows:
 
 
 def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[float],
-                       costs: MachineCosts) -> SparseMode:
+                       costs: MachineCosts,
+                       modes: Sequence[SparseMode] = SPARSE_MODES) -> SparseMode:
     """The mode with the least time for the busiest rank — communication (α–β and the calls'
     cost) plus local work
     (`sparse_local_time`) — given every rank's row count. A pure function of values every rank
@@ -213,4 +231,95 @@ def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[f
         return comm_seconds(ops, costs) + sparse_local_time(
             mode, num_rows, row_bytes, own, total, costs.table_pass, costs.sparse_row)
 
-    return min(SPARSE_MODES, key=cost)
+    return min(modes, key=cost)
+
+
+# -- owners-only tables (`strategy.sparse=sharded`): hot rows, partitions, memory -----------------
+
+def hot_row_gain(ranks_touching: float, p: int, row_bytes: int, costs: MachineCosts) -> float:
+    """Seconds per step saved by replicating one row that `ranks_touching` of the p ranks read
+    every step: each of them would otherwise push its gradient row and pull the row (index and
+    row, both ways, from an owner that is another rank (p−1)/p of the time) and sort, sum and
+    scatter it twice; replicated, every rank all-reduces the row and updates it densely
+    (averaged over the ranks: the all-reduce's cost is every rank's)."""
+    sharded = (ranks_touching / p) * (
+        2 * (p - 1) / p * (row_bytes + INDEX_BYTES) * costs.beta
+        + 2 * row_bytes * costs.sparse_row)
+    replicated = 2 * (p - 1) / p * row_bytes * costs.beta + row_bytes * costs.table_pass
+    return sharded - replicated
+
+
+def choose_hot_rows(ids: Sequence[int], ranks_touching: Sequence[int], limit: int, p: int,
+                    row_bytes: int, costs: MachineCosts) -> list[int]:
+    """The rows to replicate, ascending: of the rows `ids` read by `ranks_touching` ranks each,
+    the most widely read (ties: the lower id) whose replication saves time (`hot_row_gain`),
+    at most `limit`. A pure function of gathered values: every rank chooses alike."""
+    ranked = sorted(zip(ranks_touching, ids, strict=True), key=lambda kr: (-kr[0], kr[1]))
+    chosen = [row for k, row in ranked[:limit] if hot_row_gain(k, p, row_bytes, costs) > 0]
+    return sorted(chosen)
+
+
+def partition_seconds(parts: int, p: int, row_bytes: int, rows_per_rank: float,
+                      costs: MachineCosts) -> float:
+    """Seconds per step of the owners-only exchange for the busiest rank, an owner, when a
+    table's rows are cut into `parts` blocks on as many ranks and each rank touches
+    `rows_per_rank` rows: every rank sends its index and row messages (push, pull) to the
+    owners, one each (fewer owners: fewer messages); an owner sends the rows others own and
+    takes in, sums and answers the rows of its block all others touch, (p−1)/parts of a
+    rank's rows each (fewer owners: more bytes and work on each)."""
+    theirs = rows_per_rank * (parts - 1) / parts
+    asked = rows_per_rank * (p - 1) / parts
+    moved = 2 * (theirs + asked) * (row_bytes + INDEX_BYTES)
+    work = 2 * (rows_per_rank + asked) * row_bytes
+    return 4 * parts * costs.alpha + moved * costs.beta + work * costs.sparse_row
+
+
+def choose_partitions(p: int, num_rows: int, row_bytes: int, rows_per_rank: float,
+                      costs: MachineCosts, memory_bytes: float | None = None) -> int:
+    """How many ranks own a table's rows (K ≤ p): the least `partition_seconds`, among the K
+    whose block (⌈rows / K⌉ rows) fits `memory_bytes` when given (p always qualifies: it is
+    the least memory); ties go to the larger K, which holds less per rank."""
+    fits = [k for k in range(1, p + 1)
+            if memory_bytes is None or -(-num_rows // k) * row_bytes <= memory_bytes] or [p]
+    return min(reversed(fits),
+               key=lambda k: partition_seconds(k, p, row_bytes, rows_per_rank, costs))
+
+
+# Shared memory inside a node against the network between nodes: α and β this many times smaller
+# (an assumption, not measured here: on one machine every rank shares memory).
+DEFAULT_NODE_SPEEDUP = 4.0
+
+
+def node_push_seconds(p: int, ranks_per_node: int, row_bytes: int, rows_per_rank: float,
+                      rows_per_node: float | None, costs: MachineCosts,
+                      node_speedup: float = DEFAULT_NODE_SPEEDUP) -> tuple[float, float]:
+    """Seconds of the owners-only push for one rank (an owner), (direct, through the node), n
+    ranks a node, N = p/n nodes, u rows a rank, each owner's share 1/p of them. Direct: a rank
+    sends u (p−1)/p rows, (n−1)/p of u inside its node (α and β `node_speedup` times smaller)
+    and (p−n)/p across; the owner sums the u (p−1)/p rows it receives. Through the node: a rank
+    sends u (p−N)/p rows inside its node; the delegate sums what its node sent for its N−1
+    owners elsewhere and for itself (u N/p from each of n−1 ranks) and pushes its share
+    (N−1)/p of the node's distinct rows (`rows_per_node`; None: n u, no row shared) to N−1
+    ranks across, which sum (N−1)/p of a node's rows; three operations more."""
+    n = ranks_per_node
+    nodes = p / n
+    node_rows = n * rows_per_rank if rows_per_node is None else rows_per_node
+    row = row_bytes + INDEX_BYTES
+    alpha_in, beta_in = costs.alpha / node_speedup, costs.beta / node_speedup
+    u = rows_per_rank
+    direct = ((p - 1) * costs.alpha + costs.beta * u * (p - n) / p * row
+              + beta_in * u * (n - 1) / p * row
+              + costs.sparse_row * u * (p - 1) / p * row_bytes)
+    inside = u * (p - nodes) / p
+    across = node_rows * (nodes - 1) / p
+    through = ((n - 1) * alpha_in + beta_in * inside * row
+               + (nodes - 1) * costs.alpha + costs.beta * across * row
+               + costs.sparse_row * ((n - 1) * u * nodes / p + across) * row_bytes
+               + 3 * costs.call_seconds("alltoallv"))
+    return direct, through
+
+
+def sharded_rows_per_rank(num_rows: int, parts: int, hot_rows: int) -> int:
+    """Rows of a table that rank 0 holds as parameters under the owners-only exchange: its block
+    (the first, so the largest of the balanced blocks) and the replicated hot rows."""
+    return -(-num_rows // parts) + hot_rows

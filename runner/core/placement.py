@@ -119,8 +119,13 @@ def place_whole(model: nn.Module) -> None:
     """Tag every parameter and buffer (a BatchNorm's running statistics) of `model` with its
     name and whole extent."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        shape = tuple(tensor.shape)
-        setattr(tensor, _ATTRIBUTE, Placement(name, shape, 0, global_rows(shape)))
+        place_whole_tensor(tensor, name)
+
+
+def place_whole_tensor(tensor: torch.Tensor, name: str) -> None:
+    """Tag `tensor` as the whole global tensor `name` (what a checkpoint keys it by)."""
+    shape = tuple(tensor.shape)
+    setattr(tensor, _ATTRIBUTE, Placement(name, shape, 0, global_rows(shape)))
 
 
 def _within(part: slice, length: int, what: str) -> tuple[int, int]:

@@ -2,11 +2,16 @@
 (P = 2 and 4).
 
 - the row-sparse operators against the dense all-reduce they replace, with a rank that has no
-  rows, duplicate indices, and a table smaller than P (owners with no rows); push and pull pass
-  the dot-product (adjoint) test, the all-gather sum is self-adjoint;
+  rows, duplicate indices, and a table smaller than P (owners with no rows): rows dealt or in
+  blocks, over every rank or fewer owners, pushed directly or summed inside nodes first; push
+  and pull pass the dot-product (adjoint) test, the all-gather sum is self-adjoint;
 - the exchange object in every mode, with one rank whose batch never used the table;
 - training: every mode gives the dense exchange's parameters after 12 steps (float32, 1e-6
-  relative), with plain SGD (a sparse update) and with momentum and weight decay (dense);
+  relative), with plain SGD (a sparse update) and with momentum and weight decay (dense); the
+  owners-only `sharded` with and without hot rows and with fewer owners than ranks, and with
+  a node's rows summed before the push (whose step issues the planner's operations);
+- owners-only storage: a rank's table parameter and optimizer state are its block of rows, the
+  rows it holds are the planner's, the hot rows the most widely read;
 - `auto` chooses dense when a batch touches most rows of a table and a sparse mode when it
   touches few; every rank chooses alike.
 """
@@ -21,12 +26,21 @@ from torch import nn
 
 from runner.core import CommCounter, ProcessGrid
 from runner.core.cost import MachineCosts
-from runner.core.sparse import CyclicRows, allgather_sum_rows, pull_rows, push_rows
+from runner.core.sparse import (
+    BlockRows,
+    CyclicRows,
+    NodeRoutes,
+    allgather_sum_rows,
+    pull_rows,
+    push_rows,
+    push_rows_by_node,
+)
 from runner.datasets import ZipfTokens
 from runner.models import bag_classifier
 from runner.optim import SynchronousSGD
+from strategies import ParallelModel
 from strategies.data import DataParallel
-from strategies.sparse_exchange import SparseGradientExchange
+from strategies.sparse_exchange import SparseGradientExchange, is_hot_row_tensor
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -61,18 +75,25 @@ def sparse_operators_equal_the_dense_all_reduce() -> None:
         got_i, got_v = allgather_sum_rows(COMM, indices, values)
         assert torch.equal(got_i, torch.unique(got_i)), "allgather result not coalesced"
         assert torch.allclose(dense(got_i, got_v, num_rows), want, rtol=1e-12, atol=1e-12)
-        rows = CyclicRows(num_rows, SIZE)
-        own_i, own_v = push_rows(COMM, rows, indices, values)
-        assert bool((rows.owner(own_i) == RANK).all()), "push delivered rows to a non-owner"
-        owned = rows.owned(RANK)
-        assert torch.allclose(dense(own_i, own_v, num_rows)[owned], want[owned],
-                              rtol=1e-12, atol=1e-12), "push sums differ from the all-reduce"
-        # pull: each rank asks for its own rows (none on rank 1) from a table whose owned rows
-        # hold the true values and whose other rows hold garbage
-        table = torch.full((num_rows, width), float("nan"), dtype=torch.float64)
-        table[owned] = want[owned]
-        wanted = torch.unique(indices)
-        assert torch.equal(pull_rows(COMM, rows, wanted, table), want[wanted]), "pull"
+        # dealt rows, blocks over every rank, and blocks over fewer owners than ranks
+        for rows in (CyclicRows(num_rows, SIZE), BlockRows(num_rows, SIZE),
+                     BlockRows(num_rows, max(1, SIZE - 1))):
+            owned = rows.owned(RANK)
+            # direct, and through nodes of two ranks (and of three: nodes of unequal size)
+            for per_node in (None, 2, 3):
+                if per_node is None:
+                    own_i, own_v = push_rows(COMM, rows, indices, values)
+                else:
+                    routes = NodeRoutes([rank // per_node for rank in range(SIZE)])
+                    own_i, own_v = push_rows_by_node(COMM, rows, routes, indices, values)
+                assert bool((rows.owner(own_i) == RANK).all()), "push reached a non-owner"
+                assert torch.equal(own_i, torch.unique(own_i)), "push result not coalesced"
+                assert torch.allclose(dense(own_i, own_v, num_rows)[owned], want[owned],
+                                      rtol=1e-12, atol=1e-12), f"{rows} {per_node}: push sums"
+            # pull: each rank asks for its own rows (none on rank 1) from the owners, each of
+            # which holds its own rows only
+            wanted = torch.unique(indices)
+            assert torch.equal(pull_rows(COMM, rows, wanted, want[owned]), want[wanted]), rows
 
 
 @check
@@ -87,7 +108,7 @@ def push_and_pull_are_adjoint_and_allgather_is_self_adjoint() -> None:
     own_i, own_v = push_rows(COMM, rows, wanted, x)
     owned_y = y[own_i]
     lhs = torch.tensor([(own_v * owned_y).sum().item()], dtype=torch.float64)
-    rhs = torch.tensor([(x * pull_rows(COMM, rows, wanted, y)).sum().item()],
+    rhs = torch.tensor([(x * pull_rows(COMM, rows, wanted, y[rows.owned(RANK)])).sum().item()],
                        dtype=torch.float64)
     WORLD.Allreduce(MPI.IN_PLACE, lhs)
     WORLD.Allreduce(MPI.IN_PLACE, rhs)
@@ -113,28 +134,55 @@ def every_mode_handles_a_rank_that_never_used_the_table() -> None:
         exchange = SparseGradientExchange([("t", table)], COMM, 1.0 / SIZE, mode,
                                           MachineCosts(1e-6, 1e-9))
         indices, values = rows_of(RANK, num_rows, width)
-        table.weight.grad = (None if RANK == 1 else  # a batch that never reached the table
-                             torch.sparse_coo_tensor(indices.unsqueeze(0), values,
-                                                     table.weight.shape, check_invariants=False))
+        if mode == "sharded":  # owners-only: the gradient comes through the table's forward,
+            # which every rank runs (it pulls rows): rank 1's with no ids; two forwards before
+            # one exchange (their gradient rows summed)
+            half = len(indices) // 2
+            ((table(indices[:half]) * values[:half]).sum()
+             + (table(indices[half:]) * values[half:]).sum()).backward()
+        else:
+            table.weight.grad = (None if RANK == 1 else
+                                 torch.sparse_coo_tensor(indices.unsqueeze(0), values,
+                                                         table.weight.shape,
+                                                         check_invariants=False))
         exchange.finish()
         grad = table.weight.grad.to_dense()
-        if exchange.report()["t"]["mode"] == "sharded":  # owners hold their rows' sums only
-            owned = CyclicRows(num_rows, SIZE).owned(RANK)
-            assert torch.allclose(grad[owned], want[owned], rtol=1e-12, atol=1e-12), mode
-            others = torch.ones(num_rows, dtype=torch.bool)
-            others[owned] = False
-            assert not grad[others].any(), f"{mode}: gradient rows on a non-owner"
+        if mode == "sharded":  # owners hold their own rows, and their sums only
+            block = BlockRows(num_rows, SIZE).block(RANK)
+            assert grad.shape == want[block].shape, f"{mode}: holds {list(grad.shape)}"
+            assert torch.allclose(grad, want[block], rtol=1e-12, atol=1e-12), mode
         else:
             assert torch.allclose(grad, want, rtol=1e-12, atol=1e-12), mode
 
 
-def train_tokens(mode: str, momentum: float, weight_decay: float,
-                 steps: int = 12) -> tuple[list[float], nn.Module]:
+def whole_parameters(pmodel: ParallelModel) -> list[torch.Tensor]:
+    """The model's parameters as one process holds them: an owners-only table gathered whole
+    (its hot replicas, which are not the sequential model's, left out)."""
+    exchanges = [r for r in pmodel.reducers if isinstance(r, SparseGradientExchange)]
+    tables = {id(t.weight): (e, t.name) for e in exchanges for t in e.tables}
+    out = []
+    for name, param in pmodel.module.named_parameters():
+        if is_hot_row_tensor(name):
+            continue
+        exchange, table = tables.get(id(param), (None, ""))
+        out.append(param.detach() if exchange is None else exchange.whole_table(table))
+    return out
+
+
+def train_tokens(mode: str, momentum: float, weight_decay: float, steps: int = 12,
+                 **options: object) -> tuple[list[float], list[torch.Tensor]]:
+    losses, params, _ = train_tokens_reporting(mode, momentum, weight_decay, steps, **options)
+    return losses, params
+
+
+def train_tokens_reporting(mode: str, momentum: float, weight_decay: float, steps: int = 12,
+                           **options: object
+                           ) -> tuple[list[float], list[torch.Tensor], dict[str, object]]:
     data = ZipfTokens(vocab_size=5000, seq_len=16, samples=1024).load()
     grid = ProcessGrid(1, SIZE, WORLD, backend=BACKEND)
     torch.manual_seed(0)
     model = bag_classifier((16,), 4, vocab_size=5000, embedding_dim=16, hidden=(16,))
-    pmodel = DataParallel(sparse=mode).parallelize(model, (16,), grid)
+    pmodel = DataParallel(sparse=mode, **options).parallelize(model, (16,), grid)  # type: ignore[arg-type]
     optimizer = SynchronousSGD(pmodel, grid, steps, lr=0.5, momentum=momentum,
                                weight_decay=weight_decay)
     batch, losses = 16 * SIZE, []
@@ -147,19 +195,102 @@ def train_tokens(mode: str, momentum: float, weight_decay: float,
         optimizer.step(step)
         losses.append(loss.item())
     pmodel.refresh_copies()
-    return losses, pmodel.module
+    return losses, whole_parameters(pmodel), pmodel.exchange_report()
 
 
 @check
 def every_mode_trains_to_the_dense_parameters() -> None:
     for momentum, decay in ((0.0, 0.0), (0.9, 1e-3)):  # a sparse update; a dense one
         _, reference = train_tokens("dense", momentum, decay)
-        for mode in ("allgather", "sharded", "auto"):
-            _, model = train_tokens(mode, momentum, decay)
-            for (name, got), want in zip(model.named_parameters(), reference.parameters(),
-                                         strict=True):
+        for mode, options in (("allgather", {}), ("sharded", {}), ("auto", {}),
+                              ("sharded", {"sparse_hot_rows": 0}),
+                              ("sharded", {"sparse_partitions": max(1, SIZE // 2)})):
+            _, params = train_tokens(mode, momentum, decay, **options)
+            for index, (got, want) in enumerate(zip(params, reference, strict=True)):
                 gap = ((got - want).abs().max() / want.abs().max()).item()
-                assert gap < 1e-6, f"{mode} (momentum {momentum}): {name} off by {gap:.2e}"
+                assert gap < 1e-6, (f"{mode} {options} (momentum {momentum}): parameter "
+                                    f"{index} off by {gap:.2e}")
+
+
+@check
+def a_node_s_rows_summed_before_the_push_train_like_one_process() -> None:
+    """Nodes of two ranks (`ranks_per_node=2`; 4 ranks: two nodes, 2 ranks: one, no sums) and
+    messages dear enough (α = 1 ms) that the cost model takes the node's sums: the dense
+    exchange's parameters, and each step issues the operations the planner predicts."""
+    _, reference = train_tokens("dense", 0.9, 1e-3, steps=6)
+    costs = MachineCosts(1e-3, 2.5e-10)
+    _, params, report = train_tokens_reporting("sharded", 0.9, 1e-3, steps=6, ranks_per_node=2,
+                                               sparse_partitions=SIZE, costs=costs)
+    table = report["0"]
+    assert isinstance(table, dict) and table["node_push"] == (SIZE >= 4), table
+    for index, (got, want) in enumerate(zip(params, reference, strict=True)):
+        gap = ((got - want).abs().max() / want.abs().max()).item()
+        assert gap < 1e-6, f"node push: parameter {index} off by {gap:.2e}"
+    # the operations of one step, as the planner predicts them
+    counter = CommCounter(keep_records=True)
+    grid = ProcessGrid(1, SIZE, WORLD, counter, backend=BACKEND)
+    torch.manual_seed(0)
+    model = bag_classifier((16,), 4, vocab_size=5000, embedding_dim=16, hidden=(16,))
+    strategy = DataParallel(sparse="sharded", ranks_per_node=2, sparse_partitions=SIZE,
+                            costs=costs)
+    predicted = strategy.predict_sparse_ops("0", model[0].weight, SIZE, 16)
+    pmodel = strategy.parallelize(model, (16,), grid)
+    data = ZipfTokens(vocab_size=5000, seq_len=16, samples=256).load()
+    for step in range(2):
+        rows = slice(step * 16 * SIZE + RANK * 16, step * 16 * SIZE + (RANK + 1) * 16)
+        before = len(counter.records)
+        pmodel.zero_grad()
+        F.cross_entropy(pmodel(data.train_x[rows]), data.train_y[rows]).backward()
+        pmodel.finish_gradient_sync()
+    ops = [(r.op, r.label) for r in counter.records[before:] if r.label.startswith("0 ")]
+    assert sorted(ops) == sorted((o.op, o.layer) for o in predicted), (ops, predicted)
+    counts = {r.label: r.nbytes for r in counter.records[before:] if r.label.endswith("counts")}
+    assert counts == {o.layer: o.nbytes for o in predicted if o.layer.endswith("counts")}
+
+
+@check
+def owners_only_tables_hold_their_block_and_the_hot_rows_as_predicted() -> None:
+    """A rank's table parameter is its block of rows, and its optimizer state likewise; the
+    rows it holds as parameters (block and hot replicas) are the planner's for rank 0; the hot
+    rows are read by several ranks and spare the pull; fewer owners than ranks leave the
+    others owning nothing."""
+    vocab, width, hot = 5000, 16, 32
+    data = ZipfTokens(vocab_size=vocab, seq_len=16, samples=256).load()
+    for parts in (SIZE, max(1, SIZE // 2)):
+        grid = ProcessGrid(1, SIZE, WORLD, backend=BACKEND)
+        torch.manual_seed(0)
+        model = bag_classifier((16,), 4, vocab_size=vocab, embedding_dim=width, hidden=(16,))
+        strategy = DataParallel(sparse="sharded", sparse_hot_rows=hot, sparse_partitions=parts)
+        full = model[0].weight.detach().clone()
+        predicted_rows = strategy.table_rows_per_rank(full, SIZE)
+        pmodel = strategy.parallelize(model, (16,), grid)
+        optimizer = SynchronousSGD(pmodel, grid, 2, lr=0.5, momentum=0.9)
+        for step in range(2):
+            rows = slice(step * 16 * SIZE + RANK * 16, step * 16 * SIZE + (RANK + 1) * 16)
+            pmodel.zero_grad()
+            F.cross_entropy(pmodel(data.train_x[rows]), data.train_y[rows]).backward()
+            pmodel.finish_gradient_sync()
+            optimizer.step(step)
+        block = BlockRows(vocab, parts).block(RANK)
+        table = pmodel.module[0]
+        assert table.weight.shape == (block.stop - block.start, width), table.weight.shape
+        momentum = optimizer.param_states()["momentum"][0]
+        assert momentum is not None and momentum.shape == table.weight.shape, "state: owned"
+        report = pmodel.exchange_report()["0"]
+        assert report["param_rows"] == len(table.weight) + hot
+        if RANK == 0:  # measured == predicted: rank 0 holds the first, largest block
+            assert report["param_rows"] == predicted_rows, (report, predicted_rows)
+        assert report["held_bytes"] == report["held_rows"] * width * 4
+        assert report["held_rows"] == report["param_rows"] + report["pulled_rows_max"]
+        assert 0 < report["hot_rows"] <= hot, report
+        # chosen at the first step: the rows most ranks read then, the pull spared them
+        first = [set(data.train_x[k * 16:(k + 1) * 16].flatten().tolist()) for k in range(SIZE)]
+        readers = {i: sum(i in batch for batch in first) for i in set().union(*first)}
+        chosen = table.hot_ids[table.hot_ids >= 0].tolist()
+        assert chosen == sorted(chosen) and all(i in readers for i in chosen), chosen
+        assert min(readers[i] for i in chosen) >= max(
+            (k for i, k in readers.items() if i not in chosen), default=0), \
+            "a row read by fewer ranks was chosen over one read by more"
 
 
 @check
