@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := bundled-mpi,dev,text,tensorboard,sweep
 
-.PHONY: setup run test test-backends lint bench dist clean
+.PHONY: setup run test test-backends lint bench reproduce dist clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/data_parallel.py
+
+# The seed papers' headline comparisons at this machine's scale (7-10 minutes on 2 cores), as
+# markdown and PNGs in docs/reproductions/; ARGS="--only sc17 --quick" and the like pass options.
+reproduce: $(STAMP)
+	$(PY) -m runner.reproduce $(ARGS)
 
 # The wheel a user installs as a tool (conf/ inside it as runner/conf/): dist/gridrun-*.whl
 dist: $(STAMP)
