@@ -5,10 +5,11 @@ optimizer state), plus the replicated hot rows, which take the steps while their
 go stale. A checkpoint must keep the true value and state of every row: the hot replicas are
 written back into their owners' blocks first, the blocks are saved as row blocks of the table,
 and the replicas and their choice are kept too. Real ranks at 1 x 2, float64: 20 straight steps
-against 10 steps, a checkpoint and a resume to 20 in the same run directory; the losses must
-agree bit for bit, with Adam and with SGD's momentum. Rank 0's comm bytes per step are the same
-in both (a checkpoint's traffic is not a step's). The same checkpoint resumed on one process
-(the table whole again) gives the straight run's losses to rounding.
+with a checkpoint at step 10, and that checkpoint resumed to 20; the losses must agree bit for
+bit, with Adam and with SGD's momentum. Rank 0's comm bytes per step are the same in both (a
+checkpoint's traffic is not a step's). The same checkpoint resumed on one process (the table
+whole again) gives the straight run's losses to rounding. (Resuming in the run's own directory,
+`trainer.resume=auto`, is tests/test_checkpoint.py's.)
 """
 
 from __future__ import annotations
@@ -65,32 +66,31 @@ def _steps(run_dir: Path) -> dict[int, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """Per optimizer: the straight run (its step-10 checkpoint is the halves' first: its own
-    traffic, and the state it makes whole, change nothing a step does) and the halves. The
-    independent jobs run at once: the straight runs with the first halves, then the resumes."""
+    """Per optimizer: the straight run (its step-10 checkpoint's own traffic, and the state it
+    makes whole, change nothing a step does) and that checkpoint resumed on 2 ranks and on one
+    process. The independent jobs run at once: the straight runs, then the resumes."""
     tmp = tmp_path_factory.mktemp("sparse_resume")
-    dirs = {name: (tmp / f"{name}_straight", tmp / f"{name}_halves") for name in OPTIMIZERS}
-    _finish_all([_start(*OPTIMIZERS[name], f"trainer.steps={steps}",
-                        f"trainer.checkpoint_every={HALF}", f"hydra.run.dir={run_dir}")
-                 for name, (straight, halves) in dirs.items()
-                 for run_dir, steps in ((straight, STEPS), (halves, HALF))])
-    for _, halves in dirs.values():
-        checkpoint = latest_checkpoint(halves / "checkpoints")
-        assert checkpoint is not None and checkpoint.name == f"step-{HALF:08d}"
-    _finish_all([_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}", "trainer.resume=auto",
-                        f"hydra.run.dir={halves}") for name, (_, halves) in dirs.items()]
+    dirs = {name: (tmp / f"{name}_straight", tmp / f"{name}_resumed") for name in OPTIMIZERS}
+    _finish_all([_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}",
+                        f"trainer.checkpoint_every={HALF}", f"hydra.run.dir={straight}")
+                 for name, (straight, _) in dirs.items()])
+    halfway = {name: straight / "checkpoints" / f"step-{HALF:08d}"
+               for name, (straight, _) in dirs.items()}
+    assert all(latest_checkpoint(c.parent) is not None and c.is_dir() for c in halfway.values())
+    _finish_all([_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}",
+                        f"trainer.resume={halfway[name]}", f"hydra.run.dir={resumed}")
+                 for name, (_, resumed) in dirs.items()]
                 + [_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}", "grid.pc=1",
-                          f"trainer.resume={halves / 'checkpoints' / f'step-{HALF:08d}'}",
-                          f"hydra.run.dir={tmp / f'{name}_one'}")
-                   for name, (_, halves) in dirs.items()])
+                          f"trainer.resume={halfway[name]}", f"hydra.run.dir={tmp / f'{name}_one'}")
+                   for name in dirs])
     return dirs
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_a_sharded_checkpoint_resumes_on_one_process(runs: dict[str, tuple[Path, Path]],
                                                      optimizer: str) -> None:
-    straight, halves = runs[optimizer]
-    expected, got = _steps(straight), _steps(halves.parent / f"{optimizer}_one")
+    straight, resumed = runs[optimizer]
+    expected, got = _steps(straight), _steps(resumed.parent / f"{optimizer}_one")
     assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     worst = max(abs(got[s]["loss"] - expected[s]["loss"]) / abs(expected[s]["loss"])
                 for s in got)
@@ -100,13 +100,12 @@ def test_a_sharded_checkpoint_resumes_on_one_process(runs: dict[str, tuple[Path,
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_a_sharded_table_resumes_exactly(runs: dict[str, tuple[Path, Path]],
                                          optimizer: str) -> None:
-    straight, halves = runs[optimizer]
-    expected, got = _steps(straight), _steps(halves)
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
-    assert all(got[s]["loss"] == expected[s]["loss"] for s in range(1, HALF + 1))
-    # sharded every step, the same rows (the memory report's largest pull counts from the start)
+    straight, resumed = runs[optimizer]
+    expected, got = _steps(straight), _steps(resumed)
+    assert sorted(got) == list(range(HALF + 1, STEPS + 1))
+    # sharded every step, the same rows
     assert all(_batch(got[s]) == _batch(expected[s]) for s in got)
-    worst = max(abs(got[s]["loss"] - expected[s]["loss"]) for s in range(HALF + 1, STEPS + 1))
+    worst = max(abs(got[s]["loss"] - expected[s]["loss"]) for s in got)
     assert worst <= 1e-12, f"{optimizer}: resumed losses differ by up to {worst:.3g}"
 
 
@@ -115,8 +114,8 @@ def test_a_checkpoint_s_traffic_is_no_step_s(runs: dict[str, tuple[Path, Path]],
                                             optimizer: str) -> None:
     """Step 11 follows the straight run's checkpoint (the table and its state made whole) and
     the resumed run's start: the same bytes, as every other step's."""
-    straight, halves = runs[optimizer]
-    expected, got = _steps(straight), _steps(halves)
+    straight, resumed = runs[optimizer]
+    expected, got = _steps(straight), _steps(resumed)
     assert [got[s]["comm_bytes"] for s in got] == [expected[s]["comm_bytes"] for s in got]
 
 
