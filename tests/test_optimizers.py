@@ -14,6 +14,8 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,7 +42,7 @@ from runner.optim import (
 from runner.options import option_problems, with_defaults
 from runner.parameter_server import AsyncMSGD, AsyncSGD, HogwildSGD
 from runner.registry import OPTIMIZERS, load_plugins
-from tests.conftest import assert_ok, read_metrics, run_cli
+from tests.conftest import ROOT, TIMEOUT_S, assert_ok, read_metrics
 
 INPUTS = ("model", "grid", "total_steps")
 STEPS = 20
@@ -240,9 +242,22 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "split" not in m}
 
 
-def _run(run_dir: Path, *overrides: str) -> Path:
-    assert_ok(run_cli(*ADAMW, *overrides, f"hydra.run.dir={run_dir}"))
-    return run_dir
+def _run_all(jobs: dict[Path, list[str]]) -> None:
+    """The independent jobs at once (their start-ups overlap); each must succeed."""
+    started = {run_dir: subprocess.Popen(
+        [sys.executable, "-m", "runner", *ADAMW, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for run_dir, overrides in jobs.items()}
+    try:
+        for process in started.values():
+            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+            assert_ok(subprocess.CompletedProcess(process.args, process.returncode, stdout,
+                                                  stderr))
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.terminate()
+                process.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -251,11 +266,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     2 x 1's step-10 checkpoint resumed on 2 x 1 and on one process (the moments' rows of both
     ranks gathered, the step counts the two ranks agreed on)."""
     tmp = tmp_path_factory.mktemp("adamw")
-    split = _run(tmp / "split", *SPLIT, "trainer.checkpoint_every=10")
-    checkpoint = f"trainer.resume={split / 'checkpoints' / 'step-00000010'}"
-    return {"one": _run(tmp / "one", *ONE), "data": _run(tmp / "data", *DATA), "split": split,
-            "split_resumed": _run(tmp / "split_resumed", *SPLIT, checkpoint),
-            "one_resumed": _run(tmp / "one_resumed", *ONE, checkpoint)}
+    dirs = {name: tmp / name for name in ("one", "data", "split", "split_resumed",
+                                          "one_resumed")}
+    _run_all({dirs["one"]: ONE, dirs["data"]: DATA,
+              dirs["split"]: [*SPLIT, "trainer.checkpoint_every=10"]})
+    checkpoint = f"trainer.resume={dirs['split'] / 'checkpoints' / 'step-00000010'}"
+    _run_all({dirs["split_resumed"]: [*SPLIT, checkpoint],
+              dirs["one_resumed"]: [*ONE, checkpoint]})
+    return dirs
 
 
 def test_adamw_on_any_grid_repeats_one_process(runs: dict[str, Path]) -> None:
