@@ -46,7 +46,7 @@ back in one. `sync_easgd`, which has no window, keeps its centre on the paramete
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -88,6 +88,20 @@ def _flatten_into(params: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Te
     for p, piece in _pieces(params, out):
         piece.copy_(p.detach())
     return out
+
+
+@contextmanager
+def holding(params: Sequence[torch.Tensor], load: Callable[[], None]) -> Iterator[None]:
+    """`load()` puts other weights (a centre, a server's) into `params` for the block; their
+    own come back after it."""
+    saved = [p.detach().clone() for p in params]
+    load()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, saved, strict=True):
+                p.copy_(value)
 
 
 class ElasticAveraging(ReplicaOptimizer):
@@ -244,18 +258,15 @@ class ElasticAveraging(ReplicaOptimizer):
     @contextmanager
     def centre_weights(self) -> Iterator[None]:
         """The model holds the centre variable inside the block, its own weights after."""
-        saved = [p.detach().clone() for p in self.params]
+        with holding(self.params, self._load_centre):
+            yield
+
+    def _load_centre(self) -> None:
         centre = self.centre(torch.empty_like(self.flat)).to(self.device)
         with torch.no_grad():
             for p, value in _pieces(self.owned, centre):
                 p.copy_(value)
         self._broadcast_group_replicated()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, value in zip(self.params, saved, strict=True):
-                    p.copy_(value)
 
     @property
     def lr(self) -> float:

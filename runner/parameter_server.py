@@ -48,16 +48,12 @@ import torch
 
 from runner.core import ProcessGrid
 from runner.core.rma import OneSidedVector
-from runner.easgd import _flatten_into, _pieces
+from runner.easgd import _flatten_into, _pieces, holding
 from runner.optim import ReplicaOptimizer
 from runner.registry import register_optimizer
 from strategies import ParallelModel
 
 SERVER_VELOCITY = "server_velocity"  # the checkpoint's name for async_msgd's V
-
-
-def _lr_problems(lr: float) -> list[str]:
-    return [] if lr > 0 else [f"optimizer.lr must be > 0, got {lr}"]
 
 
 class ParameterServer(ReplicaOptimizer):
@@ -72,7 +68,7 @@ class ParameterServer(ReplicaOptimizer):
     locks_pieces: ClassVar[bool] = True
 
     def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
-                 lr: float) -> None:
+                 lr: float = 0.1) -> None:
         self.grid, self.base_lr = grid, lr
         in_group = {id(p) for p in model.replicated_in_model_group}
         params = list(model.parameters())
@@ -88,7 +84,14 @@ class ParameterServer(ReplicaOptimizer):
         self.pushed = torch.empty(numel, dtype=dtype, device=host)  # −η∇ of this rank's share
         self.pulled = torch.empty(numel, dtype=dtype, device=host)  # W as this rank read it
         self.weights = OneSidedVector(grid.batch, _flatten_into(self.owned, self.pulled),
-                                    label="server")
+                                      label="server")
+
+    @staticmethod
+    def check(lr: float, momentum: float = 0.0) -> list[str]:
+        errors = [] if lr > 0 else [f"optimizer.lr must be > 0, got {lr}"]
+        if not 0 <= momentum < 1:
+            errors.append(f"optimizer.momentum must be in [0, 1), got {momentum}")
+        return errors
 
     # -- the update -----------------------------------------------------------------------------
 
@@ -130,14 +133,8 @@ class ParameterServer(ReplicaOptimizer):
     @contextmanager
     def centre_weights(self) -> Iterator[None]:
         """The model holds the server's weights inside the block, its own pulled copy after."""
-        saved = [p.detach().clone() for p in self.params]
-        self._load(self.centre(torch.empty_like(self.pulled)))
-        try:
+        with holding(self.params, lambda: self._load(self.centre(torch.empty_like(self.pulled)))):
             yield
-        finally:
-            with torch.no_grad():
-                for p, value in zip(self.params, saved, strict=True):
-                    p.copy_(value)
 
     @property
     def lr(self) -> float:
@@ -152,14 +149,6 @@ class AsyncSGD(ParameterServer):
     """Asynchronous SGD with a parameter server: each piece serves replicas first come, first
     served (a ticket lock); no replica waits for another's step."""
 
-    def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
-                 lr: float = 0.1) -> None:
-        super().__init__(model, grid, total_steps, lr)
-
-    @staticmethod
-    def check(lr: float) -> list[str]:
-        return _lr_problems(lr)
-
 
 @register_optimizer("hogwild_sgd")
 class HogwildSGD(ParameterServer):
@@ -167,14 +156,6 @@ class HogwildSGD(ParameterServer):
     and read are atomic, a whole piece's read is not."""
 
     locks_pieces = False
-
-    def __init__(self, model: ParallelModel, grid: ProcessGrid, total_steps: int,
-                 lr: float = 0.1) -> None:
-        super().__init__(model, grid, total_steps, lr)
-
-    @staticmethod
-    def check(lr: float) -> list[str]:
-        return _lr_problems(lr)
 
 
 @register_optimizer("async_msgd")
@@ -188,13 +169,6 @@ class AsyncMSGD(ParameterServer):
         self.momentum = momentum
         self.velocity = OneSidedVector(grid.batch, torch.zeros_like(self.pulled), label="server")
         self._velocity_read = torch.empty_like(self.pulled)
-
-    @staticmethod
-    def check(lr: float, momentum: float) -> list[str]:
-        errors = _lr_problems(lr)
-        if not 0 <= momentum < 1:
-            errors.append(f"optimizer.momentum must be in [0, 1), got {momentum}")
-        return errors
 
     @classmethod
     def state_copies(cls, options: Mapping[str, Any]) -> int:

@@ -242,20 +242,7 @@ def push_rows(comm: CountedComm, rows: RowOwners, indices: torch.Tensor, values:
     indices = indices.to(values.device)
     if comm.size == 1:
         return coalesce_rows(indices, values)
-    order, send_counts, own = _by_owner(rows, indices, comm.rank, comm.size)
-    recv_counts = _swap_counts(comm, send_counts, label + " counts")
-    width = values.shape[1:]
-    row_elements = int(torch.Size(width).numel())
-    total = sum(recv_counts)
-    got_indices = indices.new_empty(total)
-    got_values = values.new_empty((total, *width))
-    comm.alltoallv_(indices[order].contiguous(), send_counts, got_indices, recv_counts,
-                    label=label + " indices", op="alltoallv")
-    comm.alltoallv_(values[order].contiguous(), [c * row_elements for c in send_counts],
-                    got_values, [c * row_elements for c in recv_counts], label=label + " rows",
-                    op="alltoallv")
-    return coalesce_rows(torch.cat([indices[own], got_indices]),
-                         torch.cat([values[own], got_values]))
+    return coalesce_rows(*_send_rows(comm, rows.owner(indices), indices, values, label))
 
 
 def pull_rows(comm: CountedComm, rows: RowOwners, wanted: torch.Tensor, table: torch.Tensor,
