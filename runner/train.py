@@ -290,7 +290,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             at_end = step == steps
             due = every is not None and step % every == 0 and not at_end
             if stopping or due or at_end:
-                if t.anyone_stopping(stopping):
+                if t.anyone_stopping(stopping or stop.requested):  # a held request too
                     stopped_by = stop.signal_name or "a signal to another rank"
                     break
                 if due:
