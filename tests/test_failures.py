@@ -169,6 +169,22 @@ def test_a_stop_names_the_signal_the_head_got(tmp_path: Path, signum: signal.Sig
     assert not (run_dir / ".ranks").exists()
 
 
+def test_replicas_that_meet_every_4th_step_stop_together_on_one(tmp_path: Path) -> None:
+    """`sync_easgd` with τ = 4: between exchanges the replicas make no collective with each
+    other, so a stop request is held until the next exchange step, where they all stop."""
+    run_dir = tmp_path / "held_stop"
+    job = start_cli(*DATA2, "optimizer=sync_easgd", "optimizer.period=4", "trainer.steps=200",
+                    "debug.slow_rank=0", "debug.slow_seconds=0.1", f"hydra.run.dir={run_dir}")
+    wait_for_step(job, run_dir, 1)
+    assert job.poll() is None, job.communicate()
+    job.send_signal(signal.SIGTERM)
+    out, err, _ = finish(job, run_dir)
+    assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["step"] % 4 == 0, summary
+    assert summary["checkpoint"].endswith(f"step-{summary['step']:08d}"), summary
+
+
 # -- the watchdog alone (no MPI) ----------------------------------------------------------------
 
 class FakeComm:
