@@ -26,6 +26,27 @@ def run_cli(*args: str, mpi_ranks: int | None = None, timeout: float = TIMEOUT_S
                           env={**os.environ, **(env or {})})
 
 
+def run_cli_together(*jobs: list[str],
+                     timeout: float = TIMEOUT_S) -> list[subprocess.CompletedProcess[str]]:
+    """`python -m runner ARGS` for every job at once (independent runs: their start-ups
+    overlap), waiting for all of them; a job still running when another times out is stopped."""
+    processes = [subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for args in jobs]
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(process.args, process.returncode,
+                                                       stdout, stderr))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()  # the head forwards it to its ranks
+                process.communicate()
+    return results
+
+
 class RunCache:
     """Named runs, each launched once per session on first use (several tests read its
     directory): `runs[name]` is (overrides, ranks of a user-started mpiexec or None for the

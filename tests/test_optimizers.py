@@ -14,8 +14,6 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,7 +40,7 @@ from runner.optim import (
 from runner.options import option_problems, with_defaults
 from runner.parameter_server import AsyncMSGD, AsyncSGD, HogwildSGD
 from runner.registry import OPTIMIZERS, load_plugins
-from tests.conftest import ROOT, TIMEOUT_S, assert_ok, read_metrics
+from tests.conftest import assert_ok, read_metrics, run_cli_together
 
 INPUTS = ("model", "grid", "total_steps")
 STEPS = 20
@@ -243,21 +241,10 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def _run_all(jobs: dict[Path, list[str]]) -> None:
-    """The independent jobs at once (their start-ups overlap); each must succeed."""
-    started = {run_dir: subprocess.Popen(
-        [sys.executable, "-m", "runner", *ADAMW, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for run_dir, overrides in jobs.items()}
-    try:
-        for process in started.values():
-            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-            assert_ok(subprocess.CompletedProcess(process.args, process.returncode, stdout,
-                                                  stderr))
-    finally:
-        for process in started.values():
-            if process.poll() is None:
-                process.terminate()
-                process.communicate()
+    """The independent AdamW jobs at once; each must succeed."""
+    for result in run_cli_together(*[[*ADAMW, *overrides, f"hydra.run.dir={run_dir}"]
+                                     for run_dir, overrides in jobs.items()]):
+        assert_ok(result)
 
 
 @pytest.fixture(scope="module")

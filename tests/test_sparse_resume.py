@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from runner.checkpoint import latest_checkpoint
-from tests.conftest import MPIEXEC, ROOT, TIMEOUT_S, assert_ok, read_metrics
+from tests.conftest import MPIEXEC, ROOT, TIMEOUT_S, assert_ok, read_metrics, run_cli_together
 
 STEPS, HALF = 20, 10
 TOKENS = ["model=bag_classifier", "model.embedding_dim=16", "dataset=tokens",
@@ -33,23 +33,10 @@ OPTIMIZERS = {"adam": ["optimizer=adam", "optimizer.lr=0.01"],
               "sgd_momentum": ["optimizer=sgd", "optimizer.lr=0.5", "optimizer.momentum=0.9"]}
 
 
-def _start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "runner", *TOKENS, *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish_all(processes: list[subprocess.Popen[str]]) -> None:
-    """Wait for every job; the first that failed is the error (the others are stopped)."""
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-            assert_ok(subprocess.CompletedProcess(process.args, process.returncode, stdout,
-                                                  stderr))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()  # the head forwards it to its ranks
-                process.communicate()
+def _run_all(*jobs: list[str]) -> None:
+    """The independent jobs at once; each must succeed."""
+    for result in run_cli_together(*[[*TOKENS, *args] for args in jobs]):
+        assert_ok(result)
 
 
 def _batch(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -71,18 +58,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     process. The independent jobs run at once: the straight runs, then the resumes."""
     tmp = tmp_path_factory.mktemp("sparse_resume")
     dirs = {name: (tmp / f"{name}_straight", tmp / f"{name}_resumed") for name in OPTIMIZERS}
-    _finish_all([_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}",
-                        f"trainer.checkpoint_every={HALF}", f"hydra.run.dir={straight}")
-                 for name, (straight, _) in dirs.items()])
+    _run_all(*[[*OPTIMIZERS[name], f"trainer.steps={STEPS}", f"trainer.checkpoint_every={HALF}",
+                f"hydra.run.dir={straight}"] for name, (straight, _) in dirs.items()])
     halfway = {name: straight / "checkpoints" / f"step-{HALF:08d}"
                for name, (straight, _) in dirs.items()}
     assert all(latest_checkpoint(c.parent) is not None and c.is_dir() for c in halfway.values())
-    _finish_all([_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}",
-                        f"trainer.resume={halfway[name]}", f"hydra.run.dir={resumed}")
-                 for name, (_, resumed) in dirs.items()]
-                + [_start(*OPTIMIZERS[name], f"trainer.steps={STEPS}", "grid.pc=1",
-                          f"trainer.resume={halfway[name]}", f"hydra.run.dir={tmp / f'{name}_one'}")
-                   for name in dirs])
+    _run_all(*[[*OPTIMIZERS[name], f"trainer.steps={STEPS}", f"trainer.resume={halfway[name]}",
+                f"hydra.run.dir={resumed}"] for name, (_, resumed) in dirs.items()],
+             *[[*OPTIMIZERS[name], f"trainer.steps={STEPS}", "grid.pc=1",
+                f"trainer.resume={halfway[name]}", f"hydra.run.dir={tmp / f'{name}_one'}"]
+               for name in dirs])
     return dirs
 
 
