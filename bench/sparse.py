@@ -173,19 +173,10 @@ def run_mode(mode: str, initial_table: Any, batches: list[tuple[Any, Any]], grid
 
 
 def whole_parameters(pmodel: Any) -> list[Any]:
-    """The model's parameters as one process holds them: a sharded table gathered whole from
-    its owners (its hot replicas, not the model's, left out)."""
-    from strategies.sparse_exchange import SparseGradientExchange, is_hot_row_tensor
+    """The model's parameters as one process holds them (sharded tables gathered whole)."""
+    from strategies import sparse_exchange
 
-    exchanges = [r for r in pmodel.reducers if isinstance(r, SparseGradientExchange)]
-    tables = {id(t.weight): (e, t.name) for e in exchanges for t in e.tables}
-    out = []
-    for name, param in pmodel.module.named_parameters():
-        if is_hot_row_tensor(name):
-            continue
-        exchange, table = tables.get(id(param), (None, ""))
-        out.append(param.detach().clone() if exchange is None else exchange.whole_table(table))
-    return out
+    return [w.clone() for w in sparse_exchange.whole_parameters(pmodel.module, pmodel.reducers)]
 
 
 def worker(vocabs: list[int], densities: list[float], repeats: int, warmup: int,

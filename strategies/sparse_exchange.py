@@ -39,7 +39,7 @@ only rows, the update is what the rule demands.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -436,3 +436,18 @@ class SparseGradientExchange:
                           "hot_rows": len(t.hot_ids()), "pulled_rows_max": t.most_pulled}
             out[t.name] = {**t.last, "steps_by_mode": dict(t.modes), **extra}
         return out
+
+
+def whole_parameters(model: nn.Module, reducers: Iterable[object]) -> list[torch.Tensor]:
+    """Collective: `model`'s parameters as one process holds them, detached, each owners-only
+    table gathered whole from its owners (its hot replicas, not the sequential model's, left
+    out). `reducers`: the parallel model's gradient exchanges. For tests and benchmarks."""
+    exchanges = [r for r in reducers if isinstance(r, SparseGradientExchange)]
+    tables = {id(t.weight): (e, t.name) for e in exchanges for t in e.tables}
+    out = []
+    for name, param in model.named_parameters():
+        if is_hot_row_tensor(name):
+            continue
+        exchange, table = tables.get(id(param), (None, ""))
+        out.append(param.detach() if exchange is None else exchange.whole_table(table))
+    return out

@@ -38,9 +38,9 @@ from runner.core.sparse import (
 from runner.datasets import ZipfTokens
 from runner.models import bag_classifier
 from runner.optim import SynchronousSGD
-from strategies import ParallelModel
+from strategies import ParallelModel, sparse_exchange
 from strategies.data import DataParallel
-from strategies.sparse_exchange import SparseGradientExchange, is_hot_row_tensor
+from strategies.sparse_exchange import SparseGradientExchange
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -156,17 +156,7 @@ def every_mode_handles_a_rank_that_never_used_the_table() -> None:
 
 
 def whole_parameters(pmodel: ParallelModel) -> list[torch.Tensor]:
-    """The model's parameters as one process holds them: an owners-only table gathered whole
-    (its hot replicas, which are not the sequential model's, left out)."""
-    exchanges = [r for r in pmodel.reducers if isinstance(r, SparseGradientExchange)]
-    tables = {id(t.weight): (e, t.name) for e in exchanges for t in e.tables}
-    out = []
-    for name, param in pmodel.module.named_parameters():
-        if is_hot_row_tensor(name):
-            continue
-        exchange, table = tables.get(id(param), (None, ""))
-        out.append(param.detach() if exchange is None else exchange.whole_table(table))
-    return out
+    return sparse_exchange.whole_parameters(pmodel.module, pmodel.reducers)
 
 
 def train_tokens(mode: str, momentum: float, weight_decay: float, steps: int = 12,
