@@ -159,12 +159,17 @@ SMALL_MODEL_BYTES = 256 << 20
 def probe_model(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.float32
                 ) -> nn.Module:
     """The plain model for working out shapes (a forward of a sample, the planner's counts):
-    real on the CPU when it is small, on the meta device when it is large. Built from a forked
-    RNG: the caller's random state is left as it was."""
+    real on the CPU when it is small, on the meta device when it is large, and for real where
+    the meta device cannot build it. Built from a forked RNG: the caller's random state is left
+    as it was."""
     with warnings.catch_warnings():  # torch's words for zero-size layers: validation names them
         warnings.simplefilter("ignore")
-        meta = model_for(plugin, spec, dtype, device="meta")
-        if sum(p.numel() * p.element_size() for p in meta.parameters()) > SMALL_MODEL_BYTES:
+        try:
+            meta: nn.Module | None = model_for(plugin, spec, dtype, device="meta")
+        except Exception:  # a constructor that reads or copies its tensors (or a real error,
+            meta = None  # which the real build below raises again): built for real, once
+        if meta is not None and (sum(p.numel() * p.element_size() for p in meta.parameters())
+                                 > SMALL_MODEL_BYTES):
             return meta
         with torch.random.fork_rng(devices=[]):
             return model_for(plugin, spec, dtype)

@@ -191,7 +191,10 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
             if grid_ok and batch >= 1:
                 problems += strategy.check(run.grid, batch)
             if meta_model is not None and spec is not None and grid_ok:
-                problems += strategy.check_model(meta_model, spec.input_shape, run.grid)
+                found = strategy.check_model(meta_model, spec.input_shape, run.grid)
+                if not found and optimizer_cls is not None and optimizer_cls.syncs_gradients:
+                    found = _random_draw_problems(run, strategy, meta_model, spec.input_shape)
+                problems += found
             if (optimizer_cls is not None and strategy.synchronous_only
                     and not optimizer_cls.syncs_gradients):
                 problems.append(
@@ -210,6 +213,23 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
         problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
                         f"{spec.train_size} training samples of dataset={run.dataset.name}")
     return problems
+
+
+def _random_draw_problems(run: RunConfig, strategy: Any, model: Any,
+                          sample_shape: tuple[int, ...]) -> list[str]:
+    """A model that draws random numbers in training (dropout, stochastic depth) on a grid
+    where the strategy draws per rank: not one process's masks, refused by module."""
+    from strategies.probe import random_draws
+
+    if strategy.reproduces_random_draws(model, sample_shape, run.grid):
+        return []
+    draws = random_draws(model, sample_shape)
+    if not draws:
+        return []
+    shown = "; ".join(draws[:3]) + (f"; and {len(draws) - 3} more" if len(draws) > 3 else "")
+    return [f"strategy={run.strategy.name} on {run.grid.pr}x{run.grid.pc} draws random numbers "
+            f"per rank, not one process's: {shown}; strategy=data draws the whole batch's "
+            f"(or set these rates to 0)"]
 
 
 def _options_problems(key: str, plugin: Plugin, factory: Any,
@@ -258,9 +278,12 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
         problems.append(f"{plugin.shown('model')} does not fit the dataset's inputs of shape "
                         f"{tuple(spec.input_shape)}: {first}")
         return None
-    if not isinstance(out, torch.Tensor):
-        problems.append(f"{plugin.shown('model')} returns a {type(out).__name__}: gridrun's "
-                        f"objective needs a tensor of class scores (batch, classes)")
+    from strategies.probe import logits_of
+
+    try:
+        out = logits_of(out)
+    except TypeError as exc:
+        problems.append(f"{plugin.shown('model')}: {exc}")
         return None
     expected = (2, *spec.target_shape, spec.num_classes)
     if tuple(out.shape) != expected:

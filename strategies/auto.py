@@ -229,22 +229,34 @@ class AutoLayout(Strategy):
         if key in self._trees:
             return self._trees[key]
         best: tuple[float, Strategy] | None = None
+        refusals: list[str] = []
         for name in TREE_CHOICES:
             strategy = STRATEGIES.get(name)(
                 self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
                 costs=self.costs, rows_touched=self.rows_touched,
                 compute_dtype=self.compute_dtype, rates=self.rates,
                 global_batch=global_batch, slowdown=self.slowdown)
-            if strategy.check(grid, global_batch) or strategy.check_model(model, sample_shape,
-                                                                          grid):
+            why = (strategy.check(grid, global_batch)
+                   or strategy.check_model(model, sample_shape, grid))
+            if why:
+                refusals.append(why[0])
                 continue
             seconds = strategy.predict_step_seconds(model, sample_shape, grid, global_batch)
             if best is None or seconds < best[0]:
                 best = (seconds, strategy)
         if best is None:
-            raise ValueError("no strategy can run this model on this grid")
+            raise ValueError(f"no strategy runs {type(model).__name__} on grid.pr={grid.pr} x "
+                             f"grid.pc={grid.pc}: {'; '.join(refusals)}; strategy=data trains "
+                             f"it whole on grid.pr=1 grid.pc={grid.size}")
         self._trees[key] = best[1]
         return best[1]
+
+    def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape) -> bool:
+        if isinstance(model, nn.Sequential) or self.global_batch is None:
+            return grid.size == 1
+        chosen = self._tree_choice(model, sample_shape, grid, self.global_batch)
+        return chosen.reproduces_random_draws(model, sample_shape, grid)
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
@@ -252,7 +264,13 @@ class AutoLayout(Strategy):
             if self.pins:
                 return ["strategy.layouts pins layers of an nn.Sequential; this model is a "
                         f"{type(model).__name__} (auto picks one layout for all of it)"]
-            return []  # strategy=data runs any module: there is always a choice
+            if self.global_batch is None:
+                return []
+            try:  # where grid.pr = 1 strategy=data is always a choice
+                self._tree_choice(model, sample_shape, grid, self.global_batch)
+            except ValueError as exc:
+                return [f"strategy=auto: {exc}"]
+            return []
         problems = layout_problems(model, sample_shape, grid, self.pins)
         if problems or self.global_batch is None:
             return problems

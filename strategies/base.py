@@ -40,6 +40,7 @@ from runner.core.cost import (
     wait_seconds,
 )
 from strategies.buckets import GradientBuckets
+from strategies.probe import probe
 from strategies.sparse_exchange import SparseGradientExchange
 
 MB = 1 << 20
@@ -216,6 +217,13 @@ class Strategy:
         samples of `sample_shape` on `grid`."""
         return []
 
+    def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape) -> bool:
+        """Whether a training forward on `grid` draws what one process draws (dropout masks,
+        stochastic depth): on one rank it does; where ranks hold parts of the batch's rows or
+        features, each draws for its part, unless the strategy makes it draw the whole."""
+        return grid.size == 1
+
     def splits_parameters(self, grid: GridShape) -> bool:
         """Whether a rank holds only part of some parameter on `grid` (the model group splits
         weights): an optimizer whose update reads a whole parameter cannot run on the parts."""
@@ -313,35 +321,9 @@ def leaf_inputs(model: nn.Module, sample_shape: tuple[int, ...]
                 ) -> tuple[list[tuple[nn.Module, tuple[int, ...], bool]], tuple[int, ...]]:
     """Each leaf module a sample passes through, with the per-sample shape of its input and
     whether that input has a gradient (a parameter came before it), in the order they run;
-    and the per-sample shape of the model's output."""
-    found: list[tuple[nn.Module, tuple[int, ...], bool]] = []
-    seen_params = [False]
-
-    def hook(module: nn.Module, args: tuple[object, ...]) -> None:
-        x = args[0] if args else None
-        if isinstance(x, torch.Tensor):
-            found.append((module, tuple(x.shape[1:]), seen_params[0]))
-        if any(True for _ in module.parameters(recurse=False)):
-            seen_params[0] = True
-
-    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
-    handles = [m.register_forward_pre_hook(hook) for m in leaves]
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    dtype = param.dtype if param is not None else torch.float32
-    if leaves and isinstance(leaves[0], (nn.Embedding, nn.EmbeddingBag)):
-        dtype = torch.long  # the samples are token ids
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            out = model(torch.zeros(1, *sample_shape, device=device, dtype=dtype))
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, mode in modes.items():
-            module.train(mode)
-    return found, tuple(out.shape[1:])
+    and the per-sample shape of the model's output (one forward: `strategies.probe`)."""
+    seen = probe(model, sample_shape)
+    return [(c.module, c.input_shape, c.input_grad) for c in seen.calls], seen.output_shape
 
 
 def split_model_exchanges(grid: ProcessGrid, split: list[nn.Parameter],

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from runner.core import GridShape, Partition, ProcessGrid
+from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import (
     DEFAULT_COSTS,
@@ -30,8 +30,9 @@ from runner.core.sparse import NodeRoutes
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import batch_norm_ops, batch_norm_problems, distribute_batch_norms
+from strategies.probe import logits_of, probe
 from strategies.registry import register_strategy
-from strategies.sharded import activation_itemsize, feature_sizes
+from strategies.sharded import activation_itemsize
 from strategies.sparse_exchange import (
     PER_STEP_MODES,
     SPARSE_CHOICES,
@@ -41,16 +42,43 @@ from strategies.sparse_exchange import (
     sparse_tables,
 )
 from strategies.transformer import GPT, activation_elements
+from strategies.whole_batch import WholeBatch
 
 
 class DataParallelModel(ParallelModel):
-    def __init__(self, module: nn.Module, grid: ProcessGrid) -> None:
+    """The whole model on every rank. With `whole_batch`, a training forward computes what
+    couples rows as one process does (`whole_batch.WholeBatch`): batch statistics over
+    `stats_comm` (None: each rank's own, `batch_norm=local`) and the global batch's random
+    draws."""
+
+    def __init__(self, module: nn.Module, grid: ProcessGrid, whole_batch: bool = False,
+                 stats_comm: CountedComm | None = None) -> None:
         super().__init__(grid)
         self.module = module
+        self.whole_batch, self.stats_comm = whole_batch, stats_comm
+        self._mode: WholeBatch | None = None
+        if whole_batch and stats_comm is not None:  # name what each batch norm moves
+            for name, child in module.named_modules():
+                if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                    child.register_forward_pre_hook(self._labeller(f"bn:{name}"))
+
+    def _labeller(self, label: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            if self._mode is not None:
+                self._mode.label = label
+        return hook
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.module(x)
-        return y
+        if not (self.training and self.whole_batch):
+            return logits_of(self.module(x))
+        rows = x.shape[0]
+        start = self.input_rows(rows * self.grid.pc).start
+        self._mode = WholeBatch(self.stats_comm, start, rows, rows * self.grid.pc)
+        try:
+            with self._mode:
+                return logits_of(self.module(x))
+        finally:
+            self._mode = None
 
 
 BATCH_NORM_MODES = ("global", "local")
@@ -130,6 +158,10 @@ class DataParallel(Strategy):
                          for name, module in sparse_tables(model) if module.max_norm is not None]
         return problems
 
+    def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape) -> bool:
+        return True  # every rank draws the global batch's masks (`whole_batch`)
+
     def _split(self, model: nn.Module) -> tuple[list[tuple[str, EmbeddingTable]],
                                                list[nn.Parameter]]:
         """The embedding tables exchanged sparsely, and the parameters the buckets carry."""
@@ -140,9 +172,12 @@ class DataParallel(Strategy):
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
         # BatchNorm: every rank's statistics (an EASGD replica, or batch_norm=local: its own)
-        if sync_replica_gradients and grid.size > 1 and self.batch_norm == "global":
+        # (an EASGD replica is a model of its own: its own rows, its own draws)
+        global_norm = self.batch_norm == "global"
+        if sync_replica_gradients and grid.size > 1 and global_norm:
             distribute_batch_norms(model, grid.world)
-        pmodel = DataParallelModel(model, grid)
+        pmodel = DataParallelModel(model, grid, sync_replica_gradients and grid.size > 1,
+                                   grid.world if global_norm else None)
         if sync_replica_gradients:
             tables, dense = self._split(model)
             pmodel.reducers = gradient_exchange(dense, grid.world, 1.0 / grid.size,
@@ -303,15 +338,7 @@ class DataParallel(Strategy):
             rows = Partition(global_batch, grid.size).sizes[0]
             return (activation_elements(model, rows, sample_shape[0])
                     * activation_itemsize([model], self.compute_dtype))
-        if not isinstance(model, nn.Sequential):  # every node's output, as the tree plan counts
-            from strategies.tree import TreeRefused, tree_activation_bytes
-
-            try:
-                return tree_activation_bytes(model, sample_shape, grid, global_batch, "model",
-                                             activation_itemsize([model], self.compute_dtype))
-            except TreeRefused:
-                pass  # a module no rule covers: the children's outputs below
-        layers = list(model.children()) or [model]
         rows = Partition(global_batch, grid.size).sizes[0]
-        return (rows * sum(feature_sizes(layers, sample_shape))
-                * activation_itemsize(layers, self.compute_dtype))
+        # every leaf's output, from one forward of the model itself (`strategies.probe`)
+        return (rows * probe(model, sample_shape).activation_elements
+                * activation_itemsize([model], self.compute_dtype))

@@ -38,13 +38,29 @@ from runner.core.cost import CommOp
 from runner.core.placement import place_rows
 from runner.core.primitives import all_gather_op
 
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# `SyncBatchNorm` (what `convert_sync_batchnorm` leaves in DDP code) computes what a BatchNorm
+# over every rank's rows does: gridrun gives it that meaning over its own groups.
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_OWN_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def batch_norm_problem(bn: nn.Module) -> str | None:
-    """Why `bn` cannot be normalized across ranks (None: it can)."""
+def is_plain_batch_norm(bn: nn.Module) -> bool:
+    """Whether `bn` computes what torch's own BatchNorm does: one of its classes, or a subclass
+    that keeps its forward (timm's `BatchNormAct2d` does not: it adds an activation)."""
+    return isinstance(bn, BATCH_NORMS) and type(bn).forward in _OWN_FORWARDS
+
+
+def batch_norm_problem(bn: nn.Module, replaced: bool = True) -> str | None:
+    """Why `bn` cannot be normalized across ranks (None: it can). `replaced`: by a
+    `DistributedBatchNorm` (the split strategies), which computes what torch's BatchNorm does
+    and nothing a subclass adds; under `strategy=data` the module itself runs (`whole_batch`)."""
     assert isinstance(bn, nn.modules.batchnorm._BatchNorm)
+    if replaced and not is_plain_batch_norm(bn):
+        base = next(c.__name__ for c in type(bn).__mro__ if c in BATCH_NORMS)
+        return (f"{type(bn).__name__} subclasses {base} with a forward of its own, which a "
+                f"split layer would drop; strategy=data keeps it whole (its statistics over "
+                f"every rank)")
     if not bn.track_running_stats:
         return (f"{type(bn).__name__}(track_running_stats=False) normalizes evaluation batches "
                 f"by their own statistics")
@@ -220,12 +236,14 @@ def _slice_buffer(buffer: torch.Tensor | None, channels: slice) -> torch.Tensor 
 
 
 def distribute_batch_norms(module: nn.Module, comm: CountedComm) -> int:
-    """Replace every BatchNorm inside `module` by a `DistributedBatchNorm` over `comm` (in
-    place; the label is its name in the model); returns how many."""
+    """Replace every plain BatchNorm inside `module` (`is_plain_batch_norm`) by a
+    `DistributedBatchNorm` over `comm` (in place; the label is its name in the model); returns
+    how many. A subclass with a forward of its own stays as it is: its `F.batch_norm` takes
+    every rank's statistics inside `whole_batch.WholeBatch`."""
     replaced = 0
     for name, child in list(module.named_modules()):
         for attribute, grandchild in list(child.named_children()):
-            if isinstance(grandchild, BATCH_NORMS):
+            if is_plain_batch_norm(grandchild):
                 label = f"bn:{name}.{attribute}" if name else f"bn:{attribute}"
                 setattr(child, attribute, DistributedBatchNorm(grandchild, comm, label))
                 replaced += 1
@@ -233,11 +251,12 @@ def distribute_batch_norms(module: nn.Module, comm: CountedComm) -> int:
 
 
 def batch_norm_problems(module: nn.Module) -> list[str]:
-    """Every BatchNorm in `module` that cannot be normalized across ranks, by name."""
+    """Every BatchNorm in `module` that cannot be normalized across ranks by
+    `strategy=data`, by name."""
     problems = []
     for name, child in module.named_modules():
-        if isinstance(child, BATCH_NORMS):
-            problem = batch_norm_problem(child)
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            problem = batch_norm_problem(child, replaced=False)
             if problem is not None:
                 problems.append(f"{name or 'the model'}: {problem}")
     return problems
@@ -249,7 +268,7 @@ def batch_norm_ops(module: nn.Module, group: GridGroup, group_size: int,
     (`batch_norm_comm_ops`)."""
     ops = []
     for name, child in module.named_modules():
-        if isinstance(child, BATCH_NORMS):
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
             ops += batch_norm_comm_ops(group, group_size, child.num_features, itemsize,
                                        f"bn:{name}")
     return ops

@@ -79,6 +79,7 @@ from strategies.norm import (
     batch_norm_comm_ops,
     batch_norm_problem,
 )
+from strategies.probe import logits_of, sample_dtype
 from strategies.sharded import CHANNEL_LOCAL, SHARDABLE, ShardedConv2d, ShardedLinear
 
 Layout = Literal["whole", "split", "rows", "slab"]
@@ -149,14 +150,20 @@ def trace(model: nn.Module, sample_shape: Sequence[int]) -> tuple[torch.fx.Graph
                           f"{type(exc).__name__}: {exc}") from None
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    dtype = param.dtype if param is not None else torch.float32
     training = model.training
     model.eval()
     graph.eval()
-    with torch.no_grad():
-        ShapeProp(graph).propagate(torch.zeros(1, *sample_shape, device=device, dtype=dtype))
-    model.train(training)
-    graph.train(training)
+    try:
+        with torch.no_grad():
+            ShapeProp(graph).propagate(torch.zeros(1, *sample_shape, device=device,
+                                                   dtype=sample_dtype(model)))
+    except Exception as exc:  # the traced graph does not run as the model does
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TreeRefused(f"{type(model).__name__}: its traced graph does not run ({first})"
+                          ) from None
+    finally:
+        model.train(training)
+        graph.train(training)
     shapes = {}
     for node in graph.graph.nodes:
         meta = node.meta.get("tensor_meta")
@@ -432,8 +439,7 @@ class TreeParallelModel(ParallelModel):
             else:
                 out = getattr(args[0], str(node.target))(*args[1:], **kwargs)
             values[node.name], layouts[node.name] = out, step.out
-        assert isinstance(result, torch.Tensor), "the model must return one tensor"
-        return result
+        return logits_of(result)
 
 
 def _slab(height: int, comm: CountedComm) -> tuple[int, int]:
@@ -634,7 +640,8 @@ def tree_problems(model: nn.Module, sample_shape: Sequence[int], strategy: str,
     try:
         plan = plan_tree(model, sample_shape, mode, pr)
     except TreeRefused as exc:
-        return [f"strategy={strategy} cannot split {exc}"]
+        alternative = "" if "strategy=data" in str(exc) else " (strategy=data trains it whole)"
+        return [f"strategy={strategy} cannot split {exc}{alternative}"]
     if mode == "domain" and pr > 1 and not any(step.out == "slab" for step in plan.steps):
         return [f"strategy=domain splits images in height: {type(model).__name__} must start "
                 f"with convolutions or pooling on (channels, height, width) inputs"]
