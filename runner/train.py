@@ -222,12 +222,13 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     syncs = parts.optimizer_cls.syncs_gradients
     # The planner models synchronous gradient exchange only: no prediction for other optimizers.
     itemsize = torch.empty((), dtype=dtype).element_size()
-    predicted = (parts.strategy.predict_ops(parts.model, parts.spec.input_shape, grid.shape,
-                                            run.trainer.batch_size)
-                 + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
-                 if syncs else None)
-    predicted_step = (predict_step(parts.strategy, parts.model, parts.spec.input_shape,
-                                   grid.shape, run.trainer.batch_size) if syncs else None)
+    with torch.random.fork_rng(devices=[]):  # what is priced leaves the run's draws alone
+        predicted = (parts.strategy.predict_ops(parts.model, parts.spec.input_shape,
+                                                grid.shape, run.trainer.batch_size)
+                     + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
+                     if syncs else None)
+        predicted_step = (predict_step(parts.strategy, parts.model, parts.spec.input_shape,
+                                       grid.shape, run.trainer.batch_size) if syncs else None)
     model = parts.strategy.parallelize(parts.model, parts.spec.input_shape, grid,
                                        sync_replica_gradients=syncs)
     optimizer, start = start_or_resume(

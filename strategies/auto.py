@@ -221,8 +221,6 @@ class AutoLayout(Strategy):
                      grid: GridShape, global_batch: int) -> Strategy:
         """For a module tree: the whole-model strategy of least predicted step time among
         those that can run it here."""
-        from strategies.registry import STRATEGIES
-
         # predictions, the summary and the planner ask for the same choice in turn; each
         # candidate's prediction traces the tree
         key = (repr(model), tuple(sample_shape), grid, global_batch)
@@ -230,20 +228,11 @@ class AutoLayout(Strategy):
             return self._trees[key]
         best: tuple[float, Strategy] | None = None
         refusals: list[str] = []
-        for name in TREE_CHOICES:
-            strategy = STRATEGIES.get(name)(
-                self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
-                costs=self.costs, rows_touched=self.rows_touched,
-                compute_dtype=self.compute_dtype, rates=self.rates,
-                global_batch=global_batch, slowdown=self.slowdown)
-            why = (strategy.check(grid, global_batch)
-                   or strategy.check_model(model, sample_shape, grid))
-            if why:
-                refusals.append(why[0])
-                continue
-            seconds = strategy.predict_step_seconds(model, sample_shape, grid, global_batch)
-            if best is None or seconds < best[0]:
-                best = (seconds, strategy)
+        with torch.random.fork_rng(devices=[]):  # pricing builds layers: the run's draws stay
+            for name in TREE_CHOICES:
+                found = self._price(name, model, sample_shape, grid, global_batch, refusals)
+                if found is not None and (best is None or found[0] < best[0]):
+                    best = found
         if best is None:
             raise ValueError(f"no strategy runs {type(model).__name__} on grid.pr={grid.pr} x "
                              f"grid.pc={grid.pc}: {'; '.join(refusals)}; strategy=data trains "
@@ -257,6 +246,23 @@ class AutoLayout(Strategy):
             return grid.size == 1
         chosen = self._tree_choice(model, sample_shape, grid, self.global_batch)
         return chosen.reproduces_random_draws(model, sample_shape, grid)
+
+    def _price(self, name: str, model: nn.Module, sample_shape: tuple[int, ...],
+               grid: GridShape, global_batch: int,
+               refusals: list[str]) -> tuple[float, Strategy] | None:
+        """Strategy `name`'s predicted step time for the whole model, or None (its first
+        reason then joins `refusals`)."""
+        from strategies.registry import STRATEGIES
+
+        strategy = STRATEGIES.get(name)(
+            self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
+            costs=self.costs, rows_touched=self.rows_touched, compute_dtype=self.compute_dtype,
+            rates=self.rates, global_batch=global_batch, slowdown=self.slowdown)
+        why = strategy.check(grid, global_batch) or strategy.check_model(model, sample_shape, grid)
+        if why:
+            refusals.append(why[0])
+            return None
+        return strategy.predict_step_seconds(model, sample_shape, grid, global_batch), strategy
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:

@@ -119,8 +119,9 @@ def _without_height_padding(layer: Windowed) -> Callable[[torch.Tensor], torch.T
     kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
     pad_w = _padding(layer)[1]
     if isinstance(layer, nn.Conv2d):
+        # groups: a depthwise or grouped convolution keeps its channel groups on a slab
         return lambda x: F.conv2d(x, layer.weight, layer.bias, layer.stride, (0, pad_w),
-                                  layer.dilation)
+                                  layer.dilation, layer.groups)
     if isinstance(layer, nn.MaxPool2d):
         return lambda x: F.max_pool2d(x, kernel, stride, (0, pad_w), layer.dilation)
     # divisor_override: a constant divisor, the same for a window wherever its rows come from.
@@ -175,7 +176,8 @@ def _without_padding(layer: Windowed) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer's operation with no padding at all (the windows bring their own)."""
     kernel, stride = _pair(layer.kernel_size), _pair(layer.stride or layer.kernel_size)
     if isinstance(layer, nn.Conv2d):
-        return lambda x: F.conv2d(x, layer.weight, layer.bias, layer.stride, 0, layer.dilation)
+        return lambda x: F.conv2d(x, layer.weight, layer.bias, layer.stride, 0, layer.dilation,
+                                  layer.groups)
     if isinstance(layer, nn.MaxPool2d):
         return lambda x: F.max_pool2d(x, kernel, stride, 0, layer.dilation)
     return lambda x: F.avg_pool2d(x, kernel, stride, 0, count_include_pad=True,

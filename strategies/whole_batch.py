@@ -51,7 +51,8 @@ def _like_globally(x: torch.Tensor, rows: int) -> torch.Tensor:
     same order of dimensions (so a draw on it walks the elements as a draw on the one process's
     tensor does)."""
     shape = [rows, *x.shape[1:]]
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    strides = x.stride()
+    order = sorted(range(x.dim()), key=lambda d: (-strides[d], d))
     base = x.new_ones([shape[d] for d in order])
     inverse = [order.index(d) for d in range(x.dim())]
     return base.permute(inverse)
@@ -96,7 +97,8 @@ class WholeBatch(TorchFunctionMode):
     def _masked(self, func: Callable[..., Any], x: torch.Tensor, p: float = 0.5,
                 training: bool = True, inplace: bool = False) -> torch.Tensor:
         if not training or p == 0.0:
-            return func(x, p, training, inplace)
+            kept: torch.Tensor = func(x, p, training, inplace)
+            return kept
         self._check_rows(x, _MASKED[func])
         self.draws += 1
         # the one process's mask, already scaled: dropout of ones
@@ -107,7 +109,8 @@ class WholeBatch(TorchFunctionMode):
     def _in_place(self, func: Callable[..., Any], x: torch.Tensor, *args: Any,
                   **kwargs: Any) -> torch.Tensor:
         if "generator" in kwargs and kwargs["generator"] is not None:
-            return func(x, *args, **kwargs)  # the model's own generator: its own business
+            own: torch.Tensor = func(x, *args, **kwargs)  # the model's own generator
+            return own
         self._check_rows(x, f"Tensor.{func.__name__}")
         self.draws += 1
         drawn = func(torch.empty_like(_like_globally(x, self.global_rows)), *args, **kwargs)

@@ -650,3 +650,32 @@ def hf_bert(vocab_size: int, num_classes: int, input_shape: tuple[int, ...]) -> 
                         num_attention_heads=2, intermediate_size=32,
                         max_position_embeddings=max(16, input_shape[0]), num_labels=num_classes)
     return BertForSequenceClassification(config)
+
+
+IMAGE_MODELS += ("MetaUnfriendly",)
+PATTERNS["MetaUnfriendly"] = "constructor that reads its weights (no meta-device build)"
+# Models of the transformers library, built from configs (the `transformers` test extra).
+TRANSFORMERS_MODELS: tuple[str, ...] = ("hf_gpt2", "hf_bert")
+PATTERNS["hf_gpt2"] = "transformers GPT2LMHeadModel: `.logits`, SDPA attention dropout"
+PATTERNS["hf_bert"] = "transformers BertForSequenceClassification: keyword forward, dropout"
+LANGUAGE_MODELS += ("hf_gpt2",)
+
+# The grids every model is tried on (the MPI check trains the accepted ones on 4 ranks).
+CASES: tuple[tuple[str, int, int], ...] = (("data", 1, 4), ("model", 2, 1), ("grid", 2, 2),
+                                           ("domain", 2, 1), ("auto", 1, 2))
+
+
+def run_config(model: str, strategy: str, pr: int, pc: int, steps: int = 3) -> dict[str, Any]:
+    """A run of corpus model `model` (a name in this module) as a plain config: float64, a
+    batch of 8, synthetic 3×8×8 images in 4 classes or 50-token documents of 8 tokens."""
+    tokens = model in TOKEN_MODELS or model in TRANSFORMERS_MODELS
+    dataset = ({"name": "tokens", "vocab_size": 50, "seq_len": 8, "classes": 4, "samples": 64}
+               if tokens else {"name": "synthetic", "shape": [3, 8, 8], "classes": 4,
+                               "samples": 64})
+    return {"seed": 1, "grid": {"pr": pr, "pc": pc},
+            "trainer": {"steps": steps, "batch_size": 8, "dtype": "float64", "log_every": 1,
+                        "eval_every": 1000, "checkpoint_every": None, "resume": None,
+                        "threads": None},
+            "model": {"_target_": f"tests.corpus_models.{model}"}, "dataset": dataset,
+            "strategy": {"name": strategy}, "optimizer": {"name": "sgd", "lr": 0.1},
+            "launcher": {"command": None, "args": []}, "debug": {"fail_at_step": None}}

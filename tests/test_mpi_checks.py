@@ -33,6 +33,8 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_sparse.py": {"mpi": (2, 4), "torch": (4,)},
     # with check_tensor_parallel.py and check_sequence.py, which it imports
     "tests/mpi/check_gpt.py": {"mpi": (4,)},
+    # the conformance corpus: every model under every strategy, or refused
+    "tests/mpi/check_corpus.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
          for backend, sizes in backends.items() for ranks in sizes]

@@ -1,0 +1,102 @@
+"""The conformance corpus (`tests/corpus_models.py`) under every strategy, against one process,
+in one launch: `mpiexec -n 4 python THIS TMPDIR`.
+
+For every corpus model (and the transformers library's GPT-2 and BERT where it is installed)
+and every (strategy, grid) of `CASES`, the head's validation either refuses the run (each
+refusal is one line naming the module: tests/test_corpus.py checks their wording) or the run on
+real ranks gives one process's training losses (float64, 1e-9 relative) and moves every step
+exactly the bytes predicted for it. Random draws (dropout, stochastic depth, attention dropout)
+and BatchNorm subclasses are part of it: under `data` they are one process's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # `tests` is this checkout's, whatever else is installed
+
+from harness import check, make_grids, run_checks, train_losses, train_run  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from runner.config import ConfigError  # noqa: E402
+from runner.core import ProcessGrid  # noqa: E402
+from runner.validation import validate  # noqa: E402
+from tests import corpus_models as corpus  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+RANK = WORLD.Get_rank()
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_corpus")
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+MODELS = (*corpus.IMAGE_MODELS, *corpus.TOKEN_MODELS,
+          *(corpus.TRANSFORMERS_MODELS if HAVE_TRANSFORMERS else ()))
+GRIDS = make_grids(sorted({(pr, pc) for _, pr, pc in corpus.CASES}))
+TOLERANCE = 1e-9
+
+
+def wait_politely() -> None:
+    """A barrier that sleeps while it waits (MPI's spins, taking the cores from the ranks at
+    work on a grid of fewer ranks)."""
+    request = WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
+def accepted(model: str, strategy: str, pr: int, pc: int) -> bool:
+    """Rank 0's validation of the run (as the head's before any rank starts), for all ranks."""
+    verdict = None
+    if RANK == 0:
+        try:
+            validate(OmegaConf.create(corpus.run_config(model, strategy, pr, pc)))
+            verdict = True
+        except ConfigError:
+            verdict = False
+    return bool(WORLD.bcast(verdict, root=0))
+
+
+@check
+def every_accepted_run_gives_one_process_losses_and_the_predicted_bytes() -> None:
+    # one process's losses: each rank runs a quarter of the models on a grid of its own
+    mine = {}
+    for index, model in enumerate(MODELS):
+        if index % WORLD.Get_size() == RANK:
+            path = train_run(corpus.run_config(model, "data", 1, 1),
+                             OUT / f"{model}_reference", ProcessGrid(1, 1))
+            mine[model] = train_losses(path)[0]
+    reference = {k: v for part in WORLD.allgather(mine) for k, v in part.items()}
+    trained = []
+    for strategy, pr, pc in corpus.CASES:
+        grid = GRIDS[pr, pc]
+        for model in MODELS:
+            if not accepted(model, strategy, pr, pc):
+                continue
+            if grid is not None:
+                path = train_run(corpus.run_config(model, strategy, pr, pc),
+                                 OUT / f"{model}_{strategy}_{pr}x{pc}", grid)
+                if grid.rank == 0:
+                    got, lines = train_losses(path)
+                    want = reference[model]
+                    gap = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+                    assert len(got) == len(want) and gap <= TOLERANCE, (
+                        f"{model} under {strategy} {pr}x{pc}: losses {got} against one "
+                        f"process's {want} (relative gap {gap:.2e})")
+                    predicted = json.loads((path / "summary.json").read_text())[
+                        "predicted_comm_bytes_per_step"]
+                    assert all(m["comm_bytes"] == predicted for m in lines), (
+                        f"{model} under {strategy} {pr}x{pc}: measured "
+                        f"{[m['comm_bytes'] for m in lines]}, predicted {predicted}")
+            trained.append(f"{model}:{strategy}")
+            wait_politely()
+    if RANK == 0:  # the share each strategy trains, for the README
+        print("trained " + " ".join(trained), flush=True)
+    # every model trains under data: nothing a user brings is refused there
+    assert all(f"{model}:data" in trained for model in MODELS), trained
+
+
+if __name__ == "__main__":
+    run_checks()
