@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-EXTRAS := bundled-mpi,dev,text,tensorboard,sweep
+EXTRAS := bundled-mpi,dev,text,tensorboard,sweep,transformers
 
 .PHONY: setup run test test-backends lint bench reproduce dist clean
 

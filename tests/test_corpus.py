@@ -1,0 +1,130 @@
+"""Models nobody here wrote, on the head (no ranks): every corpus model under every strategy
+is accepted or refused in lines that name what to do instead, never a traceback; the memory
+estimate, the planner's counts and `strategy=auto` work from one real forward of the model.
+tests/mpi/check_corpus.py trains the accepted ones on real ranks against one process."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from runner import assembly
+from runner.config import ConfigError
+from runner.preflight import memory_estimate
+from runner.validation import validate
+from strategies.probe import logits_of, probe, random_draws
+from tests import corpus_models as corpus
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+MODELS = [*corpus.IMAGE_MODELS, *corpus.TOKEN_MODELS,
+          *[pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRANSFORMERS,
+                                                        reason="transformers not installed"))
+            for name in corpus.TRANSFORMERS_MODELS]]
+
+
+def verdict(model: str, strategy: str, pr: int, pc: int, **trainer: object) -> list[str]:
+    """The head's validation problems of the run (empty: accepted)."""
+    config = corpus.run_config(model, strategy, pr, pc)
+    config["trainer"].update(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            validate(OmegaConf.create(config))
+        except ConfigError as exc:
+            return exc.problems
+    return []
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_strategy_accepts_or_refuses_by_name(model: str) -> None:
+    for strategy, pr, pc in corpus.CASES:
+        problems = verdict(model, strategy, pr, pc)
+        for problem in problems:
+            assert "\n" not in problem, problem
+            assert "strategy=" in problem, f"{model} {strategy}: {problem}"
+        if strategy == "data":
+            assert problems == [], f"{model}: strategy=data refuses {problems}"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_memory_estimate_and_the_plan_come_from_a_real_forward(model: str) -> None:
+    config = corpus.run_config(model, "data", 1, 2)
+    run = validate(OmegaConf.create(config))
+    spec = assembly.build_dataset(run.dataset, assembly.objective_of(run.model)).spec()
+    net = assembly.probe_model(run.model, spec)
+    parts = memory_estimate(run, spec, net)
+    assert parts["activations"] > 0 and parts["parameters"] > 0
+    seen = probe(net, spec.input_shape)
+    assert seen.output_shape[-1] in (spec.num_classes, 50)  # classes, or the vocabulary
+    strategy = assembly.build_strategy(run.strategy, global_batch=8)
+    assert strategy.predict_step_seconds(net, spec.input_shape, run.grid, 8) > 0
+
+
+def test_outputs_are_found_in_tuples_dicts_and_dataclasses() -> None:
+    logits = torch.ones(2, 3)
+    assert logits_of((logits, torch.zeros(2))) is logits
+    assert logits_of({"features": torch.zeros(2), "logits": logits}) is logits
+    assert logits_of(corpus.ClassifierOutput(logits, torch.zeros(2))) is logits
+    with pytest.raises(TypeError, match="returns a str"):
+        logits_of("scores")
+
+
+def test_a_batch_norm_subclass_is_refused_where_it_would_be_replaced() -> None:
+    problems = verdict("ScaledBNNet", "grid", 2, 2)
+    assert problems and all("ScaledBNNet" in p for p in problems)
+    # in a Sequential the split layers would swap it for a plain BatchNorm: named instead
+    from strategies.sharded import unsupported_layers
+
+    layers = [nn.Conv2d(3, 4, 3), corpus.ScaledBatchNorm(4), nn.ReLU()]
+    assert any("ScaledBatchNorm subclasses BatchNorm2d" in p and "strategy=data" in p
+               for p in unsupported_layers(layers))
+
+
+def test_sync_batch_norm_is_a_batch_norm_to_every_strategy() -> None:
+    for strategy, pr, pc in corpus.CASES:
+        if strategy != "domain":  # its BatchNorm comes before any split layer there
+            assert verdict("SyncBNNet", strategy, pr, pc) == [], strategy
+
+
+def test_a_model_the_meta_device_cannot_build_is_built_for_real() -> None:
+    assert verdict("MetaUnfriendly", "grid", 2, 2) == []
+
+
+def test_random_draws_are_named_and_refused_where_ranks_draw_apart() -> None:
+    net = corpus.StochasticDepth((3, 8, 8), 4)
+    before = torch.random.get_rng_state()
+    draws = random_draws(net, (3, 8, 8))
+    assert torch.equal(before, torch.random.get_rng_state())
+    assert "drop_path (DropPath): bernoulli_" in draws, draws
+    assert any("(Dropout): dropout(p=0.25)" in d for d in draws), draws
+    assert random_draws(corpus.SqueezeExcite((3, 8, 8), 4), (3, 8, 8)) == []
+    # gridrun's VGG keeps dropout 0.5: grid 2x2 would draw each batch group's own masks
+    config = corpus.run_config("SqueezeExcite", "grid", 2, 2)
+    config["model"] = {"name": "vgg", "config": [4, "M", 6], "hidden": 16}
+    with pytest.raises(ConfigError) as refused:
+        validate(OmegaConf.create(config))
+    assert "draws random numbers per rank" in str(refused.value)
+    assert "(Dropout): dropout(p=0.5)" in str(refused.value)
+    config["model"]["dropout"] = 0.0
+    validate(OmegaConf.create(config))
+
+
+def test_auto_chooses_data_for_what_nothing_splits_and_refuses_in_one_line_where_data_cannot(
+        ) -> None:
+    assert verdict("ViTTiny", "auto", 1, 2) == []
+    problems = verdict("ViTTiny", "auto", 2, 2)
+    assert len(problems) == 1 and problems[0].startswith("strategy=auto: no strategy runs ViTTiny")
+    assert "strategy=data trains it whole on grid.pr=1 grid.pc=4" in problems[0]
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_a_transformers_language_model_is_probed_with_token_ids() -> None:
+    net = corpus.hf_gpt2(50, (8,))
+    assert probe(net, (8,)).output_shape == (8, 50)
+    assert any("attention dropout" in d or "dropout(p=0.1)" in d
+               for d in random_draws(net, (8,)))
