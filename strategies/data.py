@@ -173,8 +173,11 @@ class DataParallel(Strategy):
                     sync_replica_gradients: bool = True) -> ParallelModel:
         # BatchNorm: every rank's statistics (an EASGD replica, or batch_norm=local: its own)
         # (an EASGD replica is a model of its own: its own rows, its own draws)
+        # One process too: its BatchNorms then normalize half-precision activations in
+        # float32 as every rank's do at P > 1 (torch's CPU kernel on bfloat16 computes
+        # otherwise, and is many times slower), so one process is what P ranks reproduce.
         global_norm = self.batch_norm == "global"
-        if sync_replica_gradients and grid.size > 1 and global_norm:
+        if sync_replica_gradients and global_norm:
             distribute_batch_norms(model, grid.world)
         pmodel = DataParallelModel(model, grid, sync_replica_gradients and grid.size > 1,
                                    grid.world if global_norm else None)
