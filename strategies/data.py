@@ -8,6 +8,7 @@ sparse gradients are exchanged as `strategy.sparse` says (`sparse_exchange.py`);
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -29,8 +30,13 @@ from runner.core.cost import (
 from runner.core.sparse import NodeRoutes
 from strategies.base import ParallelModel, Strategy, gradient_exchange
 from strategies.buckets import predict_gradient_ops
-from strategies.norm import batch_norm_ops, batch_norm_problems, distribute_batch_norms
-from strategies.probe import logits_of, probe
+from strategies.norm import (
+    batch_norm_ops,
+    batch_norm_problems,
+    distribute_batch_norms,
+    is_plain_batch_norm,
+)
+from strategies.probe import DrawPlan, draw_plan, logits_of, probe, training_calls
 from strategies.registry import register_strategy
 from strategies.sharded import activation_itemsize
 from strategies.sparse_exchange import (
@@ -42,43 +48,45 @@ from strategies.sparse_exchange import (
     sparse_tables,
 )
 from strategies.transformer import GPT, activation_elements
-from strategies.whole_batch import WholeBatch
+from strategies.whole_batch import BatchStatistics, GlobalDraws
 
 
 class DataParallelModel(ParallelModel):
-    """The whole model on every rank. With `whole_batch`, a training forward computes what
-    couples rows as one process does (`whole_batch.WholeBatch`): batch statistics over
-    `stats_comm` (None: each rank's own, `batch_norm=local`) and the global batch's random
-    draws."""
+    """The whole model on every rank. A training forward computes what couples rows as one
+    process does (`whole_batch`): with `stats_comm`, `F.batch_norm` calls that no
+    `DistributedBatchNorm` took over (a subclass's own forward, functional calls) normalize
+    by every rank's statistics; with a plan of its `draws`, random operators draw for the
+    global batch."""
 
-    def __init__(self, module: nn.Module, grid: ProcessGrid, whole_batch: bool = False,
-                 stats_comm: CountedComm | None = None) -> None:
+    def __init__(self, module: nn.Module, grid: ProcessGrid,
+                 stats_comm: CountedComm | None = None, draws: DrawPlan | None = None) -> None:
         super().__init__(grid)
         self.module = module
-        self.whole_batch, self.stats_comm = whole_batch, stats_comm
-        self._mode: WholeBatch | None = None
-        if whole_batch and stats_comm is not None:  # name what each batch norm moves
+        self.stats_comm, self.draws = stats_comm, draws
+        self._statistics: BatchStatistics | None = None
+        if stats_comm is not None:  # name what each batch norm moves
             for name, child in module.named_modules():
                 if isinstance(child, nn.modules.batchnorm._BatchNorm):
                     child.register_forward_pre_hook(self._labeller(f"bn:{name}"))
 
     def _labeller(self, label: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: object) -> None:
-            if self._mode is not None:
-                self._mode.label = label
+            if self._statistics is not None:
+                self._statistics.label = label
         return hook
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and self.whole_batch):
+        if not self.training:
             return logits_of(self.module(x))
-        rows = x.shape[0]
-        start = self.input_rows(rows * self.grid.pc).start
-        self._mode = WholeBatch(self.stats_comm, start, rows, rows * self.grid.pc)
-        try:
-            with self._mode:
-                return logits_of(self.module(x))
-        finally:
-            self._mode = None
+        with contextlib.ExitStack() as modes:
+            if self.stats_comm is not None:
+                self._statistics = modes.enter_context(BatchStatistics(self.stats_comm))
+                modes.callback(setattr, self, "_statistics", None)
+            if self.draws is not None:
+                rows = x.shape[0]
+                start = self.input_rows(rows * self.grid.pc).start
+                modes.enter_context(GlobalDraws(self.draws, start, rows, rows * self.grid.pc))
+            return logits_of(self.module(x))
 
 
 BATCH_NORM_MODES = ("global", "local")
@@ -151,6 +159,11 @@ class DataParallel(Strategy):
         if grid.size == 1:
             return []
         problems = [f"strategy=data cannot split {p}" for p in batch_norm_problems(model)]
+        calls = training_calls(model, sample_shape)
+        if calls.ops or calls.uncut:
+            problems += [f"strategy=data cannot draw one process's random numbers in {what}; "
+                         f"set its rate to 0 (or train on one rank)"
+                         for what in draw_plan(model, sample_shape).problems]
         if self.sparse == "sharded":  # tables that live on their owners only
             problems += [f"strategy.sparse=sharded: table {name or 'model'} has max_norm, "
                          f"which renormalises the rows it reads in place; the owners-only "
@@ -160,7 +173,7 @@ class DataParallel(Strategy):
 
     def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape) -> bool:
-        return True  # every rank draws the global batch's masks (`whole_batch`)
+        return True  # every rank draws the global batch's masks (`whole_batch.GlobalDraws`)
 
     def _split(self, model: nn.Module) -> tuple[list[tuple[str, EmbeddingTable]],
                                                list[nn.Parameter]]:
@@ -171,16 +184,21 @@ class DataParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        # BatchNorm: every rank's statistics (an EASGD replica, or batch_norm=local: its own)
-        # (an EASGD replica is a model of its own: its own rows, its own draws)
+        # BatchNorm: every rank's statistics (an EASGD replica, or batch_norm=local: its own).
         # One process too: its BatchNorms then normalize half-precision activations in
         # float32 as every rank's do at P > 1 (torch's CPU kernel on bfloat16 computes
-        # otherwise, and is many times slower), so one process is what P ranks reproduce.
+        # otherwise), so one process is what P ranks reproduce. What couples rows beyond plain
+        # BatchNorms comes from one training forward (an EASGD replica is a model of its own:
+        # its own rows, its own draws).
+        whole = sync_replica_gradients and grid.size > 1
+        calls = training_calls(model, sample_shape) if whole else None
+        plan = draw_plan(model, sample_shape) if calls is not None and calls.ops else None
         global_norm = self.batch_norm == "global"
         if sync_replica_gradients and global_norm:
             distribute_batch_norms(model, grid.world)
-        pmodel = DataParallelModel(model, grid, sync_replica_gradients and grid.size > 1,
-                                   grid.world if global_norm else None)
+        functional = calls is not None and global_norm and any(
+            not is_plain_batch_norm(model.get_submodule(name)) for name in calls.batch_norms)
+        pmodel = DataParallelModel(model, grid, grid.world if functional else None, plan)
         if sync_replica_gradients:
             tables, dense = self._split(model)
             pmodel.reducers = gradient_exchange(dense, grid.world, 1.0 / grid.size,

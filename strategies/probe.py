@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 
@@ -136,58 +137,160 @@ def probe(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Probe:
     return Probe(calls, tuple(out.shape[1:]))
 
 
+# Functions whose random draws a name says better than the aten operation that makes them.
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
              F.feature_alpha_dropout}
-_DRAWS = {torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
-          torch.Tensor.exponential_, torch.Tensor.random_, torch.bernoulli, torch.rand,
-          torch.randn, torch.rand_like, torch.randn_like, torch.randint, torch.randperm,
-          torch.multinomial, torch.normal}
+# Random operations at the operator level (what every draw of a forward comes down to, also
+# inside composite functions such as `F.multi_head_attention_forward` or attention kernels).
+_ATEN_DRAWS = {"bernoulli", "uniform", "normal", "rand", "randn", "randint", "randperm",
+               "multinomial", "exponential", "geometric", "cauchy", "log_normal", "random",
+               "native_dropout"}
 
 
-class _DrawRecorder(TorchFunctionMode):
-    """Notes each random draw of a training forward, by the module whose code made it."""
+def is_random_op(func: Any) -> bool:
+    """Whether an aten operator draws random numbers (in place or not, `_like` or not)."""
+    name = str(func).split(".")[1] if str(func).startswith("aten.") else ""
+    return name.removesuffix("_like").rstrip("_") in _ATEN_DRAWS
 
-    def __init__(self) -> None:
+
+# Random operators that `whole_batch.GlobalDraws` can make draw for the global batch.
+CUTTABLE = {"bernoulli_", "uniform_", "normal_", "exponential_", "geometric_", "cauchy_",
+            "log_normal_", "random_", "native_dropout", "bernoulli", "rand_like", "randn_like",
+            "rand", "randn"}
+
+
+def op_name(func: Any) -> str:
+    """`bernoulli_` for `aten.bernoulli_.float`."""
+    return str(func).split(".")[1] if str(func).startswith("aten.") else str(func)
+
+
+@dataclass(frozen=True)
+class DrawCall:
+    """One random operator of a training forward."""
+
+    module: str  # the path of the module whose code made it
+    op: str  # the aten operator (`bernoulli_`)
+    shape: tuple[int, ...]  # of the tensor it draws into (its first tensor argument, or result)
+
+
+@dataclass
+class TrainingCalls:
+    """What a training forward does that couples the rows of a batch, by module path."""
+
+    draws: dict[str, str] = dataclasses.field(default_factory=dict)  # path: what it draws
+    batch_norms: list[str] = dataclasses.field(default_factory=list)  # F.batch_norm callers
+    uncut: dict[str, str] = dataclasses.field(default_factory=dict)  # draws inside a kernel
+    ops: list[DrawCall] = dataclasses.field(default_factory=list)  # every random operator
+
+    def named(self, modules: Mapping[str, nn.Module]) -> list[str]:
+        return [f"{name or 'the model'} ({type(modules[name]).__name__}): {what}"
+                for name, what in self.draws.items()]
+
+
+class _FunctionRecorder(TorchFunctionMode):
+    def __init__(self, calls: TrainingCalls, stack: list[str]) -> None:
         super().__init__()
-        self.stack: list[str] = []
-        self.found: dict[str, str] = {}
+        self.calls, self.stack = calls, stack
 
     def __torch_function__(self, func: Callable[..., Any], types: Any,
                            args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        what = None
+        where = self.stack[-1] if self.stack else ""
         if func in _DROPOUTS:
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
             training = args[2] if len(args) > 2 else kwargs.get("training", True)
             if training and p > 0:
-                what = f"{func.__name__}(p={p})"
+                self.calls.draws.setdefault(where, f"{func.__name__}(p={p})")
         elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", 0.0) > 0:
-            what = f"attention dropout (p={kwargs['dropout_p']})"
-        elif func in _DRAWS:
-            what = getattr(func, "__name__", str(func))
-        if what is not None:
-            self.found.setdefault(self.stack[-1] if self.stack else "", what)
+            self.calls.draws.setdefault(where, f"attention dropout (p={kwargs['dropout_p']})")
+        elif func is F.rrelu and (args[3] if len(args) > 3 else kwargs.get("training", False)):
+            what = "rrelu's slopes, drawn inside one kernel"
+            self.calls.draws.setdefault(where, what)
+            self.calls.uncut.setdefault(where, what)
+        elif func is F.batch_norm:
+            training = args[5] if len(args) > 5 else kwargs.get("training", False)
+            if training:
+                self.calls.batch_norms.append(where)
         return func(*args, **kwargs)
 
 
-def random_draws(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> list[str]:
-    """Each module whose training forward draws random numbers (dropout, stochastic depth),
-    as "path (Type): what", from one training forward of two samples (the caller's random
-    state and the model's buffers are left as they were)."""
-    recorder = _DrawRecorder()
+class _OperatorRecorder(TorchDispatchMode):
+    def __init__(self, calls: TrainingCalls, stack: list[str]) -> None:
+        super().__init__()
+        self.calls, self.stack = calls, stack
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if is_random_op(func):
+            where = self.stack[-1] if self.stack else ""
+            self.calls.draws.setdefault(where, op_name(func))
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else out
+            shape = tuple(first.shape) if isinstance(first, torch.Tensor) else ()
+            self.calls.ops.append(DrawCall(where, op_name(func), shape))
+        return out
+
+
+@dataclass(frozen=True)
+class DrawPlan:
+    """How each random operator of a training forward (in the order they run) is drawn for the
+    global batch: `cuts[i]` is how many entries of its dim 0 each row of the batch has (B·H
+    when heads are folded into it: H), None for a draw of a fixed shape (the same on every
+    rank, and the one process's); `problems` names the draws no rank can cut."""
+
+    cuts: tuple[int | None, ...]
+    problems: tuple[str, ...]
+
+
+def draw_plan(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> DrawPlan:
+    """The draws of a training forward of 2 samples against one of 3: a dim 0 that grows with
+    them is made of the batch's rows."""
+    two, three = training_calls(model, sample_shape, 2), training_calls(model, sample_shape, 3)
     modules = dict(model.named_modules())
+
+    def named(path: str) -> str:
+        return f"{path or 'the model'} ({type(modules[path]).__name__})"
+
+    problems = [f"{named(path)}: {what}" for path, what in two.uncut.items()]
+    if [c.op for c in two.ops] != [c.op for c in three.ops]:
+        return DrawPlan((), (*problems, f"{named('')}: its random draws change with the batch "
+                                       f"size"))
+    cuts: list[int | None] = []
+    for a, b in zip(two.ops, three.ops, strict=True):
+        rows_made = (len(a.shape) == len(b.shape) > 0 and a.shape[1:] == b.shape[1:]
+                     and a.shape[0] % 2 == 0 and b.shape[0] == a.shape[0] // 2 * 3)
+        if a.shape == b.shape:
+            cuts.append(None)
+        elif rows_made and a.op in CUTTABLE:
+            cuts.append(a.shape[0] // 2)
+        else:
+            cuts.append(None)
+            where = ("its batch is not dim 0" if not rows_made else "an operator no rank can "
+                     "cut into rows")
+            problems.append(f"{named(a.module)}: {a.op} over a tensor of shape {b.shape} for 3 "
+                            f"samples ({where})")
+    return DrawPlan(tuple(cuts), tuple(dict.fromkeys(problems)))
+
+
+def training_calls(model: nn.Module, sample_shape: tuple[int, ...] | list[int],
+                   rows: int = 2) -> TrainingCalls:
+    """One training forward of `rows` samples, recording each module whose code draws random
+    numbers (dropout, stochastic depth, attention dropout: at the operator level, so also
+    inside composite functions) or calls `F.batch_norm` with batch statistics. The caller's
+    random state and the model's buffers and modes are left as they were."""
+    calls, stack = TrainingCalls(), []
 
     def enter(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            recorder.stack.append(name)
+            stack.append(name)
         return hook
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
-        recorder.stack.pop()
+        stack.pop()
 
     handles = []
-    for name, module in modules.items():
+    for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(enter(name)))
         handles.append(module.register_forward_hook(leave))
     buffers = {name: b.clone() for name, b in model.named_buffers()}
@@ -196,8 +299,10 @@ def random_draws(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) ->
     modes = {m: m.training for m in model.modules()}
     try:
         model.train()
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), recorder:
-            model(torch.zeros(2, *sample_shape, device=device, dtype=sample_dtype(model)))
+        with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+              torch.no_grad(),
+              _FunctionRecorder(calls, stack), _OperatorRecorder(calls, stack)):
+            model(torch.zeros(rows, *sample_shape, device=device, dtype=sample_dtype(model)))
     finally:
         for handle in handles:
             handle.remove()
@@ -207,5 +312,9 @@ def random_draws(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) ->
             for name, b in model.named_buffers():
                 if name in buffers and b.device.type != "meta":
                     b.copy_(buffers[name])
-    return [f"{name or 'the model'} ({type(modules[name]).__name__}): {what}"
-            for name, what in recorder.found.items()]
+    return calls
+
+
+def random_draws(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> list[str]:
+    """Each module whose training forward draws random numbers, as "path (Type): what"."""
+    return training_calls(model, sample_shape).named(dict(model.named_modules()))

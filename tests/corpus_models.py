@@ -635,7 +635,7 @@ def hf_gpt2(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab_size, n_positions=max(16, input_shape[0]), n_embd=16,
-                        n_layer=2, n_head=2)
+                        n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 
@@ -679,3 +679,43 @@ def run_config(model: str, strategy: str, pr: int, pc: int, steps: int = 3) -> d
             "model": {"_target_": f"tests.corpus_models.{model}"}, "dataset": dataset,
             "strategy": {"name": strategy}, "optimizer": {"name": "sgd", "lr": 0.1},
             "launcher": {"command": None, "args": []}, "debug": {"fail_at_step": None}}
+
+
+class TorchEncoder(nn.Module):
+    """torch's own `nn.TransformerEncoderLayer` (batch first, dropout 0.1): its attention
+    dropout is drawn inside `F.multi_head_attention_forward`, over batch × heads."""
+
+    objective = "next_token"
+
+    def __init__(self, vocab_size: int, width: int = 16, heads: int = 2,
+                 batch_first: bool = True) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(vocab_size, width)
+        self.layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.1,
+                                                batch_first=batch_first)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=h.dtype)
+        if self.batch_first:
+            return self.head(self.layer(h, src_mask=causal, is_causal=True))
+        out = self.layer(h.transpose(0, 1), src_mask=causal, is_causal=True)
+        return self.head(out.transpose(0, 1))
+
+
+class SeqFirstEncoder(TorchEncoder):
+    """The same layer sequence-first (`batch_first=False`, torch's default): its dropout masks
+    are drawn over (positions, batch, features), the batch in dim 1."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size, batch_first=False)
+
+
+TOKEN_MODELS += ("TorchEncoder", "SeqFirstEncoder")
+LANGUAGE_MODELS += ("TorchEncoder", "SeqFirstEncoder")
+PATTERNS["TorchEncoder"] = "nn.TransformerEncoderLayer, batch first, dropout in attention"
+PATTERNS["SeqFirstEncoder"] = "nn.TransformerEncoderLayer sequence-first (batch in dim 1)"
+# What strategy=data refuses (by name): one process's draws cannot be cut into rows there.
+REFUSED_BY_DATA: tuple[str, ...] = ("SeqFirstEncoder",)

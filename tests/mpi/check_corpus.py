@@ -94,8 +94,9 @@ def every_accepted_run_gives_one_process_losses_and_the_predicted_bytes() -> Non
             wait_politely()
     if RANK == 0:  # the share each strategy trains, for the README
         print("trained " + " ".join(trained), flush=True)
-    # every model trains under data: nothing a user brings is refused there
-    assert all(f"{model}:data" in trained for model in MODELS), trained
+    # every model trains under data but those whose draws cannot be cut into rows
+    assert all(f"{model}:data" in trained for model in MODELS
+               if model not in corpus.REFUSED_BY_DATA), trained
 
 
 if __name__ == "__main__":
