@@ -159,8 +159,7 @@ class DataParallel(Strategy):
         if grid.size == 1:
             return []
         problems = [f"strategy=data cannot split {p}" for p in batch_norm_problems(model)]
-        calls = training_calls(model, sample_shape)
-        if calls.ops or calls.uncut:
+        if training_calls(model, sample_shape).draws:
             problems += [f"strategy=data cannot draw one process's random numbers in {what}; "
                          f"set its rate to 0 (or train on one rank)"
                          for what in draw_plan(model, sample_shape).problems]
@@ -192,7 +191,7 @@ class DataParallel(Strategy):
         # its own rows, its own draws).
         whole = sync_replica_gradients and grid.size > 1
         calls = training_calls(model, sample_shape) if whole else None
-        plan = draw_plan(model, sample_shape) if calls is not None and calls.ops else None
+        plan = draw_plan(model, sample_shape) if calls is not None and calls.draws else None
         global_norm = self.batch_norm == "global"
         if sync_replica_gradients and global_norm:
             distribute_batch_norms(model, grid.world)

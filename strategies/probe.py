@@ -11,6 +11,7 @@ tuple, a dict or a model-output object (the transformers library's `.logits`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -140,6 +141,16 @@ def probe(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Probe:
 # Functions whose random draws a name says better than the aten operation that makes them.
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
              F.feature_alpha_dropout}
+# Every torch function that draws, as a model's code calls it (a `TorchFunctionMode` sees these
+# without the start-up cost of a dispatch mode, which is paid only by a model that draws).
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.normal,
+    torch.multinomial, torch.poisson, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.Tensor.bernoulli_, torch.Tensor.bernoulli, torch.Tensor.uniform_,
+    torch.Tensor.normal_, torch.Tensor.exponential_, torch.Tensor.random_,
+    torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+    torch.Tensor.multinomial, F.gumbel_softmax, F.fractional_max_pool2d,
+    F.fractional_max_pool3d}
 # Random operations at the operator level (what every draw of a forward comes down to, also
 # inside composite functions such as `F.multi_head_attention_forward` or attention kernels).
 _ATEN_DRAWS = {"bernoulli", "uniform", "normal", "rand", "randn", "randint", "randperm",
@@ -204,6 +215,12 @@ class _FunctionRecorder(TorchFunctionMode):
                 self.calls.draws.setdefault(where, f"{func.__name__}(p={p})")
         elif func is F.scaled_dot_product_attention and kwargs.get("dropout_p", 0.0) > 0:
             self.calls.draws.setdefault(where, f"attention dropout (p={kwargs['dropout_p']})")
+        elif func is F.multi_head_attention_forward:
+            p = args[10] if len(args) > 10 else kwargs.get("dropout_p", 0.0)
+            if p > 0 and (args[13] if len(args) > 13 else kwargs.get("training", True)):
+                self.calls.draws.setdefault(where, f"attention dropout (p={p})")
+        elif func in _RANDOM_FUNCTIONS:
+            self.calls.draws.setdefault(where, getattr(func, "__name__", str(func)))
         elif func is F.rrelu and (args[3] if len(args) > 3 else kwargs.get("training", False)):
             what = "rrelu's slopes, drawn inside one kernel"
             self.calls.draws.setdefault(where, what)
@@ -246,7 +263,8 @@ class DrawPlan:
 def draw_plan(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> DrawPlan:
     """The draws of a training forward of 2 samples against one of 3: a dim 0 that grows with
     them is made of the batch's rows."""
-    two, three = training_calls(model, sample_shape, 2), training_calls(model, sample_shape, 3)
+    two = training_calls(model, sample_shape, 2, operators=True)
+    three = training_calls(model, sample_shape, 3, operators=True)
     modules = dict(model.named_modules())
 
     def named(path: str) -> str:
@@ -274,11 +292,12 @@ def draw_plan(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Dr
 
 
 def training_calls(model: nn.Module, sample_shape: tuple[int, ...] | list[int],
-                   rows: int = 2) -> TrainingCalls:
+                   rows: int = 2, operators: bool = False) -> TrainingCalls:
     """One training forward of `rows` samples, recording each module whose code draws random
-    numbers (dropout, stochastic depth, attention dropout: at the operator level, so also
-    inside composite functions) or calls `F.batch_norm` with batch statistics. The caller's
-    random state and the model's buffers and modes are left as they were."""
+    numbers (dropout, stochastic depth, attention dropout) or calls `F.batch_norm` with batch
+    statistics; with `operators`, also every random operator (`TrainingCalls.ops`, also inside
+    composite functions). The caller's random state and the model's buffers and modes are left
+    as they were."""
     calls, stack = TrainingCalls(), []
 
     def enter(name: str) -> Callable[..., None]:
@@ -300,8 +319,8 @@ def training_calls(model: nn.Module, sample_shape: tuple[int, ...] | list[int],
     try:
         model.train()
         with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-              torch.no_grad(),
-              _FunctionRecorder(calls, stack), _OperatorRecorder(calls, stack)):
+              torch.no_grad(), _FunctionRecorder(calls, stack),
+              _OperatorRecorder(calls, stack) if operators else contextlib.nullcontext()):
             model(torch.zeros(rows, *sample_shape, device=device, dtype=sample_dtype(model)))
     finally:
         for handle in handles:
