@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from runner.preflight import memory_estimate
 from runner.validation import validate
 from strategies.probe import draw_plan, logits_of, probe, random_draws
 from tests import corpus_models as corpus
+from tests.conftest import assert_ok, run_cli_together, train_losses
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 MODELS = [*corpus.IMAGE_MODELS, *corpus.TOKEN_MODELS,
@@ -149,3 +151,19 @@ def test_a_draw_of_a_fixed_shape_is_left_alone() -> None:
 
     plan = draw_plan(nn.Sequential(nn.Linear(4, 4), Jitter()), (4,))
     assert plan.cuts == (None, 1) and plan.problems == ()
+
+
+def test_timms_batch_norm_subclass_trains_through_the_command_line_as_one_process(
+        tmp_path: Path) -> None:
+    """The issue's first case end to end: the head's checks (memory estimate, preflight) of a
+    model whose children are no chain, at P = 1 and under data 1 × 2, and the same losses."""
+    common = ["model._target_=tests.corpus_models.BNActNet", "dataset=synthetic",
+              "dataset.shape=[3,8,8]", "dataset.classes=4", "dataset.samples=64",
+              "strategy=data", "grid.pr=1", "trainer.steps=3", "trainer.batch_size=8",
+              "trainer.dtype=float64"]
+    jobs = [[*common, f"grid.pc={pc}", f"hydra.run.dir={tmp_path / str(pc)}"] for pc in (1, 2)]
+    for result in run_cli_together(*jobs):
+        assert_ok(result)
+    one, two = (train_losses(tmp_path / str(pc)) for pc in (1, 2))
+    assert len(one) == 3
+    assert max(abs(a - b) / abs(a) for a, b in zip(one, two, strict=True)) <= 1e-12
