@@ -432,22 +432,30 @@ class ShapeControlFlow(nn.Module):
         return self.head(torch.flatten(self.gap(x), 1))
 
 
-class KeywordOutputs(nn.Module):
-    """The transformers library's forward(pixel_values=..., return_dict=...) returning a dict."""
+class _ConvFeatures(nn.Module):
+    """A convolution, global pooling and a Linear head: the body of the output patterns below
+    (what they return is what differs)."""
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 8) -> None:
         super().__init__()
         self.conv = nn.Conv2d(input_shape[0], width, 3, padding=1)
         self.relu = nn.ReLU()
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.classifier = nn.Linear(width, num_classes)
+        self.head = nn.Linear(width, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(self.pool(self.relu(self.conv(x))), 1)
+
+
+class KeywordOutputs(_ConvFeatures):
+    """The transformers library's forward(pixel_values=..., return_dict=...) returning a dict."""
 
     def forward(self, pixel_values: torch.Tensor | None = None, return_dict: bool = True,
                 **kwargs: Any) -> dict[str, torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
         if pixel_values is None:
             raise ValueError("KeywordOutputs needs pixel_values")
-        features = torch.flatten(self.pool(self.relu(self.conv(pixel_values))), 1)
-        logits = self.classifier(features)
+        features = self.features(pixel_values)
+        logits = self.head(features)
         if return_dict:
             return {"logits": logits, "features": features}
         return logits, features
@@ -461,33 +469,19 @@ class ClassifierOutput:
     hidden: torch.Tensor
 
 
-class DataclassOutput(nn.Module):
+class DataclassOutput(_ConvFeatures):
     """The transformers library's ImageClassifierOutput: forward returns a dataclass."""
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 8) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(input_shape[0], width, 3, padding=1)
-        self.relu = nn.ReLU()
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.head = nn.Linear(width, num_classes)
-
     def forward(self, x: torch.Tensor) -> ClassifierOutput:
-        hidden = torch.flatten(self.pool(self.relu(self.conv(x))), 1)
+        hidden = self.features(x)
         return ClassifierOutput(logits=self.head(hidden), hidden=hidden)
 
 
-class TupleOutput(nn.Module):
+class TupleOutput(_ConvFeatures):
     """torchvision's GoogLeNet / Inception aux outputs: forward returns (logits, aux)."""
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 8) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(input_shape[0], width, 3, padding=1)
-        self.relu = nn.ReLU()
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.head = nn.Linear(width, num_classes)
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        aux = torch.flatten(self.pool(self.relu(self.conv(x))), 1)
+        aux = self.features(x)
         return self.head(aux), aux
 
 

@@ -12,7 +12,6 @@ and BatchNorm subclasses are part of it: under `data` they are one process's.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # `tests` is this checkout's, whatever else is installed
 
-from harness import check, make_grids, run_checks, train_losses, train_run  # noqa: E402
+from harness import (  # noqa: E402
+    assert_one_process,
+    check,
+    make_grids,
+    run_checks,
+    train_losses,
+    train_run,
+)
 from mpi4py import MPI  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -79,17 +85,8 @@ def every_accepted_run_gives_one_process_losses_and_the_predicted_bytes() -> Non
                 path = train_run(corpus.run_config(model, strategy, pr, pc),
                                  OUT / f"{model}_{strategy}_{pr}x{pc}", grid)
                 if grid.rank == 0:
-                    got, lines = train_losses(path)
-                    want = reference[model]
-                    gap = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
-                    assert len(got) == len(want) and gap <= TOLERANCE, (
-                        f"{model} under {strategy} {pr}x{pc}: losses {got} against one "
-                        f"process's {want} (relative gap {gap:.2e})")
-                    predicted = json.loads((path / "summary.json").read_text())[
-                        "predicted_comm_bytes_per_step"]
-                    assert all(m["comm_bytes"] == predicted for m in lines), (
-                        f"{model} under {strategy} {pr}x{pc}: measured "
-                        f"{[m['comm_bytes'] for m in lines]}, predicted {predicted}")
+                    assert_one_process(path, reference[model], TOLERANCE,
+                                       f"{model} under {strategy} {pr}x{pc}")
             trained.append(f"{model}:{strategy}")
             wait_politely()
     if RANK == 0:  # the share each strategy trains, for the README

@@ -117,3 +117,14 @@ def train_losses(path: Path) -> tuple[list[float], list[dict]]:
     lines = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
     train_lines = [m for m in lines if "split" not in m]
     return [m["loss"] for m in train_lines], train_lines
+
+
+def assert_one_process(path: Path, reference: list[float], tolerance: float, what: str) -> None:
+    """The run in `path` gave the one process's losses `reference` (relative `tolerance`) and
+    moved every step exactly the bytes its summary predicted."""
+    got, lines = train_losses(path)
+    gap = max(abs(a - b) / abs(b) for a, b in zip(got, reference, strict=True))
+    assert gap <= tolerance, f"{what}: losses {got}, one process's {reference} (gap {gap:.2e})"
+    predicted = json.loads((path / "summary.json").read_text())["predicted_comm_bytes_per_step"]
+    assert all(m["comm_bytes"] == predicted for m in lines), (
+        f"{what}: measured {[m['comm_bytes'] for m in lines]}, predicted {predicted}")
