@@ -37,6 +37,7 @@ from runner.registry import (
 )
 from runner.userdata import TargetDataset
 from strategies import STRATEGIES, Strategy
+from strategies.probe import reads_tokens
 
 TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
 # What a model factory is given besides its config options (not options a user sets).
@@ -145,9 +146,13 @@ def build_model(plugin: Plugin, input_shape: Sequence[int], num_classes: int,
 
 def model_for(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.float32,
               device: str | None = None) -> nn.Module:
-    """The plain model for the dataset described by `spec`."""
+    """The plain model for the dataset described by `spec` (declared to read token ids where
+    the dataset gives them: every shape probe then feeds it int64 samples)."""
     extra = dataset_arguments(model_factory(plugin), spec)
-    return build_model(plugin, spec.input_shape, spec.num_classes, extra, dtype, device)
+    model = build_model(plugin, spec.input_shape, spec.num_classes, extra, dtype, device)
+    if spec.vocab_size is not None:
+        reads_tokens(model)
+    return model
 
 
 # A model with more parameter bytes than this is probed for shapes on the meta device, whose

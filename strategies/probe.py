@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,9 +53,23 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if not any(True for _ in m.children())]
 
 
+# What the dataset says each model reads (`reads_tokens`), by model: a model's own code cannot
+# tell token ids from floats.
+_TOKEN_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def reads_tokens(model: nn.Module) -> None:
+    """Declare that `model` reads token ids (int64): the assembly says so of a model it builds
+    for a token dataset."""
+    _TOKEN_MODELS.add(model)
+
+
 def sample_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the samples `model` reads: int64 token ids when the first leaf with weights
-    is an embedding table (a language model, a token classifier), else its parameters' dtype."""
+    """The dtype of the samples `model` reads: int64 token ids where the dataset said so
+    (`reads_tokens`) or, for a model built elsewhere, where its first leaf with weights is an
+    embedding table; else its parameters' dtype."""
+    if model in _TOKEN_MODELS:
+        return torch.long
     first = next((m for _, m in leaves(model) if any(True for _ in m.parameters())), None)
     if isinstance(first, EMBEDDINGS):
         return torch.long

@@ -547,15 +547,17 @@ class TiedTokenLM(nn.Module):
 
 
 class TokenClassifier(nn.Module):
-    """The transformers library's sequence classification head over mean-pooled embeddings."""
+    """The transformers library's sequence classification head over mean-pooled embeddings,
+    its layers registered head first (nothing in its modules says it reads token ids: the
+    dataset does)."""
 
     def __init__(self, vocab_size: int, num_classes: int, dim: int = 16,
                  hidden: int = 32) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, dim)
+        self.fc2 = nn.Linear(hidden, num_classes)
         self.fc1 = nn.Linear(dim, hidden)
         self.relu = nn.ReLU()
-        self.fc2 = nn.Linear(hidden, num_classes)
+        self.embed = nn.Embedding(vocab_size, dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.relu(self.fc1(self.embed(tokens).mean(dim=1))))

@@ -18,7 +18,7 @@ from runner import assembly
 from runner.config import ConfigError
 from runner.preflight import memory_estimate
 from runner.validation import validate
-from strategies.probe import draw_plan, logits_of, probe, random_draws
+from strategies.probe import draw_plan, logits_of, probe, random_draws, sample_dtype
 from tests import corpus_models as corpus
 from tests.conftest import assert_ok, run_cli_together, train_losses
 
@@ -167,3 +167,16 @@ def test_timms_batch_norm_subclass_trains_through_the_command_line_as_one_proces
     one, two = (train_losses(tmp_path / str(pc)) for pc in (1, 2))
     assert len(one) == 3
     assert max(abs(a - b) / abs(a) for a, b in zip(one, two, strict=True)) <= 1e-12
+
+
+def test_a_draw_inside_one_kernel_is_refused_under_data_by_module() -> None:
+    from runner.core import GridShape
+    from strategies.data import DataParallel
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.RReLU())
+    problems = DataParallel().check_model(model, (4,), GridShape(1, 2))
+    assert problems == ["strategy=data cannot draw one process's random numbers in 1 (RReLU): "
+                        "rrelu's slopes, drawn inside one kernel; set its rate to 0 (or train "
+                        "on one rank)"]
+    assert DataParallel().check_model(model, (4,), GridShape(1, 1)) == []
+    assert sample_dtype(corpus.TokenClassifier(50, 4)) == torch.float32  # its modules can't tell
