@@ -57,7 +57,7 @@ def batch_norm_problem(bn: nn.Module, replaced: bool = True) -> str | None:
     and nothing a subclass adds; under `strategy=data` the module itself runs (`whole_batch`)."""
     assert isinstance(bn, nn.modules.batchnorm._BatchNorm)
     if replaced and not is_plain_batch_norm(bn):
-        base = next(c.__name__ for c in type(bn).__mro__ if c in BATCH_NORMS)
+        base = next((c.__name__ for c in type(bn).__mro__ if c in BATCH_NORMS), "_BatchNorm")
         return (f"{type(bn).__name__} subclasses {base} with a forward of its own, which a "
                 f"split layer would drop; strategy=data keeps it whole (its statistics over "
                 f"every rank)")
@@ -239,7 +239,7 @@ def distribute_batch_norms(module: nn.Module, comm: CountedComm) -> int:
     """Replace every plain BatchNorm inside `module` (`is_plain_batch_norm`) by a
     `DistributedBatchNorm` over `comm` (in place; the label is its name in the model); returns
     how many. A subclass with a forward of its own stays as it is: its `F.batch_norm` takes
-    every rank's statistics inside `whole_batch.WholeBatch`."""
+    every rank's statistics inside `whole_batch.BatchStatistics`."""
     replaced = 0
     for name, child in list(module.named_modules()):
         for attribute, grandchild in list(child.named_children()):

@@ -7,6 +7,13 @@ forward of the model itself, on one sample of the dataset's own dtype, with hook
 modules: on the meta device for a large model (shapes only, no memory), on its own device
 otherwise. And what a model returns need not be a tensor: `logits_of` finds the scores in a
 tuple, a dict or a model-output object (the transformers library's `.logits`).
+
+A training forward says what couples the rows of a batch (`training_calls`): the modules whose
+code draws random numbers, seen by a `TorchFunctionMode` as they call torch (and, for a model
+that draws, every random operator as a `TorchDispatchMode` sees it, also inside composite
+functions), and the `F.batch_norm` calls with batch statistics. Two of them, of 2 and 3
+samples, tell which draws are over the batch's rows (`draw_plan`): those whose dim 0 grows with
+the samples.
 """
 
 from __future__ import annotations

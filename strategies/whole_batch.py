@@ -22,6 +22,9 @@ data-parallel model runs inside two of torch's modes, which see what the model's
   (`probe.draw_plan`): a dim 0 that grows with them. A draw of a fixed shape is the same on
   every rank and is left alone; one over rows in another dim (a sequence-first layout) is
   refused by validation, by module. The price: each rank draws the global batch's masks.
+
+`DataParallel.parallelize` enters each mode only for a model that needs it (a training forward
+of the model says so): a model of plain modules runs as it is.
 """
 
 from __future__ import annotations
