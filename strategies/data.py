@@ -48,15 +48,15 @@ from strategies.sparse_exchange import (
     sparse_tables,
 )
 from strategies.transformer import GPT, activation_elements
-from strategies.whole_batch import BatchStatistics, GlobalDraws
+from strategies.whole_batch import BatchStatistics, RowDraws, forward_key
 
 
 class DataParallelModel(ParallelModel):
     """The whole model on every rank. A training forward computes what couples rows as one
     process does (`whole_batch`): with `stats_comm`, `F.batch_norm` calls that no
     `DistributedBatchNorm` took over (a subclass's own forward, functional calls) normalize
-    by every rank's statistics; with a plan of its `draws`, random operators draw for the
-    global batch."""
+    by every rank's statistics; with a plan of its `draws`, random operators over the batch's
+    rows draw row by row (the same masks at every P)."""
 
     def __init__(self, module: nn.Module, grid: ProcessGrid,
                  stats_comm: CountedComm | None = None, draws: DrawPlan | None = None) -> None:
@@ -83,9 +83,8 @@ class DataParallelModel(ParallelModel):
                 self._statistics = modes.enter_context(BatchStatistics(self.stats_comm))
                 modes.callback(setattr, self, "_statistics", None)
             if self.draws is not None:
-                rows = x.shape[0]
-                start = self.input_rows(rows * self.grid.pc).start
-                modes.enter_context(GlobalDraws(self.draws, start, rows, rows * self.grid.pc))
+                start = self.input_rows(x.shape[0] * self.grid.pc).start
+                modes.enter_context(RowDraws(self.draws, forward_key(), start, x.shape[0]))
             return logits_of(self.module(x))
 
 
@@ -172,7 +171,7 @@ class DataParallel(Strategy):
 
     def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape) -> bool:
-        return True  # every rank draws the global batch's masks (`whole_batch.GlobalDraws`)
+        return True  # every row's masks drawn alike at every P (`whole_batch.RowDraws`)
 
     def _split(self, model: nn.Module) -> tuple[list[tuple[str, EmbeddingTable]],
                                                list[nn.Parameter]]:
@@ -189,13 +188,12 @@ class DataParallel(Strategy):
         # otherwise), so one process is what P ranks reproduce. What couples rows beyond plain
         # BatchNorms comes from one training forward (an EASGD replica is a model of its own:
         # its own rows, its own draws).
-        whole = sync_replica_gradients and grid.size > 1
-        calls = training_calls(model, sample_shape) if whole else None
+        calls = training_calls(model, sample_shape) if sync_replica_gradients else None
         plan = draw_plan(model, sample_shape) if calls is not None and calls.draws else None
         global_norm = self.batch_norm == "global"
         if sync_replica_gradients and global_norm:
             distribute_batch_norms(model, grid.world)
-        functional = calls is not None and global_norm and any(
+        functional = calls is not None and global_norm and grid.size > 1 and any(
             not is_plain_batch_norm(model.get_submodule(name)) for name in calls.batch_norms)
         pmodel = DataParallelModel(model, grid, grid.world if functional else None, plan)
         if sync_replica_gradients:

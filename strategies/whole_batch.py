@@ -2,29 +2,35 @@
 
 Most of a model treats each sample alone, and a rank holding 1/P of the batch computes its rows
 exactly. Two kinds of operation do not: batch normalization (its statistics are over every
-row) and random draws (one process draws the masks of all B rows from one generator, in one
-call). Models nobody here wrote make both in their own code: timm's `BatchNormAct2d` calls
-`F.batch_norm` itself, a stochastic-depth branch calls `x.new_empty((B, 1, 1, 1)).bernoulli_()`,
-`nn.MultiheadAttention` drops attention weights inside `F.multi_head_attention_forward`. So
-instead of replacing modules by type (which drops what a subclass adds), the forward of a
-data-parallel model runs inside two of torch's modes, which see what the model's code does:
+row) and random draws (one process draws the masks of all B rows from one generator in one
+call, which no rank holding some of the rows can repeat for its own). Models nobody here wrote
+make both in their own code: timm's `BatchNormAct2d` calls `F.batch_norm` itself, a
+stochastic-depth branch calls `x.new_empty((B, 1, 1, 1)).bernoulli_()`, `nn.MultiheadAttention`
+drops attention weights inside `F.multi_head_attention_forward`. So instead of replacing
+modules by type (which drops what a subclass adds), the forward of a data-parallel model runs
+inside two of torch's modes, which see what the model's code does:
 
 - `BatchStatistics` (a `TorchFunctionMode`: every torch function the code calls) reroutes
   `F.batch_norm` with batch statistics to the statistics of every rank's rows
   (`norm.SyncBatchNormFunction`, with its adjoint backward) and updates the running statistics
   with them by the caller's own momentum, as the native kernel does;
-- `GlobalDraws` (a `TorchDispatchMode`: every operator, also inside composite functions and
-  torch's reference attention) makes each random operator whose dim 0 is made of the batch's
-  rows (B, or B·H when heads are folded into it) draw for the whole global batch, of which the
-  rank keeps its rows. Every rank makes the same call on the same generator state as the one
-  process did, so every generator stays where the one process's is. Which draws are made of
-  rows is learned before training from two training forwards of 2 and 3 samples
-  (`probe.draw_plan`): a dim 0 that grows with them. A draw of a fixed shape is the same on
-  every rank and is left alone; one over rows in another dim (a sequence-first layout) is
-  refused by validation, by module. The price: each rank draws the global batch's masks.
+- `RowDraws` (a `TorchDispatchMode`: every operator, also inside composite functions and
+  torch's reference attention) draws each random operator over the batch's rows (dim 0 of B,
+  or of B·H where heads are folded into it) row by row, global row r of the forward's i-th draw
+  from a generator seeded by (the forward's key, i, r). A row's masks are then the same
+  whichever rank holds it: P ranks draw what one process draws, each rank its own rows only,
+  at a cost that does not grow with P. The forward's key is one number from the run's
+  generator, drawn alike on every rank and in one process, so the run's generator (and a
+  checkpoint of it) stays in step everywhere. Which draws are over rows is learned before
+  training from two training forwards of 2 and 3 samples (`probe.draw_plan`): a dim 0 that
+  grows with them. A draw of a fixed shape comes from the run's generator, the same on every
+  rank; one over rows in another dim (a sequence-first layout) is refused by validation, by
+  module. These are gridrun's masks, at every P: not the ones torch's generator would draw
+  for the whole batch in one call (the same distribution, other numbers).
 
 `DataParallel.parallelize` enters each mode only for a model that needs it (a training forward
-of the model says so): a model of plain modules runs as it is.
+of the model says so): a model of plain modules runs as it is. `RowDraws` runs in one process
+too, so that one process is what P ranks reproduce.
 """
 
 from __future__ import annotations
@@ -85,28 +91,45 @@ class BatchStatistics(TorchFunctionMode):
         return out
 
 
-def _empty_globally(x: torch.Tensor, dim0: int) -> torch.Tensor:
-    """An uninitialised tensor like `x` with `dim0` in dim 0, its dimensions laid out in memory
-    in `x`'s order (so a draw walks its elements as a draw on the one process's tensor, which
-    `empty_like` made with the same layout, does)."""
-    shape = [dim0, *x.shape[1:]]
-    strides = x.stride()
-    order = sorted(range(x.dim()), key=lambda d: (-strides[d], d))
-    base = x.new_empty([shape[d] for d in order])
-    return base.permute([order.index(d) for d in range(x.dim())])
+def forward_key() -> int:
+    """The key of one training forward's draws: a number from the run's host generator (every
+    rank, and one process, draws the same number: the generator stays in step everywhere)."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
-class GlobalDraws(TorchDispatchMode):
-    """Inside it, this rank's forward of rows [`start`, `start` + `rows`) of a global batch of
-    `global_rows` rows draws one process's random numbers, each random operator as `plan`
-    (`probe.draw_plan`, learned from two training forwards) says: its dim 0 made of rows
-    (`cuts[i]` entries a row), or a fixed shape left alone."""
+class RowDraws(TorchDispatchMode):
+    """Inside it, this rank's forward of rows [`start`, `start` + `rows`) of the global batch
+    draws each random operator that `plan` (`probe.draw_plan`) says is over the batch's rows
+    row by row: global row r of draw i from a generator seeded by (`key`, i, r). A row's masks
+    are then the same whichever rank holds it, at every P and in one process, and each rank
+    draws its rows only. Draws of a fixed shape come from the run's generator as they are."""
 
-    def __init__(self, plan: DrawPlan, start: int, rows: int, global_rows: int) -> None:
+    def __init__(self, plan: DrawPlan, key: int, start: int, rows: int) -> None:
         super().__init__()
-        self.cuts = plan.cuts
-        self.start, self.rows, self.global_rows = start, rows, global_rows
+        self.cuts, self.key = plan.cuts, key
+        self.start, self.rows = start, rows
         self.calls = 0  # random operators seen in this forward
+
+    def _generators(self, device: torch.device) -> list[torch.Generator]:
+        """One generator per row of this rank, for the current draw."""
+        made = []
+        for row in range(self.start, self.start + self.rows):
+            generator = torch.Generator(device=device)
+            generator.manual_seed(hash((self.key, self.calls - 1, row)) & (2**63 - 1))
+            made.append(generator)
+        return made
+
+    def _each_row(self, x: torch.Tensor, per_row: int, method: str,
+                  args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
+        """`x`'s rows (`per_row` entries of dim 0 each) drawn in place by `method`, each from
+        its row's generator."""
+        options = {k: v for k, v in (kwargs or {}).items() if k != "generator"}
+        for i, generator in enumerate(self._generators(x.device)):
+            rows = slice(i * per_row, (i + 1) * per_row)
+            # a tensor argument shaped like `x` (a probability per element) is cut alike
+            cut = [a[rows] if isinstance(a, torch.Tensor) and a.dim() and
+                   a.shape[0] == x.shape[0] else a for a in args]
+            getattr(x[rows], method)(*cut, generator=generator, **options)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -114,8 +137,8 @@ class GlobalDraws(TorchDispatchMode):
         name = op_name(func)
         if name.startswith(_FUSED_ATTENTION) and _dropout_p(args, kwargs) > 0:
             raise RandomDrawError(f"{func} drops attention weights inside one fused kernel, "
-                                  f"which no rank can cut into one process's rows; select "
-                                  f"torch's math attention backend, or set the dropout to 0")
+                                  f"which cannot draw row by row; select torch's math "
+                                  f"attention backend, or set the dropout to 0")
         if not is_random_op(func):
             return func(*args, **kwargs)
         index, self.calls = self.calls, self.calls + 1
@@ -125,28 +148,35 @@ class GlobalDraws(TorchDispatchMode):
         per_row = self.cuts[index]
         if per_row is None or kwargs.get("generator") is not None:
             return func(*args, **kwargs)  # a fixed shape, or a generator of the model's own
-        whole = self.global_rows * per_row
-        mine = slice(self.start * per_row, (self.start + self.rows) * per_row)
         first = args[0] if args else None
-        if name.endswith("_") and isinstance(first, torch.Tensor):
-            drawn = _empty_globally(first, whole)
-            func(drawn, *args[1:], **kwargs)
-            first.copy_(drawn[mine])
-            return first
-        if name == "native_dropout" and isinstance(first, torch.Tensor):
-            p = args[1] if len(args) > 1 else kwargs["p"]
-            _, mask = func(_empty_globally(first, whole).fill_(1), *args[1:], **kwargs)
-            keep = mask[mine]
-            return first * keep * (1.0 / (1.0 - p)), keep
-        if name in ("bernoulli", "rand_like", "randn_like") and isinstance(first, torch.Tensor):
-            drawn = _empty_globally(first, whole)
-            if name == "bernoulli":  # a probability per element, one draw each whatever it is
-                drawn.fill_(0.5)[mine] = first
-            return func(drawn, *args[1:], **kwargs)[mine]
         if name in ("rand", "randn"):
-            return func([whole, *list(args[0])[1:]], *args[1:], **kwargs)[mine]
-        raise RandomDrawError(f"{func} draws over the batch's rows, which no rank can cut "
-                              f"into one process's")
+            out = torch.empty(list(args[0]), dtype=kwargs.get("dtype"),
+                              device=kwargs.get("device"))
+            self._each_row(out, per_row, "uniform_" if name == "rand" else "normal_")
+            return out
+        if not isinstance(first, torch.Tensor):
+            raise RandomDrawError(f"{func} draws over the batch's rows in a way that cannot "
+                                  f"be drawn row by row")
+        if name.endswith("_"):  # in place: bernoulli_, uniform_, normal_, ...
+            self._each_row(first, per_row, name, args[1:], kwargs)
+            return first
+        if name in ("rand_like", "randn_like"):
+            out = torch.empty_like(first)
+            self._each_row(out, per_row, "uniform_" if name == "rand_like" else "normal_")
+            return out
+        if name == "bernoulli":  # a probability per element
+            out = torch.empty_like(first)
+            for i, generator in enumerate(self._generators(first.device)):
+                rows = slice(i * per_row, (i + 1) * per_row)
+                out[rows] = torch.bernoulli(first[rows], generator=generator)
+            return out
+        if name == "native_dropout":
+            p = float(args[1])
+            keep = torch.empty_like(first)
+            self._each_row(keep, per_row, "bernoulli_", (1.0 - p,))
+            return first * keep * (1.0 / (1.0 - p)), keep.bool()
+        raise RandomDrawError(f"{func} draws over the batch's rows in a way that cannot be "
+                              f"drawn row by row")
 
 
 _FUSED_ATTENTION = ("_scaled_dot_product_flash", "_scaled_dot_product_efficient",

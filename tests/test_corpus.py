@@ -180,3 +180,22 @@ def test_a_draw_inside_one_kernel_is_refused_under_data_by_module() -> None:
                         "on one rank)"]
     assert DataParallel().check_model(model, (4,), GridShape(1, 1)) == []
     assert sample_dtype(corpus.TokenClassifier(50, 4)) == torch.float32  # its modules can't tell
+
+
+def test_dropout_and_stochastic_depth_resume_on_another_grid_as_they_ran(tmp_path: Path) -> None:
+    """Every row's masks come from the run's generator (checkpointed) and the row's index: a
+    run of 1 x 2 resumed on 1 x 4 draws what it would have drawn."""
+    from tests.conftest import run_cli
+
+    common = ["model._target_=tests.corpus_models.StochasticDepth", "dataset=synthetic",
+              "dataset.shape=[3,8,8]", "dataset.classes=4", "dataset.samples=64",
+              "strategy=data", "grid.pr=1", "trainer.steps=6", "trainer.batch_size=8",
+              "trainer.dtype=float64", "trainer.eval_every=1000"]
+    assert_ok(run_cli(*common, "grid.pc=2", "trainer.checkpoint_every=3",
+                      f"hydra.run.dir={tmp_path / 'straight'}"))
+    assert_ok(run_cli(*common, "grid.pc=4",
+                      f"trainer.resume={tmp_path / 'straight' / 'checkpoints' / 'step-00000003'}",
+                      f"hydra.run.dir={tmp_path / 'resumed'}"))
+    straight, resumed = (train_losses(tmp_path / name) for name in ("straight", "resumed"))
+    assert len(resumed) == 3
+    assert max(abs(a - b) / abs(a) for a, b in zip(straight[3:], resumed, strict=True)) <= 1e-12

@@ -1,7 +1,8 @@
-"""`strategies.whole_batch.GlobalDraws` in one process: each "rank" of a batch split in two,
-from the same generator state, draws exactly the rows of the one process's masks (dropout,
-dropout2d, stochastic depth, attention dropout inside `nn.MultiheadAttention` and
-`F.scaled_dot_product_attention`), and the generator ends where the one process's does."""
+"""`strategies.whole_batch.RowDraws` in one process: the batch's rows drawn by two "ranks"
+holding half of them each are the rows one process draws (dropout, dropout2d, stochastic depth,
+attention dropout inside `nn.MultiheadAttention` and `F.scaled_dot_product_attention`, a
+Bernoulli of per-element probabilities), and the run's generator ends where it does in one
+process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strategies.probe import draw_plan
-from strategies.whole_batch import GlobalDraws
+from strategies.whole_batch import RowDraws, forward_key
 
 
 class DropPath(nn.Module):
@@ -34,29 +35,41 @@ class Attention(nn.Module):
         return self.mha(x, x, x, need_weights=False)[0].flatten(1)
 
 
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.bernoulli(torch.sigmoid(x)) + torch.rand(1, dtype=x.dtype)
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "dropout": (lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.4)), (6,)),
     "dropout2d": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.Dropout2d(0.5)), (3, 4, 4)),
     "stochastic depth": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), DropPath()), (3, 4, 4)),
     "multi-head attention": (lambda: Attention(fused=False), (5, 8)),
     "scaled dot-product attention": (lambda: Attention(fused=True), (5, 8)),
+    "bernoulli of probabilities": (lambda: nn.Sequential(nn.Linear(6, 6), Gate()), (6,)),
 }
 
 
+def forward(model: nn.Module, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows [start, start + rows) of the batch `x`, as the rank holding them computes them."""
+    torch.manual_seed(1)
+    with RowDraws(draw_plan(model, x.shape[1:]), forward_key(), start, rows):
+        return model(x[start:start + rows])
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_each_rank_draws_its_rows_of_one_process_masks(case: str) -> None:
+def test_each_rank_draws_its_rows_as_one_process_does(case: str) -> None:
     build, shape = CASES[case]
     torch.manual_seed(0)
     model = build().double()
     x = torch.randn(6, *shape, dtype=torch.float64)
-    plan = draw_plan(model, shape)
-    assert plan.problems == () and plan.cuts and None not in plan.cuts
-    torch.manual_seed(1)
-    whole = model(x)
+    whole = forward(model, x, 0, 6)
     after = torch.random.get_rng_state()
     for start in (0, 3):
-        torch.manual_seed(1)
-        with GlobalDraws(plan, start, 3, 6):
-            mine = model(x[start:start + 3])
+        mine = forward(model, x, start, 3)
         torch.testing.assert_close(mine, whole[start:start + 3], rtol=1e-12, atol=1e-12)
         assert torch.equal(torch.random.get_rng_state(), after)
+    # and the masks are random: another forward's key draws others
+    torch.manual_seed(2)
+    with RowDraws(draw_plan(model, shape), forward_key(), 0, 6):
+        assert not torch.allclose(model(x), whole)
