@@ -94,7 +94,7 @@ class BatchStatistics(TorchFunctionMode):
 def forward_key() -> int:
     """The key of one training forward's draws: a number from the run's host generator (every
     rank, and one process, draws the same number: the generator stays in step everywhere)."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+    return int(torch.randint(0, 2**62, (1,)).item())  # host: a key from the host generator
 
 
 class RowDraws(TorchDispatchMode):
