@@ -228,8 +228,8 @@ def _random_draw_problems(run: RunConfig, strategy: Any, model: Any,
         return []
     shown = "; ".join(draws[:3]) + (f"; and {len(draws) - 3} more" if len(draws) > 3 else "")
     return [f"strategy={run.strategy.name} on {run.grid.pr}x{run.grid.pc} draws random numbers "
-            f"per rank, not one process's: {shown}; strategy=data draws the whole batch's "
-            f"(or set these rates to 0)"]
+            f"per rank, not one process's: {shown}; strategy=data draws them as one process "
+            f"does (or set these rates to 0)"]
 
 
 def _options_problems(key: str, plugin: Plugin, factory: Any,
