@@ -155,7 +155,7 @@ def test_a_draw_of_a_fixed_shape_is_left_alone() -> None:
 
 def test_timms_batch_norm_subclass_trains_through_the_command_line_as_one_process(
         tmp_path: Path) -> None:
-    """The issue's first case end to end: the head's checks (memory estimate, preflight) of a
+    """timm's BatchNormAct2d pattern end to end: the head's checks (memory estimate, preflight) of a
     model whose children are no chain, at P = 1 and under data 1 × 2, and the same losses."""
     common = ["model._target_=tests.corpus_models.BNActNet", "dataset=synthetic",
               "dataset.shape=[3,8,8]", "dataset.classes=4", "dataset.samples=64",
