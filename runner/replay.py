@@ -30,6 +30,12 @@ run directory:
   resolving it (`${oc.env:NAME}`) would copy this machine's environment into the new run's
   files: it is refused, naming the key. Nothing in the run's files is resolved.
 
+- Code: a `_target_` anywhere (a model, dataset or optimizer of the user's: any importable
+  callable, `os.system` as well) and the `plugins` list name Python to import and call. Without
+  `--trust` the replay refuses such a run before anything is imported, naming every piece of
+  code it names; `--trust` imports them, after printing what they are, and runs the run's
+  launcher unless `--launcher-command` names another.
+
 Before anything runs, the replay prints the run directory it writes and the launcher command line
 it starts (or that one rank trains in this process).
 """
@@ -230,6 +236,30 @@ def replay_config(values: dict[str, Any], *, launcher_command: str | None = None
     return cfg, notes
 
 
+def code_named(values: dict[str, Any]) -> list[str]:
+    """Every piece of code a run's config names for import: each `_target_` (by its key) and
+    each module of `plugins`."""
+    found: list[str] = []
+
+    def visit(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for name, item in value.items():
+                path = f"{key}.{name}" if key else str(name)
+                if name == "_target_":
+                    found.append(f"{path}={item}")
+                else:
+                    visit(item, path)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                visit(item, f"{key}[{index}]")
+
+    visit({k: v for k, v in values.items() if k != "plugins"}, "")
+    plugins = values.get("plugins")
+    if plugins:
+        found.append(f"plugins={plugins}")
+    return found
+
+
 def launch_line(run: RunConfig, run_dir: Path) -> str:
     """What the replay starts: the launcher's command line, or that one rank trains here."""
     if run.grid.size == 1:
@@ -255,8 +285,9 @@ def _holds_a_run(path: Path) -> bool:
 
 def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str | None = None,
            nproc_flag: str | None = None, trust_launcher: bool = False,
-           keep_debug: bool = False) -> int:
-    """Run `run_dir`'s config again into `new_dir` and compare the losses; the exit code."""
+           keep_debug: bool = False, trust: bool = False) -> int:
+    """Run `run_dir`'s config again into `new_dir` and compare the losses; the exit code.
+    `trust`: import the code the run names (and run its launcher)."""
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         print_error(f"{run_dir}: not a run directory (no config.yaml)")
@@ -267,6 +298,15 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
     except Refused as exc:
         print_error(str(exc))
         return EXIT_BAD_INPUT
+    code = code_named(values)
+    if code and not trust:
+        print_error(f"{config_path} names code to import and call: {', '.join(code)}; a run "
+                    f"directory may come from anyone: read these, then replay with --trust")
+        return EXIT_BAD_INPUT
+    if code:
+        print(f"note: importing what the run names (--trust): {', '.join(code)}",
+              file=sys.stderr)
+    trust_launcher = trust_launcher or (trust and launcher_command is None)
     values, notes = replay_config(values, launcher_command=launcher_command,
                                   nproc_flag=nproc_flag, trust_launcher=trust_launcher,
                                   keep_debug=keep_debug)
@@ -334,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     launcher.add_argument("--trust-launcher", action="store_true",
                           help="run the run's own launcher section (a replay without this flag "
                                "names it)")
+    parser.add_argument("--trust", action="store_true",
+                        help="import and call the code the run names (_target_, plugins) and, "
+                             "unless --launcher-command says otherwise, run its launcher; "
+                             "without it such a run is refused, its code named")
     parser.add_argument("--launcher-nproc-flag", metavar="FLAG", default=None,
                         help="with --launcher-command: its flag for the number of ranks "
                              "(default: -n)")
@@ -345,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--launcher-nproc-flag goes with --launcher-command")
     return replay(args.run_dir, args.new_dir, launcher_command=args.launcher_command,
                   nproc_flag=args.launcher_nproc_flag, trust_launcher=args.trust_launcher,
-                  keep_debug=args.keep_debug)
+                  keep_debug=args.keep_debug, trust=args.trust)
 
 
 if __name__ == "__main__":

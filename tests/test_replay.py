@@ -274,3 +274,46 @@ def test_the_launcher_flags_are_checked(original: Path) -> None:
     with pytest.raises(SystemExit) as exit_:
         main([str(original), "--launcher-nproc-flag", "-np"])
     assert exit_.value.code == 2
+
+
+def test_code_named_by_a_run_is_never_imported_without_trust(
+        original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A copied run whose config names `os.system` as its model, a dataset function and a
+    plugin module of the working directory: refused before anything is imported, each named;
+    nothing they would do is done."""
+    marker = tmp_path / "ran"
+    plugin = tmp_path / "evil_plugin_for_replay.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        source = tmp_path / "copied"
+        shutil.copytree(original, source)
+        edit_config(source, model={"_target_": "os.system", "command": f"touch {marker}"},
+                    dataset={"_target_": "subprocess.getoutput", "cmd": f"touch {marker}"},
+                    plugins=["evil_plugin_for_replay"])
+        assert main([str(source), "--run-dir", str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {source / 'config.yaml'} names "
+                                                       "code to import and call: ")
+        for named in ("model._target_=os.system", "dataset._target_=subprocess.getoutput",
+                      "plugins=['evil_plugin_for_replay']", "replay with --trust"):
+            assert named in err, err
+        assert not marker.exists() and "evil_plugin_for_replay" not in sys.modules
+        assert not (tmp_path / "never").exists()
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_a_trusted_replay_imports_the_runs_own_code(tmp_path: Path) -> None:
+    """With --trust a user model's run replays, after saying what it imports."""
+    path = tmp_path / "user_model"
+    assert_ok(run_cli(*RUN, "trainer.steps=3", "model._target_=tests.corpus_models.TupleOutput",
+                      "dataset=synthetic", "dataset.shape=[3,8,8]", "dataset.classes=4",
+                      f"hydra.run.dir={path}"))
+    refused = replay(str(path), "--run-dir", str(tmp_path / "untrusted"))
+    assert refused.returncode == 2 and "tests.corpus_models.TupleOutput" in refused.stderr
+    result = replay(str(path), "--run-dir", str(tmp_path / "trusted"), "--trust")
+    assert_ok(result)
+    assert ("note: importing what the run names (--trust): "
+            "model._target_=tests.corpus_models.TupleOutput") in result.stderr
+    assert "identical: the 3 training losses" in result.stdout
