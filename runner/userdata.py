@@ -130,7 +130,7 @@ class TargetDataset:
             for name, part in (("train", train), ("val", val)):
                 if not _is_map_style(part):
                     _tensor_pair(name, part)
-                elif len(part) == 0:
+                if len(_rows_of(part)) == 0:
                     raise UserDatasetError(f"the {name} set is empty")
             self._parts = (train, val)
         return self._parts
@@ -162,9 +162,66 @@ class TargetDataset:
         return DatasetSpec(tuple(sample.shape), classes, len(_rows_of(train)),
                            len(_rows_of(val)), vocab_size=vocab)
 
+    def check(self) -> None:
+        """What the head checks of the data before any rank starts (`check_rows`); a rank
+        reads only its rows and checks nothing."""
+        spec = self.spec()
+        for name, part in zip(("train", "val"), self._made(), strict=True):
+            check_rows(name, part, spec.input_shape, spec.num_classes)
+
     def load(self) -> ClassificationData:
         train, val = self._made()
         return ClassificationData(*_columns(train), *_columns(val))
+
+
+# Rows of a map-style dataset read in the head to check it (the first, the last and some
+# between): a dataset is read lazily by the ranks, and the head never reads it whole.
+SAMPLED_ROWS = 16
+
+
+def sampled_rows(length: int) -> list[int]:
+    """Which rows of a map-style dataset of `length` rows the head reads."""
+    if length <= SAMPLED_ROWS:
+        return list(range(length))
+    step = (length - 1) / (SAMPLED_ROWS - 1)
+    return sorted({round(i * step) for i in range(SAMPLED_ROWS)})
+
+
+def check_rows(name: str, part: Any, shape: tuple[int, ...], classes: int) -> None:
+    """The `name` set keeps the contract before any rank reads it: rows, each input of `shape`
+    (the training set's), finite floats, labels in [0, `classes`). Tensors are checked whole;
+    a map-style dataset on `sampled_rows`, and the error says it was a sample."""
+    if _is_map_style(part):
+        rows = sampled_rows(len(part))
+        items = [(i, *_item(part, i)) for i in rows]
+        where = f"(read in the head: rows {rows[0]}..{rows[-1]}, {len(rows)} of {len(part)})"
+        for index, x, y in items:
+            x, y = torch.as_tensor(x), torch.as_tensor(y)
+            problem = _row_problem(tuple(x.shape), shape, x, y.reshape(-1), classes)
+            if problem:
+                raise UserDatasetError(f"the {name} set's row {index} {problem} {where}")
+        return
+    inputs, targets = _tensor_pair(name, part)
+    problem = _row_problem(tuple(inputs.shape[1:]), shape, inputs, targets, classes)
+    if problem:
+        raise UserDatasetError(f"the {name} set {problem}")
+
+
+def _row_problem(got: tuple[int, ...], shape: tuple[int, ...], inputs: torch.Tensor,
+                 labels: torch.Tensor, classes: int) -> str | None:
+    """What is wrong with these inputs (rows of shape `got`) and labels (None: nothing)."""
+    if got != shape:
+        return f"has inputs of shape {got}, the training set's are {shape}"
+    if inputs.is_floating_point() and not bool(torch.isfinite(inputs).all()):
+        bad = int((~torch.isfinite(inputs)).sum())
+        return f"has {bad} input value(s) that are not finite (nan or inf)"
+    if labels.is_floating_point():
+        return f"has labels of {labels.dtype}: class indices are integers"
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        low, high = int(labels.min()), int(labels.max())
+        return (f"has labels from {low} to {high}: class indices lie in [0, {classes}) "
+                f"({classes} classes)")
+    return None
 
 
 def _rows_of(part: Any) -> Any:

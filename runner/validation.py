@@ -161,9 +161,13 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
         problems += found
         if not found:
             try:
-                spec = assembly.build_dataset(run.dataset,
-                                              assembly.objective_of(run.model)).spec()
+                dataset = assembly.build_dataset(run.dataset, assembly.objective_of(run.model))
+                spec = dataset.spec()
+                check = getattr(dataset, "check", None)  # a user's data: checked here, once
+                if check is not None:
+                    check()
             except (TypeError, ValueError) as exc:
+                spec = None
                 problems.append(f"{run.dataset.shown('dataset')}: {exc}")
     if factory is not None:
         found = _options_problems("model", run.model, factory, assembly.MODEL_INPUTS)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from runner.compose import compose
 from runner.config import ConfigError
@@ -168,3 +169,79 @@ def test_the_target_option_without_a_target_says_what_it_needs() -> None:
     assert problems_of("model=target") == ("model._target_: missing (model=target takes your own "
                                            "class or function: "
                                            "model._target_=my_pkg.module.Name)")
+
+
+# -- a user's data, checked in the head ------------------------------------------------------
+
+class MapRows:
+    """A map-style dataset over tensors, its rows optionally replaced."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+                 odd: dict[int, tuple[object, object]] | None = None) -> None:
+        self.x, self.y, self.num_classes, self.odd = x, y, num_classes, odd or {}
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[object, object]:
+        return self.odd.get(index, (self.x[index], self.y[index]))
+
+
+def pairs(rows: int = 40, features: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, features, generator=generator),
+            torch.randint(0, 3, (rows,), generator=generator))
+
+
+BAD_DATA = {
+    "val features differ": (lambda: (pairs(), pairs(8, 5)),
+                            "the val set has inputs of shape (5,), the training set's are (4,)"),
+    "a label below 0": (lambda: ((pairs()[0], pairs()[1] - 1), pairs(8)),
+                        "the train set has labels from -1 to 1: class indices lie in [0, 3)"),
+    "an empty validation split": (lambda: (pairs(), pairs(0)), "the val set is empty"),
+    "nan in the inputs": (lambda: ((pairs()[0].index_fill(0, torch.tensor([3]), float("nan")),
+                                    pairs()[1]), pairs(8)),
+                          "the train set has 4 input value(s) that are not finite"),
+    "a map-style label past the classes": (
+        lambda: (MapRows(*pairs(), num_classes=3, odd={39: (pairs()[0][0], 7)}),
+                 MapRows(*pairs(8), num_classes=3)),
+        "the train set's row 39 has labels from 7 to 7: class indices lie in [0, 3) (3 "
+        "classes) (read in the head: rows 0..39, 16 of 40)"),
+    "a map-style row of another shape": (
+        lambda: (MapRows(*pairs(), num_classes=3), MapRows(*pairs(8), num_classes=3,
+                                                           odd={7: (pairs(1, 6)[0][0], 1)})),
+        "the val set's row 7 has inputs of shape (6,), the training set's are (4,)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_a_users_data_is_checked_in_the_head(case: str) -> None:
+    from runner.userdata import TargetDataset, UserDatasetError
+
+    made, message = BAD_DATA[case]
+    with pytest.raises(UserDatasetError) as refused:
+        TargetDataset(made, "my.data").check()
+    assert str(refused.value).startswith(message), str(refused.value)
+
+
+def test_good_data_passes_the_heads_check() -> None:
+    from runner.userdata import TargetDataset
+
+    TargetDataset(lambda: (pairs(), pairs(8)), "my.data").check()
+    TargetDataset(lambda: (MapRows(*pairs(), num_classes=3),
+                           MapRows(*pairs(8), num_classes=3)), "my.data").check()
+
+
+def test_bad_data_is_one_line_of_validation() -> None:
+    cfg = compose(["dataset._target_=tests.test_user_code.data_with_a_negative_label",
+                   "model=mlp", "strategy=data", "grid.pr=1", "grid.pc=1"])
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+    assert refused.value.problems == [
+        "dataset._target_=tests.test_user_code.data_with_a_negative_label: the train set has "
+        "labels from -1 to 1: class indices lie in [0, 3) (3 classes)"]
+
+
+def data_with_a_negative_label() -> tuple[object, object]:
+    x, y = pairs()
+    return (x, y - 1), pairs(8)
