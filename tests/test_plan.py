@@ -116,6 +116,14 @@ def test_alexnet_plan_from_shapes_alone(tmp_path: Path) -> None:
 def test_plan_refuses_bad_input_in_one_line() -> None:
     result = plan_cli("model=nope")
     assert result.returncode == 2 and result.stderr.strip().startswith("error: unknown model")
+    # values no plan can use, each named at once (a world of 10^12 ranks planned in silence for
+    # minutes; a slowdown of 0 or a negative alpha priced steps at nothing)
+    result = plan_cli("plan.world=1000000000000", "plan.slowdown=0", "plan.alpha=-1",
+                      "plan.beta=-2")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    for named in ("plan.world=1000000000000: at most 1,048,576 ranks", "plan.slowdown=0.0",
+                  "plan.alpha=-1.0", "plan.beta=-2.0"):
+        assert named in result.stderr, result.stderr
 
 
 def test_calibration_is_stored_and_used(tmp_path: Path) -> None:

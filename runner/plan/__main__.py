@@ -115,6 +115,9 @@ def plan_or_calibrate(cfg: DictConfig, job: str = "") -> int:
     prefix = f"{job}: " if job else ""
     try:
         plan_cfg = parse_plan(cfg)
+        problems = plan_value_problems(plan_cfg)
+        if problems:
+            raise ValueError("; ".join(problems))
         if plan_cfg.calibrate:
             calibrate(plan_cfg.calibrate_repeats)
         else:
@@ -271,6 +274,31 @@ def variant_lines(plan: Plan) -> list[str]:
                           for choice, seconds in sorted(times.items(), key=lambda i: i[1]))
         lines.append(f"{base} {pr} x {pc}: {key}={cheapest} is cheaper ({shown} per step)")
     return lines
+
+
+# The most ranks the planner factorises: every divisor is tried, and a grid of more ranks than
+# any machine has would be planned for minutes, in silence.
+MAX_WORLD = 1 << 20
+
+
+def plan_value_problems(plan_cfg: PlanConfig) -> list[str]:
+    """The planner's own values that no plan can use, each named."""
+    import math
+
+    problems = []
+    if plan_cfg.world > MAX_WORLD:
+        problems.append(f"plan.world={plan_cfg.world}: at most {MAX_WORLD:,} ranks")
+    if not (math.isfinite(plan_cfg.slowdown) and plan_cfg.slowdown > 0):
+        problems.append(f"plan.slowdown={plan_cfg.slowdown}: must be a finite number > 0 (1: a "
+                        f"core per rank)")
+    for key in ("alpha", "beta"):
+        value = getattr(plan_cfg, key)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            problems.append(f"plan.{key}={value}: must be null or a finite number of seconds "
+                            f">= 0")
+    if plan_cfg.calibrate_repeats < 1:
+        problems.append(f"plan.calibrate_repeats={plan_cfg.calibrate_repeats}: must be >= 1")
+    return problems
 
 
 def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
