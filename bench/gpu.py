@@ -3,7 +3,7 @@
     python bench/gpu.py [--device cuda|cpu] [--precisions fp32 bf16] [--steps 300] [--warmup 30]
                         [--rounds 2] [--ranks 4] [--small] [--out FILE] [--keep DIR]
 
-The workload is the issue's: an MLP 1024→4096→4096→4096→10 (ReLU), global batch 512, SGD (lr
+The workload: an MLP 1024→4096→4096→4096→10 (ReLU), global batch 512, SGD (lr
 0.01, momentum 0.9) on seeded synthetic data (`dataset=synthetic`, 1024 features, 10 classes).
 `--small` (or `--inputs/--hidden/--classes/--batch/--samples`) makes it tiny, so that
 `--device cpu --small` checks the whole script in seconds on a machine without a GPU.

@@ -8,7 +8,7 @@
   single-process losses over 30 steps and moves exactly the predicted bytes. This runs in
   float64: with max-pooling, float32 rounding is amplified chaotically by training (one process
   with 1 and with 2 threads already differs by 1e-1 after 50 steps of this run), so only float64
-  shows that the mathematics is the same. It agrees to 1e-12 here; the bar is the issue's 1e-5.
+  shows that the mathematics is the same. It agrees to 1e-12 here; the bar is 1e-5.
 """
 
 from __future__ import annotations
