@@ -147,6 +147,26 @@ def batch_norm_comm_ops(group: GridGroup, size: int, channels: int, itemsize: in
             CommOp("allreduce", group, size, 2 * channels * itemsize, label)]
 
 
+def global_batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
+                      running_var: torch.Tensor | None, weight: torch.Tensor | None,
+                      bias: torch.Tensor | None, momentum: float, eps: float,
+                      comm: CountedComm, label: str) -> torch.Tensor:
+    """`F.batch_norm(x, ..., training=True)` with the statistics of every rank of `comm`
+    (`SyncBatchNormFunction`; a half type normalized in float32 and returned in its own). The
+    running statistics, where given, move by `momentum` to the global mean and unbiased
+    variance M2 / (N − 1), as the native kernel moves them."""
+    compute = x.float() if x.dtype in _HALF else x
+    y, mean, var, count = SyncBatchNormFunction.apply(compute, weight, bias, comm, eps, label)
+    if running_mean is not None and running_var is not None:
+        with torch.no_grad():
+            n = float(count.item())
+            unbiased = var * (n / (n - 1)) if n > 1 else var
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    out: torch.Tensor = y.to(x.dtype)
+    return out
+
+
 class DistributedBatchNorm(nn.Module):
     """`bn` with its batch statistics over the ranks of `comm` (all its channels, or the shard
     `channels` of them); see the module docstring."""
@@ -187,36 +207,25 @@ class DistributedBatchNorm(nn.Module):
                                 False, 0.0, self.eps).to(x.dtype)
         if self.comm.size == 1:  # nothing to combine: the native kernel, as nn.BatchNorm
             return self._native(compute).to(x.dtype)
-        y, mean, var, count = SyncBatchNormFunction.apply(compute, self.weight, self.bias,
-                                                          self.comm, self.eps, self.label)
-        self._update_running(mean.detach(), var.detach(), count.detach())
-        out: torch.Tensor = y.to(x.dtype)
-        return out
+        momentum, running_mean, running_var = self._step()
+        return global_batch_norm(x, running_mean, running_var, self.weight, self.bias,
+                                 momentum, self.eps, self.comm, self.label)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
-        tracked = self.num_batches_tracked
-        assert isinstance(tracked, torch.Tensor)
-        tracked.add_(1)
-        momentum = 1.0 / float(tracked.item()) if self.momentum is None else self.momentum
-        running_mean, running_var = self.running_mean, self.running_var
-        assert isinstance(running_mean, torch.Tensor)
-        assert isinstance(running_var, torch.Tensor)
+        momentum, running_mean, running_var = self._step()
         return F.batch_norm(x, running_mean, running_var, self.weight, self.bias, True,
                             momentum, self.eps)
 
-    @torch.no_grad()
-    def _update_running(self, mean: torch.Tensor, var: torch.Tensor,
-                        count: torch.Tensor) -> None:
+    def _step(self) -> tuple[float, torch.Tensor, torch.Tensor]:
+        """One more batch tracked: this step's momentum (nn.BatchNorm's rule, a cumulative
+        average where `momentum` is None) and the running statistics it moves."""
         tracked, running_mean, running_var = (self.num_batches_tracked, self.running_mean,
                                               self.running_var)
         assert isinstance(tracked, torch.Tensor) and isinstance(running_mean, torch.Tensor)
         assert isinstance(running_var, torch.Tensor)
         tracked.add_(1)
         momentum = 1.0 / float(tracked.item()) if self.momentum is None else self.momentum
-        n = float(count.item())
-        unbiased = var * (n / (n - 1)) if n > 1 else var
-        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        return momentum, running_mean, running_var
 
 
 def _slice_parameter(param: nn.Parameter | None, channels: slice) -> nn.Parameter | None:

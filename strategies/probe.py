@@ -88,7 +88,6 @@ def sample_dtype(model: nn.Module) -> torch.dtype:
 class LeafCall:
     """One call of a leaf module during the probe's forward."""
 
-    name: str
     module: nn.Module
     input_shape: tuple[int, ...]  # per sample: the first tensor argument's shape without dim 0
     input_grad: bool  # whether that input has a gradient (a parameter ran before it)
@@ -126,13 +125,11 @@ def probe(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Probe:
     restored; exceptions of the model's forward pass through."""
     calls: list[LeafCall] = []
     seen_params = [False]
-    names = {id(m): name for name, m in leaves(model)}
 
     def before(module: nn.Module, args: tuple[Any, ...]) -> None:
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and x.dim() >= 1:
-            calls.append(LeafCall(names[id(module)], module, tuple(x.shape[1:]), seen_params[0],
-                                  0))
+            calls.append(LeafCall(module, tuple(x.shape[1:]), seen_params[0], 0))
         if any(True for _ in module.parameters(recurse=False)):
             seen_params[0] = True
 

@@ -44,10 +44,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.core import CountedComm
-from strategies.norm import SyncBatchNormFunction
+from strategies.norm import global_batch_norm
 from strategies.probe import DrawPlan, is_random_op, op_name
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class BatchStatistics(TorchFunctionMode):
@@ -58,7 +56,6 @@ class BatchStatistics(TorchFunctionMode):
         super().__init__()
         self.comm = comm
         self.label = "bn:functional"
-        self.calls = 0  # calls rerouted
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -75,20 +72,8 @@ class BatchStatistics(TorchFunctionMode):
             kept: torch.Tensor = F.batch_norm(x, running_mean, running_var, weight, bias, False,
                                               momentum, eps)
             return kept
-        self.calls += 1
-        compute = x.float() if x.dtype in _HALF else x
-        y, mean, var, count = SyncBatchNormFunction.apply(compute, weight, bias, self.comm, eps,
-                                                          self.label)
-        if running_mean is not None and running_var is not None:
-            with torch.no_grad():
-                n = float(count.item())
-                unbiased = var * (n / (n - 1)) if n > 1 else var
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype),
-                                                     alpha=momentum)
-                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype),
-                                                    alpha=momentum)
-        out: torch.Tensor = y.to(x.dtype)
-        return out
+        return global_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps,
+                                 self.comm, self.label)
 
 
 def forward_key() -> int:
