@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,6 +279,17 @@ class DrawPlan:
     problems: tuple[str, ...]
 
 
+@contextlib.contextmanager
+def math_attention() -> Iterator[None]:
+    """`F.scaled_dot_product_attention` by torch's math attention: its dropout is then an
+    operator of its own, which row draws can cut (a fused GPU kernel draws its mask inside
+    itself). The planning forwards and the forwards that draw by rows run under it alike."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
+
+
 def draw_plan(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> DrawPlan:
     """The draws of a training forward of 2 samples against one of 3: a dim 0 that grows with
     them is made of the batch's rows."""
@@ -339,7 +350,8 @@ def training_calls(model: nn.Module, sample_shape: tuple[int, ...] | list[int],
         model.train()
         with (torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
               torch.no_grad(), _FunctionRecorder(calls, stack),
-              _OperatorRecorder(calls, stack) if operators else contextlib.nullcontext()):
+              _OperatorRecorder(calls, stack) if operators else contextlib.nullcontext(),
+              math_attention() if operators else contextlib.nullcontext()):
             model(torch.zeros(rows, *sample_shape, device=device, dtype=sample_dtype(model)))
     finally:
         for handle in handles:

@@ -19,7 +19,9 @@ inside two of torch's modes, which see what the model's code does:
   or of B·H where heads are folded into it) row by row, global row r of the forward's i-th draw
   from a generator seeded by (the forward's key, i, r). A row's masks are then the same
   whichever rank holds it: P ranks draw what one process draws, each rank its own rows only,
-  at a cost that does not grow with P. The forward's key is one number from the run's
+  at a cost that does not grow with P. `F.scaled_dot_product_attention` runs as torch's math
+  attention inside it (`probe.math_attention`): a fused GPU kernel draws its dropout mask
+  inside itself, which no rank can cut. The forward's key is one number from the run's
   generator, drawn alike on every rank and in one process, so the run's generator (and a
   checkpoint of it) stays in step everywhere. Which draws are over rows is learned before
   training from two training forwards of 2 and 3 samples (`probe.draw_plan`): a dim 0 that
@@ -45,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.core import CountedComm
 from strategies.norm import global_batch_norm
-from strategies.probe import DrawPlan, is_random_op, op_name
+from strategies.probe import DrawPlan, is_random_op, math_attention, op_name
 
 
 class BatchStatistics(TorchFunctionMode):
@@ -94,6 +96,15 @@ class RowDraws(TorchDispatchMode):
         self.cuts, self.key = plan.cuts, key
         self.start, self.rows = start, rows
         self.calls = 0  # random operators seen in this forward
+        self._attention = math_attention()
+
+    def __enter__(self) -> RowDraws:
+        self._attention.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._attention.__exit__(*exc)
 
     def _generators(self, device: torch.device) -> list[torch.Generator]:
         """One generator per row of this rank, for the current draw."""
@@ -122,8 +133,9 @@ class RowDraws(TorchDispatchMode):
         name = op_name(func)
         if name.startswith(_FUSED_ATTENTION) and _dropout_p(args, kwargs) > 0:
             raise RandomDrawError(f"{func} drops attention weights inside one fused kernel, "
-                                  f"which cannot draw row by row; select torch's math "
-                                  f"attention backend, or set the dropout to 0")
+                                  f"which cannot draw row by row; call "
+                                  f"F.scaled_dot_product_attention (gridrun then runs torch's "
+                                  f"math attention), or set the dropout to 0")
         if not is_random_op(func):
             return func(*args, **kwargs)
         index, self.calls = self.calls, self.calls + 1

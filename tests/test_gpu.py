@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from strategies.probe import draw_plan
+from strategies.whole_batch import RandomDrawError, RowDraws, forward_key
 from tests.conftest import RunCache, read_metrics, read_summary, train_losses
+from tests.test_whole_batch import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -136,3 +139,47 @@ def test_the_summary_names_each_ranks_gpu_and_the_precision(gpu_runs: Runs, name
         assert torch.cuda.get_device_name(rank % gpus) in device
     assert _precision(summary) == precision
     assert read_summary(gpu_runs("cpu_p1"))["devices"] == ["cpu"]
+
+
+def _rows_on_cuda(model: torch.nn.Module, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows [start, start + rows) of `x` as the rank holding them draws them, on the GPU."""
+    torch.manual_seed(1)
+    with RowDraws(draw_plan(model, x.shape[1:]), forward_key(), start, rows):
+        return model(x[start:start + rows])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_on_cuda_each_rank_draws_its_rows_as_one_process_does(case: str) -> None:
+    """CUDA's dropout is one operator (`native_dropout`, not the CPU's `bernoulli_`), and
+    attention with dropout picks a fused kernel that draws inside itself (also inside
+    `nn.MultiheadAttention`): drawn row by row all the same, by torch's math attention."""
+    build, shape = CASES[case]
+    torch.manual_seed(0)
+    model = build().cuda()
+    x = torch.randn(6, *shape, device="cuda")
+    whole = _rows_on_cuda(model, x, 0, 6)
+    for start in (0, 3):
+        torch.testing.assert_close(_rows_on_cuda(model, x, start, 3), whole[start:start + 3],
+                                   rtol=1e-6, atol=1e-6)
+
+
+class FusedAttention(torch.nn.Module):
+    """Calls the fused kernel's operator itself, as a kernel library would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, False,
+                                                                     dropout_p=0.3)[0]
+        return out.flatten(1)
+
+
+def test_on_cuda_a_fused_attention_kernel_called_with_dropout_is_refused() -> None:
+    model = FusedAttention().cuda()
+    x = torch.randn(6, 5, 16, device="cuda")
+    with (pytest.raises(RandomDrawError, match="fused kernel"),
+          RowDraws(draw_plan(model, x.shape[1:]), forward_key(), 0, 6)):
+        model(x)

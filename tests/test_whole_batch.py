@@ -37,7 +37,7 @@ class Attention(nn.Module):
 
 class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.bernoulli(torch.sigmoid(x)) + torch.rand(1, dtype=x.dtype)
+        return x * torch.bernoulli(torch.sigmoid(x)) + torch.rand(1, dtype=x.dtype, device=x.device)
 
 
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
