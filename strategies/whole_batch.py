@@ -100,7 +100,8 @@ class RowDraws(TorchDispatchMode):
 
     def __enter__(self) -> RowDraws:
         self._attention.__enter__()
-        return super().__enter__()
+        super().__enter__()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
