@@ -60,11 +60,14 @@ def precheck(args: list[str]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.config import ConfigError
+    from runner.config import ConfigError, bool_override_problems
     from runner.preflight import machine_problems
-    from runner.rundir import RunDirInUse, lock_run_dir
+    from runner.rundir import RunDirInUse, earlier_records, lock_run_dir, set_aside_earlier
     from runner.validation import validate
 
+    flags = bool_override_problems(args)
+    if flags:
+        return "; ".join(flags)
     try:
         cfg = compose(args, with_hydra=True, extra_dirs=extra_dirs)
         run_dir = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
@@ -86,6 +89,9 @@ def precheck(args: list[str]) -> str | None:
         lock_run_dir(run_dir)
     except RunDirInUse as exc:
         return str(exc)
+    if run.trainer.resume is not None and earlier_records(run_dir):
+        # a resume of this directory's run: Hydra and the run rewrite these next
+        set_aside_earlier(run_dir)
     _checked, _checked_dir = run, run_dir
     return None
 

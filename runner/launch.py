@@ -11,6 +11,7 @@ In the last case the head watches its job rather than just waiting for it (`runn
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,15 @@ from runner.config import ConfigError, LauncherConfig, RunConfig
 from runner.mpienv import bundled_mpiexec, child_environment
 from runner.mpijob import JobResult, MPIJob
 from runner.preflight import machine_problems
-from runner.rundir import RunDir, RunDirInUse, lock_run_dir, release_run_dir, write_json
+from runner.rundir import (
+    RunDir,
+    RunDirInUse,
+    earlier_records,
+    lock_run_dir,
+    release_run_dir,
+    set_aside_earlier,
+    write_json,
+)
 
 
 class RunFailed(RuntimeError):
@@ -77,6 +86,8 @@ def execute(cfg: DictConfig, run_dir: Path, run: RunConfig | None = None) -> dic
         lock_run_dir(run_dir)  # held already when the head's precheck took it
     except RunDirInUse as exc:
         raise ConfigError([str(exc)]) from None
+    if run.trainer.resume is not None and earlier_records(run_dir):
+        set_aside_earlier(run_dir, ("config.yaml", "summary.json"))  # a sweep job's resume
     try:
         return _execute(cfg, run, RunDir(run_dir))
     finally:
@@ -127,6 +138,12 @@ def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, An
         # what the head saw.
         failed = {"status": "failed", "exit_code": code, **(result.failure or {}),
                   "run_dir": str(directory.path)}
+        if "error" not in failed and not any(directory.logs.glob("rank*.log")):
+            launcher = shlex.join(mpi_command(run.launcher, run.grid.size, directory.path)[:1]
+                                  + list(run.launcher.args))
+            failed["error"] = (f"the launcher ({launcher}) exited with code {code} before any "
+                               f"rank started (its own output, if any, is above): check "
+                               f"launcher.command and launcher.args")
         if result.killed:
             failed["error"] = f"{failed.get('error', 'a rank failed')}; {result.killed}"
         if summary is None:

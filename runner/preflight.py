@@ -5,8 +5,11 @@ problem is one line, before any MPI job exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -14,7 +17,7 @@ from runner.checkpoint import checkpoint_bytes, space_problem
 from runner.config import LauncherConfig, RunConfig
 from runner.datasets import DatasetSpec
 from runner.mpienv import bundled_mpiexec
-from runner.rundir import run_dir_problem, unwritable
+from runner.rundir import earlier_records, held_by_live_run, run_dir_problem, unwritable
 
 MIN_FREE_BYTES = 16 << 20  # logs, metrics and the summary of any run
 
@@ -138,13 +141,17 @@ def resume_problems(run: RunConfig, run_dir: Path, model: nn.Module,
     model's parameter names and shapes. What `auto` skipped goes to `notes`."""
     if run.trainer.resume is None:
         return []
-    from runner.checkpoint import CheckpointError, verify_resume
+    from runner.checkpoint import Checkpoint, CheckpointError, verify_resume
 
     try:
-        _, skipped = verify_resume(run.trainer.resume, Path(run_dir) / "checkpoints", model)
+        found, skipped = verify_resume(run.trainer.resume, Path(run_dir) / "checkpoints", model)
     except CheckpointError as exc:
         return [f"trainer.resume={run.trainer.resume}: {exc}"]
     notes += skipped
+    step = Checkpoint(found).step if found is not None else 0
+    if step >= run.trainer.steps:
+        return [f"trainer.resume={run.trainer.resume}: nothing to train: {found} is at step "
+                f"{step} and trainer.steps={run.trainer.steps} (raise trainer.steps to train on)"]
     return []
 
 
@@ -163,9 +170,81 @@ def machine_problems(run: RunConfig, run_dir: Path, inside_mpi_job: bool = False
     if memory:
         problems.append(memory)
     problems += resume_problems(run, run_dir, model, notes if notes is not None else [])
-    problem = run_dir_problem(run_dir) or unwritable(run_dir)
+    problem = run_dir_problem(run_dir) or owner_problem(run, run_dir) or unwritable(run_dir)
     if problem:
         return [*problems, problem]
     needed, what = checkpoint_space_needed(run, model)
     problem = space_problem(run_dir, needed, what)
     return [*problems, problem] if problem else problems
+
+
+# What a resume of a run may change: how long it trains, where and on what grid (checkpoints
+# reshard), how it communicates, checkpoints and the watch on it. Everything else (the model,
+# the data, the optimizer, the seed, the batch, precision, what is logged) is the run itself.
+RESUMABLE = ("trainer.steps", "trainer.resume", "trainer.checkpoint_every",
+             "trainer.keep_checkpoints", "trainer.comm_timeout_s", "trainer.threads",
+             "trainer.device", "grid.", "strategy.", "comm.", "launcher.", "debug.", "logger")
+
+
+def owner_problem(run: RunConfig, run_dir: Path) -> str | None:
+    """Why this run may not write into `run_dir` (None: it may). A directory that records an
+    earlier run (metrics, an outcome, checkpoints) belongs to that run: only a resume of it
+    from its own checkpoints, under the same config but for `RESUMABLE` keys, goes on there."""
+    records = earlier_records(run_dir)
+    if not records or held_by_live_run(run_dir):  # a live run: the lock says whose
+        return None
+    held = f"hydra.run.dir={run_dir} holds an earlier run ({', '.join(records)})"
+    resume = run.trainer.resume
+    if resume is None:
+        return (f"{held}: continue it with trainer.resume=auto, or name a new hydra.run.dir "
+                f"(trainer.resume={run_dir} there starts from its checkpoint)")
+    if resume != "auto" and not _inside(Path(resume), Path(run_dir)):
+        return (f"{held}, and trainer.resume={resume} is another run's checkpoint: resume it "
+                f"into a new hydra.run.dir")
+    from runner.checkpoint import latest_checkpoint
+
+    if resume == "auto" and latest_checkpoint(Path(run_dir) / "checkpoints") is None:
+        return (f"{held} and no checkpoint to continue it from: name a new hydra.run.dir")
+    changed = _config_changes(run, Path(run_dir) / "config.yaml")
+    if changed:
+        return (f"{held} under another config ({'; '.join(changed)}): a resume may change only "
+                f"{', '.join(k.rstrip('.') for k in RESUMABLE)}; name a new hydra.run.dir with "
+                f"trainer.resume={run_dir} to start a new run from its checkpoint")
+    return None
+
+
+def _inside(path: Path, run_dir: Path) -> bool:
+    resolved, home = path.resolve(), run_dir.resolve()
+    return resolved == home or home in resolved.parents
+
+
+def _config_changes(run: RunConfig, recorded: Path, most: int = 4) -> list[str]:
+    """`key: was → now` for each key outside `RESUMABLE` that differs from the config the
+    earlier run recorded (at most `most`, then how many more)."""
+    import yaml
+
+    from runner.config import parse_with_problems
+
+    try:
+        loaded = yaml.safe_load(recorded.read_text())
+        earlier, problems = parse_with_problems(loaded if isinstance(loaded, Mapping) else {})
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as exc:
+        return [f"its config.yaml cannot be read: {type(exc).__name__}"]
+    if problems or not isinstance(loaded, Mapping):
+        return ["its config.yaml is not a run's config"]
+    was, now = _flat(dataclasses.asdict(earlier)), _flat(dataclasses.asdict(run))
+    changed = [f"{key}: {was.get(key, '(unset)')} → {now.get(key, '(unset)')}"
+               for key in sorted(set(was) | set(now))
+               if was.get(key) != now.get(key) and not key.startswith(RESUMABLE)]
+    return changed[:most] + ([f"{len(changed) - most} more"] if len(changed) > most else [])
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of nested mappings (a plugin's `options` under its group's name)."""
+    if not isinstance(value, Mapping):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        name = key if key != "options" else ""
+        out.update(_flat(item, f"{prefix}.{name}".strip(".") if name else prefix))
+    return out

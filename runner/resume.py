@@ -2,8 +2,8 @@
 
 Order matters, and it lives here rather than in the loop: the centre of an EASGD checkpoint goes
 into the model before the optimizer is built (the optimizer takes its centre from the weights),
-the weights, optimizer state and RNG after. A run that does not continue this directory's own
-checkpoints moves them aside first, so that `resume=auto` never mixes two runs.
+the weights, optimizer state and RNG after. A run never starts in a directory that holds another
+run's checkpoints (`preflight.owner_problem`), so `resume=auto` never mixes two runs.
 
 Which checkpoint: rank 0 resolves `trainer.resume` with the head's own verification
 (`find_resume_checkpoint`: `auto` skips damaged checkpoints exactly as the head's
@@ -15,7 +15,6 @@ a traceback per rank.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,6 @@ from runner.checkpoint import (
     CheckpointError,
     ResumePlan,
     find_resume_checkpoint,
-    latest_checkpoint,
     load_centre,
     load_training_state,
     prepare_resume,
@@ -78,23 +76,18 @@ def _on_every_rank(grid: ProcessGrid, action: Callable[[], T]) -> T:
 
 
 def _resolve(resume: str | None, run_dir: RunDir) -> Path | None:
-    """Rank 0: the checkpoint to resume from, by the head's verification; clears the way."""
+    """Rank 0: the checkpoint to resume from, by the head's verification."""
     log = get_logger()
     # A named checkpoint's shards are hashed as the ranks load them (the head verified them
     # already); `auto` reads every candidate, to skip exactly what the head skipped.
     found, notes = find_resume_checkpoint(resume, run_dir.checkpoints, read_named=False)
     for note in notes:
         log.warning("resume: %s", note)
-    continues_here = found is not None and found.parent == run_dir.checkpoints
-    if not continues_here and latest_checkpoint(run_dir.checkpoints) is not None:
-        aside = run_dir.path / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir.checkpoints.rename(aside)
-        log.info("an earlier run's checkpoints moved to %s", aside)
     return found
 
 
 def _find_checkpoint(resume: str | None, run_dir: RunDir, grid: ProcessGrid) -> Path | None:
-    """Rank 0 resolves `trainer.resume` and clears the way; every rank learns the answer."""
+    """Rank 0 resolves `trainer.resume`; every rank learns the answer."""
     found = _on_every_rank(grid, lambda: _resolve(resume, run_dir) if grid.rank == 0 else None)
     answer: Path | None = grid.world.allgather_object(found)[0]
     return answer

@@ -190,6 +190,9 @@ def run_dir_problem(run_dir: Path) -> str | None:
     if str(run_dir) in ("", "."):
         return ("hydra.run.dir is empty: the run would write into the current directory; name "
                 "a directory of its own")
+    too_long = _name_too_long(Path(run_dir))
+    if too_long:
+        return too_long
     resolved = Path(run_dir).resolve()
     for what, place in (("the current directory", Path.cwd().resolve()),
                         ("the file system root", Path(resolved.anchor))):
@@ -199,6 +202,27 @@ def run_dir_problem(run_dir: Path) -> str | None:
             (resolved / name).exists() for name in ("config.yaml", ".hydra", LOCK_FILE)):
         return (f"hydra.run.dir={run_dir} holds files that are not a run's: name a new or an "
                 f"earlier run's directory")
+    return None
+
+
+def _name_too_long(path: Path) -> str | None:
+    """Why the file system cannot name `path` (None: it can): a part longer than its longest
+    file name, or a whole path longer than its longest path (with room for the run's files)."""
+    existing = nearest_existing(path.absolute())
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        path_max = os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    for part in path.parts:
+        if len(os.fsencode(part)) > name_max:
+            return (f"hydra.run.dir: the name {part[:40]}... is {len(os.fsencode(part))} bytes "
+                    f"long; this file system takes at most {name_max}")
+    room = 64  # the longest name the run writes inside: checkpoints/step-…/rank-….pt
+    if len(os.fsencode(str(path.absolute()))) + room > path_max:
+        return (f"hydra.run.dir is {len(os.fsencode(str(path.absolute())))} bytes long; this "
+                f"file system takes paths of at most {path_max} (with {room} for the run's "
+                f"own files)")
     return None
 
 
@@ -218,7 +242,12 @@ def unwritable(path: Path) -> str | None:
 
 def nearest_existing(path: Path) -> Path:
     """`path`, or its nearest ancestor that exists (where a new directory would be made)."""
-    while not path.exists() and path != path.parent:
+    while path != path.parent:
+        try:
+            if path.exists():
+                break
+        except OSError:  # a name too long to look up
+            pass
         path = path.parent
     return path
 
@@ -317,3 +346,69 @@ def versions() -> dict[str, str | None]:
     except ImportError:
         info["mpi4py"] = info["mpi"] = None
     return info
+
+
+def held_by_live_run(run_dir: Path) -> bool:
+    """Whether a live run holds `run_dir`'s lock now (its `flock` is taken)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops a lock taken here
+    return False
+
+
+COUNTED_BYTES = 64 << 20  # a metrics file up to this size is counted in lines
+
+
+def earlier_records(run_dir: Path) -> list[str]:
+    """What in `run_dir` records a run that trained (empty: nothing a new start could lose),
+    each as a short phrase: metrics lines, an outcome, checkpoints."""
+    directory, found = RunDir(Path(run_dir)), []
+    try:
+        size = directory.metrics.stat().st_size if directory.metrics.is_file() else 0
+        if 0 < size <= COUNTED_BYTES:
+            with directory.metrics.open("rb") as f:
+                found.append(f"metrics.jsonl ({sum(1 for _ in f)} lines)")
+        elif size:
+            found.append(f"metrics.jsonl ({size / (1 << 20):,.0f} MiB)")
+    except OSError:
+        pass
+    if directory.summary.is_file():
+        summary: Any = None
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            if directory.summary.stat().st_size <= 1 << 20:
+                summary = json.loads(directory.summary.read_bytes())
+        status = summary.get("status") if isinstance(summary, dict) else None
+        found.append(f"summary.json ({status})" if isinstance(status, str) else "summary.json")
+    for place in sorted(directory.path.glob("checkpoints*")):
+        if place.is_dir() and any(place.iterdir()):
+            found.append(f"{place.name}/")
+    return found
+
+
+def set_aside_earlier(run_dir: Path, names: tuple[str, ...] = ("config.yaml", "summary.json",
+                                                              ".hydra")) -> Path | None:
+    """Move what an earlier start left under `names` into `run_dir/earlier-<time>/` (a resume
+    rewrites them: the earlier ones stay readable there). Returns that folder, or None when
+    there was nothing to move."""
+    present = [Path(run_dir) / name for name in names if (Path(run_dir) / name).exists()]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = Path(run_dir) / f"earlier-{stamp}"
+    suffix = 1
+    while folder.exists():
+        suffix += 1
+        folder = Path(run_dir) / f"earlier-{stamp}-{suffix}"
+    folder.mkdir()
+    for path in present:
+        os.replace(path, folder / path.name)
+    return folder
