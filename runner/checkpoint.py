@@ -715,7 +715,7 @@ def _manifest_problem(manifest: Any) -> str | None:
     if manifest.get("format") not in READABLE_FORMATS or not _is_int(manifest["format"]):
         return (f"format {manifest.get('format')!r}: this version reads formats "
                 f"{', '.join(map(str, READABLE_FORMATS))}")
-    checks = (("step", lambda v: _is_int(v) and v >= 0, "a step"),
+    checks = (("step", lambda v: _is_int(v) and 0 <= v < 2 ** 63, "a step"),
               ("time_s", lambda v: _is_int(v) or isinstance(v, float), "a number"),
               ("world_size", lambda v: _is_int(v) and v >= 1, "a number of ranks"),
               ("per_replica", lambda v: isinstance(v, bool), "true or false"))

@@ -374,3 +374,23 @@ def load_run_config(path: Path) -> RunConfig:
     if not isinstance(loaded, DictConfig):
         raise ConfigError([f"{path}: not a mapping of config keys"])
     return parse(loaded)
+
+
+BOOL_WORDS = ("true", "false", "1", "0")
+
+
+def bool_override_problems(overrides: list[str]) -> list[str]:
+    """`KEY=VALUE` overrides of the schema's true/false keys whose value is no such word:
+    Hydra's typed config turns any other integer into true (`debug.stage_host_tensors=2`)."""
+    problems = []
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if not sep or "." not in key:
+            continue
+        section, _, name = key.partition(".")
+        schema = _hints(ConfigSchema).get(section)
+        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+            continue
+        if _hints(schema).get(name) is bool and value.strip().lower() not in BOOL_WORDS:
+            problems.append(f"{key}={value}: must be true or false")
+    return problems

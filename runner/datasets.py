@@ -98,6 +98,9 @@ class Digits:
         return _split(x, y, self.spec().val_size)
 
 
+MAX_NOISE = 1e6  # beyond it the samples are noise alone (and float32 overflows near 1e38)
+
+
 @register_dataset("synthetic")
 class Synthetic:
     """Seeded classification data with learnable structure.
@@ -116,6 +119,9 @@ class Synthetic:
             raise ValueError("dataset.classes must be >= 2 and dataset.samples >= classes")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"dataset.val_fraction must be in (0, 1), got {val_fraction}")
+        if not 0.0 <= noise <= MAX_NOISE:  # also NaN
+            raise ValueError(f"dataset.noise={noise}: must be in [0, {MAX_NOISE:g}] (the noise's "
+                             f"scale against prototypes of norm 1)")
         self.classes, self.samples, self.noise = classes, samples, noise
         self.val_fraction, self.seed = val_fraction, seed
 

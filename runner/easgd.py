@@ -144,10 +144,11 @@ class ElasticAveraging(ReplicaOptimizer):
         errors = []
         if not lr > 0:
             errors.append(f"optimizer.lr must be > 0, got {lr}")
-        if rho is not None and rho < 0:
-            errors.append(f"optimizer.rho (the elastic coefficient) must be >= 0, got {rho}")
-        if moving_rate is not None and not 0 <= moving_rate < 1:
-            errors.append(f"optimizer.moving_rate (alpha = lr * rho) must be in [0, 1), "
+        # 0: the replicas never move toward the centre, nor it toward them (P runs of SGD)
+        if rho is not None and not rho > 0:
+            errors.append(f"optimizer.rho (the elastic coefficient) must be > 0, got {rho}")
+        if moving_rate is not None and not 0 < moving_rate < 1:
+            errors.append(f"optimizer.moving_rate (alpha = lr * rho) must be in (0, 1), "
                           f"got {moving_rate}")
         if rho is not None and moving_rate is not None:
             errors.append("set optimizer.rho or optimizer.moving_rate, not both "

@@ -25,7 +25,8 @@ def _activation(name: str) -> nn.Module:
     try:
         return _ACTIVATIONS[name]()
     except KeyError:
-        raise ValueError(f"unknown activation '{name}'; known: {', '.join(_ACTIVATIONS)}") from None
+        raise ValueError(f"model.activation={name}: unknown; known: "
+                         f"{', '.join(_ACTIVATIONS)}") from None
 
 
 @register_model("mlp")
@@ -53,6 +54,8 @@ def cnn(input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = 
     if len(input_shape) != 3:
         raise ValueError(f"cnn needs image inputs (channels, height, width), got shape "
                          f"{tuple(input_shape)}")
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
+        raise ValueError(f"model.kernel_size={kernel_size}: must be an integer >= 1")
     in_channels, height, width = (int(d) for d in input_shape)
     layers: list[nn.Module] = []
     for out_channels in channels:
@@ -131,6 +134,8 @@ def bag_classifier(input_shape: Sequence[int], num_classes: int, vocab_size: int
     sparse exchanges of `strategy.sparse` move."""
     vocab_size = _token_inputs("bag_classifier", "documents", input_shape, vocab_size,
                                "dataset=tokens")
+    if mode not in ("sum", "mean", "max"):
+        raise ValueError(f"model.mode={mode}: must be one of sum, mean, max")
     layers: list[nn.Module] = [nn.EmbeddingBag(int(vocab_size), int(embedding_dim), mode=mode,
                                                sparse=bool(sparse), padding_idx=padding_idx)]
     width = int(embedding_dim)

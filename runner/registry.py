@@ -7,6 +7,8 @@ Strategies have their own registry in `strategies.registry` (strategies never im
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,7 +74,13 @@ def import_object(path: str) -> Any:
                 raise UserCodeError(f"{'.'.join(parts[:index])} has no attribute or "
                                     f"module '{attribute}'") from None
             obj = getattr(obj, attribute)
+        if isinstance(obj, types.ModuleType):
+            raise UserCodeError(f"'{path}' names a module, not a class or function in it "
+                                f"(my_pkg.module.Name)")
         return obj
+    if len(parts) == 1 and importlib.util.find_spec(parts[0]) is not None:
+        raise UserCodeError(f"'{path}' names a module, not a class or function in it "
+                            f"(my_pkg.module.Name)")
     raise UserCodeError(f"cannot import {parts[0]}: no module named '{parts[0]}'")
 
 

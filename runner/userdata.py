@@ -151,7 +151,8 @@ class TargetDataset:
             inputs, targets = _tensor_pair("train", train)
             sample = inputs[0]
             val_targets = _tensor_pair("val", val)[1] if not _is_map_style(val) else targets
-            classes = int(max(int(targets.max()), int(val_targets.max()))) + 1
+            classes = _declared(train, "num_classes") or _inferred_classes(targets,
+                                                                          val_targets)
             vocab = _declared(train, "vocab_size")
             if vocab is None and not inputs.is_floating_point():
                 vocab = int(inputs.max()) + 1
@@ -185,6 +186,20 @@ def sampled_rows(length: int) -> list[int]:
         return list(range(length))
     step = (length - 1) / (SAMPLED_ROWS - 1)
     return sorted({round(i * step) for i in range(SAMPLED_ROWS)})
+
+
+def _inferred_classes(*labels: torch.Tensor) -> int:
+    """The class count of labels 0..K-1 (K = the largest + 1). Labels that leave most of that
+    range unused are not class indices (a label of 10^9 would ask for 10^9 output scores):
+    `UserDatasetError` asks for the count instead."""
+    every = torch.cat([t.reshape(-1) for t in labels])
+    largest, used = int(every.max()), int(torch.unique(every).numel())
+    if largest + 1 > 2 * used + 16:
+        raise UserDatasetError(f"the labels reach {largest} but take only {used} values: "
+                               f"class indices lie in [0, number of classes); map them to "
+                               f"0..{used - 1}, or give the training Dataset a `num_classes` "
+                               f"attribute")
+    return largest + 1
 
 
 def check_rows(name: str, part: Any, shape: tuple[int, ...], classes: int) -> None:

@@ -59,6 +59,26 @@ def device_problems(run: RunConfig) -> list[str]:
     return problems
 
 
+MAX_THREADS = 4096
+
+
+def _lr_problems(run: RunConfig) -> list[str]:
+    """A learning rate the parameters' float type cannot hold: the first update overflows."""
+    import math
+
+    import torch
+
+    lr = run.optimizer.options.get("lr")
+    if run.trainer.dtype not in DTYPES or not isinstance(lr, (int, float)) or isinstance(
+            lr, bool) or not math.isfinite(lr):
+        return []
+    largest = torch.finfo(getattr(torch, run.trainer.dtype)).max
+    if abs(lr) > largest:
+        return [f"optimizer.lr={lr:g}: larger than a {run.trainer.dtype} step can hold "
+                f"({largest:.3g})"]
+    return []
+
+
 def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     problems: list[str] = []
     trainer, debug, grid = run.trainer, run.debug, run.grid
@@ -83,6 +103,11 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     at_least("debug.slow_rank", debug.slow_rank, 0)
     if trainer.dtype not in DTYPES:
         problems.append(f"trainer.dtype={trainer.dtype}: must be one of {', '.join(DTYPES)}")
+    if trainer.threads is not None and trainer.threads > MAX_THREADS:
+        problems.append(f"trainer.threads={trainer.threads}: more torch threads per rank than "
+                        f"any node has cores (at most {MAX_THREADS}; null: the node's cores / "
+                        f"its ranks)")
+    problems += _lr_problems(run)
     problems += device_problems(run)
     if trainer.resume is not None and not trainer.resume:
         problems.append("trainer.resume='': must be null, auto or a checkpoint path")
@@ -246,6 +271,10 @@ def _options_problems(key: str, plugin: Plugin, factory: Any,
         return []  # no signature (a builtin): its own call will say what is wrong
 
 
+def _options_shown(plugin: Plugin) -> str:
+    return f"model options: {', '.join(f'{k}={v}' for k, v in plugin.options.items())}"
+
+
 def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
     """Build the model (`assembly.probe_model`: on the CPU when small, on the meta device when
     large) and push two samples through it. Returns it (for the strategy's own checks), or None
@@ -261,16 +290,20 @@ def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
         return None
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        problems.append(f"{plugin.shown('model')} cannot be built for the dataset's inputs of "
-                        f"shape {tuple(spec.input_shape)}: {first}")
+        if "negative dimension" in first:  # torch's words for a width below 0
+            problems.append(f"{plugin.shown('model')}: every width and channel count must be "
+                            f">= 1 ({_options_shown(plugin)})")
+        else:
+            problems.append(f"{plugin.shown('model')} cannot be built for the dataset's inputs "
+                            f"of shape {tuple(spec.input_shape)}: {first}")
         return None
     empty = [(name, tuple(p.shape)) for name, p in net.named_parameters() if p.numel() == 0]
     if empty:
         name, shape = empty[0]
         layer = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
         problems.append(f"{plugin.shown('model')}: {name} ({type(layer).__name__}) would have "
-                        f"shape {shape}: every width and channel count must be >= 1 (model "
-                        f"options: {', '.join(f'{k}={v}' for k, v in plugin.options.items())})")
+                        f"shape {shape}: every width and channel count must be >= 1 "
+                        f"({_options_shown(plugin)})")
         return None
     dtype = torch.long if spec.vocab_size is not None else torch.float32
     device = next((p.device for p in net.parameters()), torch.device("cpu"))

@@ -22,6 +22,10 @@ from runner.rundir import LOCK_FILE, MetricsWriter, atomic_write_text, release_r
 
 EASGD = ["optimizer=easgd"]
 SYNTH = ["dataset=synthetic"]
+GPT = ["model=gpt", "dataset=tokens"]
+EASGD2 = ["optimizer=easgd", "grid.pr=1", "grid.pc=2"]
+DATA2 = ["strategy=data", "grid.pr=1", "grid.pc=2"]
+BAG = ["model=bag_classifier", "dataset=tokens", *DATA2]
 TOKENS = ["model=bag_classifier", "dataset=tokens", "strategy=data", "grid.pr=1", "grid.pc=4"]
 
 # (overrides, a fragment the one line must contain: the key or the value it names)
@@ -135,11 +139,111 @@ BAD: list[tuple[list[str], str]] = [
     ([*SYNTH, "dataset.noise=nan"], "dataset.noise=nan"),
     ([*SYNTH, "dataset.classes=0"], "classes"),
     ([*SYNTH, "dataset.shape=[0]"], "shape"),
+    # every config group, the run directory and plugins
+    (["trainer.steps=-1"], "trainer.steps=-1"),
+    (["trainer.steps=100000000000000000000"], "trainer.steps=100000000000000000000"),
+    (["trainer.batch_size=1.5"], "trainer.batch_size=1.5"),
+    (["trainer.batch_size=abc"], "trainer.batch_size=abc"),
+    (["trainer.log_every=-1"], "trainer.log_every=-1"),
+    (["trainer.eval_every=-5"], "trainer.eval_every=-5"),
+    (["trainer.eval_samples=-1"], "trainer.eval_samples=-1"),
+    (["trainer.checkpoint_every=-1"], "trainer.checkpoint_every=-1"),
+    (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints=-1"),
+    (["trainer.threads=-1"], "trainer.threads=-1"),
+    (["trainer.threads=100000"], "trainer.threads=100000"),
+    (["trainer.threads=abc"], "trainer.threads=abc"),
+    (["trainer.comm_timeout_s=abc"], "trainer.comm_timeout_s=abc"),
+    (["trainer.dtype=int8"], "trainer.dtype=int8"),
+    (["trainer.device=gpu"], "trainer.device=gpu"),
+    (["trainer.precision=fp64"], "trainer.precision=fp64"),
+    (["trainer.resume=/nonexistent/ckpt"], "trainer.resume=/nonexistent/ckpt"),
+    (["grid.pr=abc"], "grid.pr=abc"),
+    (["grid.pr=-1"], "grid.pr=-1"),
+    (["seed=-5"], "seed=-5"),
+    (["seed=[1]"], "seed=[1]"),
+    (["optimizer.lr=1e308"], "optimizer.lr"),
+    (["optimizer.momentum=-0.1"], "optimizer.momentum"),
+    (["optimizer.momentum=1"], "optimizer.momentum"),
+    (["optimizer.nesterov=true", "optimizer.momentum=0"], "optimizer.momentum"),
+    (["optimizer=adam", "optimizer.betas=[0.9]"], "optimizer.betas=[0.9]"),
+    (["optimizer=adam", "optimizer.betas=[1.0,0.9]"], "optimizer.betas"),
+    (["optimizer=adam", "optimizer.eps=0"], "optimizer.eps"),
+    (["optimizer=adam", "optimizer.eps=-1"], "optimizer.eps"),
+    (["optimizer=adamw", "optimizer.weight_decay=-1"], "optimizer.weight_decay"),
+    (["optimizer=adam", "optimizer.lr=1e308"], "optimizer.lr"),
+    ([*EASGD2, "optimizer.rho=0"], "optimizer.rho"),
+    ([*EASGD2, "optimizer.rho=-1"], "optimizer.rho"),
+    ([*EASGD2, "optimizer.moving_rate=0"], "optimizer.moving_rate"),
+    ([*EASGD2, "optimizer.moving_rate=1"], "optimizer.moving_rate"),
+    ([*EASGD2, "optimizer.period=0"], "optimizer.period"),
+    ([*EASGD2, "optimizer.period=1.5"], "optimizer.period=1.5"),
+    ([*EASGD2, "optimizer.momentum=1"], "optimizer.momentum=1"),
+    ([*EASGD2, "optimizer.lr=0"], "optimizer.lr"),
+    (["optimizer.schedule=foo"], "optimizer.schedule"),
+    (["+optimizer.foo=1"], "optimizer.foo"),
+    (["model.hidden=[-1]"], "must be >= 1 (model options: hidden=[-1]"),
+    (["model.hidden=abc"], "model.hidden=abc"),
+    (["model.activation=swishy"], "model.activation=swishy"),
+    (["model=cnn", "model.kernel_size=-3"], "model.kernel_size=-3"),
+    (["model=cnn", "model.kernel_size=1.5"], "model.kernel_size=1.5"),
+    (["model=cnn", "model.channels=[-1]"], "must be >= 1 (model options: channels=[-1]"),
+    ([*GPT, "model.width=0"], "model.width"),
+    ([*GPT, "model.heads=0"], "model.heads"),
+    ([*GPT, "model.context=0"], "model.context=0"),
+    ([*GPT, "model.depth=0"], "model.depth=0"),
+    ([*GPT, "model.dropout=1.5"], "model.dropout=1.5"),
+    ([*BAG, "model.mode=median"], "model.mode=median"),
+    ([*BAG, "model.embedding_dim=0"], "would have shape (10000, 0)"),
+    (["model._target_=torch"], "model._target_=torch"),
+    (["model._target_=os.path"], "model._target_=os.path"),
+    (["model._target_=nosuch.Thing"], "model._target_=nosuch.Thing"),
+    (["model._target_=1abc"], "model._target_=1abc"),
+    (["model._target_=torch.nn.NoSuchLayer"], "model._target_=torch.nn.NoSuchLayer"),
+    ([*SYNTH, "dataset.noise=-1"], "dataset.noise=-1"),
+    ([*SYNTH, "dataset.noise=1e308"], "dataset.noise"),
+    ([*SYNTH, "dataset.shape=[-1]"], "dataset.shape"),
+    ([*SYNTH, "dataset.classes=1"], "dataset.classes"),
+    ([*SYNTH, "dataset.val_fraction=0"], "dataset.val_fraction"),
+    ([*SYNTH, "dataset.val_fraction=1"], "dataset.val_fraction"),
+    ([*GPT, "dataset.vocab_size=0"], "dataset.vocab_size"),
+    ([*GPT, "dataset.seq_len=0"], "dataset.seq_len"),
+    (["dataset=cifar10", "dataset.root=/nonexistent"], "dataset.root=/nonexistent"),
+    (["dataset=nonexistent"], "dataset"),
+    ([*DATA2, "strategy.bucket_cap_mb=-1"], "strategy.bucket_cap_mb"),
+    ([*DATA2, "strategy.first_bucket_mb=-1"], "strategy.first_bucket_mb"),
+    ([*DATA2, "strategy.sparse=foo"], "strategy.sparse=foo"),
+    ([*DATA2, "strategy.sparse_hot_rows=-1"], "strategy.sparse_hot_rows=-1"),
+    ([*DATA2, "strategy.sparse_partitions=0"], "strategy.sparse_partitions=0"),
+    ([*DATA2, "strategy.ranks_per_node=0"], "strategy.ranks_per_node=0"),
+    ([*DATA2, "strategy.batch_norm=foo"], "strategy.batch_norm=foo"),
+    (["strategy=model", "grid.pr=4", "grid.pc=1", "strategy.tp_layout=foo"],
+     "strategy.tp_layout=foo"),
+    (["strategy=domain", "strategy.overlap=foo"], "strategy.overlap=foo"),
+    (["comm.backend=nccl2"], "comm.backend=nccl2"),
+    (["comm.cuda_aware=maybe"], "comm.cuda_aware=maybe"),
+    (["objective=foo"], "objective=foo"),
+    (["launcher.nproc_flag=x"], "launcher.nproc_flag=x"),
+    (["debug.fail_at_step=1", "debug.fail_on_rank=9"], "debug.fail_on_rank=9"),
+    (["debug.slow_rank=-1"], "debug.slow_rank=-1"),
+    (["debug.slow_rank=9"], "debug.slow_rank=9"),
+    (["debug.stage_host_tensors=2"], "debug.stage_host_tensors=2"),
+    (["hydra.run.dir=."], "hydra.run.dir"),
+    (["hydra.run.dir=/"], "hydra.run.dir=/"),
+    (["plugins=[nosuchmodule_xyz]"], "plugins"),
+    (["plugins=[os.path.nope]"], "plugins"),
+    (["+debug.x=1"], "debug.x"),
+    (["+launcher.y=1"], "launcher.y"),
+    (["+comm.z=1"], "comm.z"),
+    (["trainer.eval_samples=abc"], "trainer.eval_samples=abc"),
+    (["trainer.log_every=1.5"], "trainer.log_every=1.5"),
+    (["grid.pc=1e3"], "grid.pc"),
+    ([f"hydra.run.dir=/tmp/{'y' * 300}"], "is 300 bytes long; this file system takes at most"),
+    ([f"hydra.run.dir=/tmp/{'/'.join(['z' * 200] * 25)}"], "file system takes paths of at most"),
 ]
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(BAD) >= 60
+    assert len(BAD) >= 200
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), BAD,
@@ -289,3 +393,20 @@ def test_the_heads_check_of_a_good_config_stays_light(tmp_path: Path) -> None:
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("launcher,named", [
+    (["launcher.command=/bin/false"], "the launcher (/bin/false) exited with code 1"),
+    (["launcher.args=[--bogus-flag]"], "--bogus-flag) exited with code 255"),
+])
+def test_a_launcher_that_starts_no_rank_is_named_as_the_cause(
+        launcher: list[str], named: str, tmp_path: Path) -> None:
+    """The launcher fails before any rank runs: the last line says so, not only "the job
+    failed"."""
+    from tests.conftest import run_cli
+
+    result = run_cli("strategy=data", "grid.pr=1", "grid.pc=2", "trainer.steps=2", *launcher,
+                     f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert named in last and "before any rank started" in last, last

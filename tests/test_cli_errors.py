@@ -38,7 +38,7 @@ CASES = {
     "model_does_not_fit_data": (["model=cnn", "dataset=synthetic"], ["model=cnn", "(64,)"]),
     "easgd_negative_rho_and_period_below_one": (
         ["optimizer=async_easgd", "optimizer.rho=-0.5", "optimizer.period=0"],
-        ["optimizer.rho", "must be >= 0, got -0.5", "optimizer.period", ">= 1, got 0"]),
+        ["optimizer.rho", "must be > 0, got -0.5", "optimizer.period", ">= 1, got 0"]),
     "measgd_momentum_one": (["optimizer=async_measgd", "optimizer.momentum=1.0"],
                             ["optimizer.momentum must be in [0, 1), got 1.0"]),
     "easgd_rho_and_moving_rate": (["optimizer=hogwild_easgd", "optimizer.rho=1",

@@ -126,6 +126,39 @@ def test_plan_refuses_bad_input_in_one_line() -> None:
         assert named in result.stderr, result.stderr
 
 
+PLAN_BAD: list[tuple[dict[str, object], str]] = [
+    ({"world": 2 ** 21}, "plan.world=2097152: at most 1,048,576 ranks"),
+    ({"slowdown": 0.0}, "plan.slowdown=0.0"),
+    ({"slowdown": -1.0}, "plan.slowdown=-1.0"),
+    ({"slowdown": float("inf")}, "plan.slowdown=inf"),
+    ({"alpha": -1e-6}, "plan.alpha=-1e-06"),
+    ({"beta": -1.0}, "plan.beta=-1.0"),
+    ({"beta": float("nan")}, "plan.beta=nan"),
+    ({"calibrate_repeats": 0}, "plan.calibrate_repeats=0"),
+    ({"out": "/nonexistent/folder/plan.json"}, "the folder /nonexistent/folder does not exist"),
+    ({"out": "/proc/gridrun-plan.json"}, "plan.out=/proc/gridrun-plan.json: cannot write it"),
+    ({"out": "/tmp"}, "plan.out=/tmp: is a directory"),
+]
+
+
+@pytest.mark.parametrize(("values", "named"), PLAN_BAD, ids=[str(v) for v, _ in PLAN_BAD])
+def test_planner_values_no_plan_can_use_are_named(values: dict[str, object], named: str) -> None:
+    from runner.config import PlanConfig
+    from runner.plan.__main__ import plan_value_problems
+
+    problems = plan_value_problems(PlanConfig(**values))  # type: ignore[arg-type]
+    assert len(problems) == 1 and named in problems[0], problems
+
+
+def test_an_unwritable_plan_out_is_refused_before_planning() -> None:
+    result = plan_cli("plan.out=/nonexistent/folder/plan.json")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: plan.out=/nonexistent/folder/plan.json: the folder /nonexistent/folder does "
+        "not exist"]
+    assert result.stdout == ""  # refused before the plan is printed
+
+
 def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
     env = {"GRIDRUN_CALIBRATION": str(tmp_path / "ab.json")}
     result = plan_cli("plan.calibrate=true", "plan.calibrate_repeats=1", env=env)

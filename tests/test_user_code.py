@@ -211,7 +211,30 @@ BAD_DATA = {
         lambda: (MapRows(*pairs(), num_classes=3), MapRows(*pairs(8), num_classes=3,
                                                            odd={7: (pairs(1, 6)[0][0], 1)})),
         "the val set's row 7 has inputs of shape (6,), the training set's are (4,)"),
+    "a label of 10^9 (no class index)": (
+        lambda: ((pairs()[0], pairs()[1].index_fill(0, torch.tensor([5]), 10 ** 9)), pairs(8)),
+        "the labels reach 1000000000 but take only 4 values"),
+    "an infinity in the val inputs": (
+        lambda: (pairs(), (pairs(8)[0].index_fill(0, torch.tensor([1]), float("inf")),
+                           pairs(8)[1])),
+        "the val set has 4 input value(s) that are not finite"),
+    "an empty training split": (lambda: (pairs(0), pairs(8)), "the train set is empty"),
+    "a map-style dataset silent on its classes": (
+        lambda: (SilentRows(*pairs()), SilentRows(*pairs(8))),
+        "the training Dataset says nothing of its classes"),
+    "a map-style val label past the classes": (
+        lambda: (MapRows(*pairs(), num_classes=3),
+                 MapRows(*pairs(8), num_classes=3, odd={0: (pairs()[0][0], 3)})),
+        "the val set's row 0 has labels from 3 to 3: class indices lie in [0, 3)"),
 }
+
+
+class SilentRows(MapRows):
+    """A map-style dataset that declares no classes."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        super().__init__(x, y, 0)
+        del self.num_classes
 
 
 @pytest.mark.parametrize("case", BAD_DATA)

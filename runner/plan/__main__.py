@@ -242,7 +242,11 @@ def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
         for row in sorted(plan.feasible, key=order):
             console.print(layer_table(plan, row))
     if plan_cfg.out:
-        Path(plan_cfg.out).write_text(json.dumps(plan_json(plan), indent=2) + "\n")
+        try:
+            Path(plan_cfg.out).write_text(json.dumps(plan_json(plan), indent=2) + "\n")
+        except OSError as exc:  # checked before planning; the disk may fill since
+            print_error(f"plan.out={plan_cfg.out}: cannot write it: {exc.strerror or exc}")
+            sys.exit(EXIT_BAD_INPUT)
         console.print(f"plan written to {plan_cfg.out}")
 
 
@@ -298,7 +302,26 @@ def plan_value_problems(plan_cfg: PlanConfig) -> list[str]:
                             f">= 0")
     if plan_cfg.calibrate_repeats < 1:
         problems.append(f"plan.calibrate_repeats={plan_cfg.calibrate_repeats}: must be >= 1")
+    if plan_cfg.out:
+        problems += filter(None, [_unwritable_file(Path(plan_cfg.out))])
     return problems
+
+
+def _unwritable_file(path: Path) -> str | None:
+    """Why the plan cannot be written to `path` (None: it can), found before planning."""
+    if path.is_dir():
+        return f"plan.out={path}: is a directory; name a file"
+    if not path.parent.is_dir():
+        return f"plan.out={path}: the folder {path.parent} does not exist"
+    existed = path.exists()
+    try:
+        with path.open("a"):  # tried for real: permissions, a read-only file system
+            pass
+    except OSError as exc:
+        return f"plan.out={path}: cannot write it: {exc.strerror or exc}"
+    if not existed:
+        path.unlink()
+    return None
 
 
 def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
