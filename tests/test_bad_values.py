@@ -135,6 +135,13 @@ BAD: list[tuple[list[str], str]] = [
     ([*SYNTH, "dataset.noise=nan"], "dataset.noise=nan"),
     ([*SYNTH, "dataset.classes=0"], "classes"),
     ([*SYNTH, "dataset.shape=[0]"], "shape"),
+    (["trainer.comm_timeout_s=1e-9"], "trainer.comm_timeout_s=1e-09"),
+    (["trainer.comm_timeout_s=0.5"], "trainer.comm_timeout_s=0.5"),
+    (["trainer.comm_timeout_s=1e308"], "trainer.comm_timeout_s=1e+308"),
+    (["debug.slow_seconds=1e308"], "debug.slow_seconds=1e+308"),
+    (["debug.slow_seconds=90000"], "debug.slow_seconds=90000"),
+    (["debug.fail_at_step=11", "trainer.steps=10"],
+     "debug.fail_at_step=11 is past trainer.steps=10"),
 ]
 
 
