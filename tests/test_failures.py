@@ -127,6 +127,39 @@ def test_a_hung_rank_ends_the_job_through_the_watchdog(tmp_path: Path) -> None:
     assert not job_processes(run_dir)  # the hung rank too
 
 
+def test_a_head_killed_with_its_process_group_takes_its_ranks_along(tmp_path: Path) -> None:
+    """SIGKILL to the head's process group leaves mpiexec (its own session) and the ranks (a
+    process group each, under MPICH's hydra) behind; here rank 1 hangs outside any collective
+    and no watchdog is set, so nothing but the head's end can stop them."""
+    run_dir, stderr = tmp_path / "headless", tmp_path / "head.err"
+    with stderr.open("w") as err:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "runner", *DATA2, "trainer.steps=1000", "debug.fail_at_step=3",
+             "debug.fail_on_rank=1", "debug.fail_mode=hang", "trainer.comm_timeout_s=null",
+             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True)
+    try:
+        wait_for_step(job, run_dir, 2)
+        assert job.poll() is None, stderr.read_text()
+        time.sleep(1.0)  # rank 1 is in its hang, rank 0 waits in step 3's collective
+        os.killpg(job.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        job.wait(timeout=30)  # its output's pipes are the job's too: not read here
+        while job_processes(run_dir) and time.monotonic() - killed < 20:
+            time.sleep(0.1)
+        left, took = job_processes(run_dir), time.monotonic() - killed
+        assert not left and took < KILL_DEADLINE_S, (f"{took:.1f} s after the head's SIGKILL: "
+                                                     f"{left}\n{stderr.read_text()}")
+        logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank*.log"))
+        assert f"the head (pid {job.pid}) is gone" in logs, logs[-2000:]
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(job.pid, signal.SIGKILL)
+        for line in job_processes(run_dir):
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
 def test_a_second_signal_kills_the_job_at_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "killed_twice"
     # Steps of 2 s: the ranks cannot finish theirs before the second signal.
@@ -232,3 +265,19 @@ def test_the_watchdog_fires_once_on_an_operation_past_its_timeout() -> None:
         time.sleep(0.5)
     assert fired == ["rank 3: allreduce 'loss' on group world (4 ranks) did not complete "
                      "within 0.2 s (the communication timeout); a peer may have hung or died"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="no /proc")
+def test_the_head_is_watched_only_where_its_pid_means_it() -> None:
+    from runner import supervisor
+
+    identity = supervisor.head_identity()
+    assert identity is not None
+    started = supervisor._start_time(os.getpid())
+    assert supervisor.watched_head(identity) == (os.getpid(), started)
+    # another machine or pid namespace: not ours to watch; nor is a garbled value
+    assert supervisor.watched_head(f"another-boot/pid:[1]:{os.getpid()}:{started}") is None
+    assert supervisor.watched_head("garbled") is None and supervisor.watched_head(None) is None
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert supervisor._start_time(ended.pid) is None  # gone: what the watch waits for
