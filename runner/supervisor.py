@@ -180,7 +180,9 @@ def _machine() -> str | None:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
-    return None if boot is None else f"{boot}/{namespace}"
+    if boot is None or _start_time(os.getpid()) is None:  # a /proc of another namespace
+        return None
+    return f"{boot}/{namespace}"
 
 
 def head_identity() -> str | None:
