@@ -85,7 +85,11 @@ class TrainerConfig:
     resume: Optional[str] = None  # noqa: UP045
     """null, auto (this run directory's latest checkpoint), or a checkpoint or run directory."""
     comm_timeout_s: Optional[float] = 300.0  # noqa: UP045
-    """A collective not done in this many seconds ends the job (null: wait for ever)."""
+    """The most seconds a collective may wait before it ends the job (null: wait for ever; 1 s
+    to a year). Inside training steps, once three have been timed, the deadline is shorter:
+    max(30 s, 5 × the slowest step so far), so at the default a hung rank ends the job within
+    a minute while no step has taken over 10 s. Start-up, the first steps, evaluation,
+    checkpoints and the first step after each of these get this whole cap."""
     threads: Optional[int] = None  # noqa: UP045
     """torch threads per rank (null: the node's cores / its ranks)."""
     dtype: str = "float32"

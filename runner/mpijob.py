@@ -30,7 +30,9 @@ from typing import Any
 
 from runner.rundir import RunDir, atomic_write_text
 from runner.supervisor import (
+    HEAD_ENV,
     RANKS_DIR,
+    head_identity,
     read_failure_reports,
     read_rank_records,
     stop_signal_path,
@@ -147,7 +149,9 @@ class MPIJob:
             # Its own session: the terminal's Ctrl-C reaches the head alone, which asks the job
             # to stop once (mpiexec forwards SIGTERM to every rank) instead of the terminal and
             # the head both signalling it.
-            self.process = subprocess.Popen(self.command, env=self.env,
+            identity = head_identity()  # the ranks' supervisors watch it (runner.supervisor)
+            env = self.env if identity is None else {**self.env, HEAD_ENV: identity}
+            self.process = subprocess.Popen(self.command, env=env,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=_stop_with_parent())
             previous = self._install_handlers()

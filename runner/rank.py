@@ -3,8 +3,9 @@
 A rank reads the resolved `config.yaml` the head (or rank 0 of a job the user started) validated
 and wrote; it parses it and trusts it. A rank that fails prints its traceback, records the
 failure in `summary.json`, and aborts the whole MPI job: the other ranks never wait forever in a
-collective. A rank blocked in a collective for longer than `trainer.comm_timeout_s` (a peer hung)
-does the same from its watchdog thread.
+collective. A rank blocked in a collective for longer than its deadline (a peer hung) does the
+same from its watchdog thread: at most `trainer.comm_timeout_s`, and within training steps a few
+times the slowest step so far (`runner.core.pace`).
 
 The rank that times out is the one that waited: to name the one that did not arrive, each rank's
 watchdog records this rank's progress in `RUN_DIR/.ranks/progress-<rank>.json` about once a
@@ -158,16 +159,19 @@ def _start_watchdog(timeout_s: float | None, grid: ProcessGrid, directory: RunDi
 
     def on_timeout(message: str, in_flight: tuple[str, str, int, str, float]) -> None:
         op, group, size, label, _ = in_flight
+        deadline = watchdog.deadline
         _write_failure(directory, rank, {"error": message, "timed_out": {
             "rank": rank, "op": op, "label": label, "group": group, "group_size": size,
-            "timeout_s": timeout_s, "missing_ranks": [a.rank for a in watchdog.absent]}})
+            "timeout_s": timeout_s, "deadline_s": None if deadline is None else deadline.seconds,
+            "deadline": None if deadline is None else deadline.how,
+            "missing_ranks": [a.rank for a in watchdog.absent]}})
         time.sleep(ABORT_GRACE_S)  # let the message through the launcher's pipes first
         mpi_comm.Abort(1)  # from this thread: the main thread is blocked in the collective
 
     watchdog = CommWatchdog(grid.counter, timeout_s, rank, on_timeout,
                             setting="trainer.comm_timeout_s",
                             publish=lambda progress: _write_progress(mine, progress),
-                            peers=peers)
+                            peers=peers, paced=True)
     return watchdog.start()
 
 

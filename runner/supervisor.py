@@ -9,6 +9,14 @@ whole job ~40 ms after one rank is killed, and the other ranks die within millis
 (some even before the dead rank's pid is seen to end), too close to tell which was first; the
 PID in MPICH's own message is not the dead rank's either. A parent's `waitpid` is exact.
 
+The head may end without a word too (SIGKILL to its process group): mpiexec is in a session of
+its own and MPICH puts each rank in a process group of its own, so nothing of the job goes with
+it, and a rank that cannot stop at a step's end (hung, or in a long step) trains on unwatched.
+The head names itself in the job's environment (`HEAD_ENV`); a supervisor on its machine watches
+it from a thread and, once it is gone, asks the rank to stop (SIGTERM: it checkpoints) and kills
+it `HEAD_GONE_GRACE_S` later; the launcher then ends the job, on the other nodes too. A job the
+user started (`mpiexec -n P python -m runner`, srun) has no head: nothing is watched.
+
 A rank that fails says how in `RUN_DIR/.ranks/failure-<k>.json` too (`report_failure`), in room
 it reserved at its start: on a full disk it cannot write `summary.json`, and its supervisor may be
 killed by the launcher before it records anything (MPI_Abort), but the report overwrites bytes
@@ -25,6 +33,8 @@ import json
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +48,9 @@ ERROR_CHARS = 2000  # a reported error is cut to this, to fit in that room
 # Forwarded by MPICH's mpiexec to every process of each rank's process group: meant for the rank
 # (which stops cleanly, see runner.interrupt), not for its supervisor.
 _RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+HEAD_ENV = "GRIDRUN_HEAD"  # the head that started the job: boot id, pid namespace, pid, start
+HEAD_POLL_S = 0.25
+HEAD_GONE_GRACE_S = 5.0  # a rank asked to stop after its head went is killed this much later
 _supervised = False  # in the rank: forked by a supervisor (a job the head started)
 _reported = False
 
@@ -139,6 +152,90 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+# -- the head's end -----------------------------------------------------------------------------
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """When `pid` started (clock ticks since boot; a reused pid has another), None when there is
+    no such process or it has ended (a zombie)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _machine() -> str | None:
+    """Which kernel and pid namespace this process sees pids in (None: no /proc)."""
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    if boot is None or _start_time(os.getpid()) is None:  # a /proc of another namespace
+        return None
+    return f"{boot}/{namespace}"
+
+
+def head_identity() -> str | None:
+    """This process, as the supervisors of a job it starts find it (`HEAD_ENV`'s value): a pid
+    alone may be reused, a pid with its start time is not; the boot and pid namespace tell
+    which supervisors can see it. None where there is no /proc (nothing is watched)."""
+    machine, started = _machine(), _start_time(os.getpid())
+    if machine is None or started is None:
+        return None
+    return f"{machine}:{os.getpid()}:{started}"
+
+
+def watched_head(value: str | None) -> tuple[int, str] | None:
+    """The head's pid and start time from `HEAD_ENV`'s value, when this process sees the same
+    pids (same boot and pid namespace); else None (not ours to watch)."""
+    if not value:
+        return None
+    try:
+        machine, pid, started = value.rsplit(":", 2)
+        return (int(pid), started) if machine == _machine() else None
+    except ValueError:
+        return None
+
+
+def _log_line(run_dir: Path, rank: int, message: str) -> None:
+    """One line in the rank's log (its format) and on stderr, from the supervisor."""
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank{rank} ERROR {message}\n"
+    log = Path(run_dir) / "logs" / f"rank{rank}.log"
+    with contextlib.suppress(OSError), log.open("a") as file:
+        file.write(line)
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"[rank {rank}] {message}\n")
+        sys.stderr.flush()
+
+
+def _watch_head(head: tuple[int, str], child: int, reaped: threading.Event, run_dir: Path,
+                rank: int) -> None:
+    """In a thread of the supervisor: once the head is gone, stop the rank, then kill it."""
+    pid, started = head
+    while _start_time(pid) == started:
+        if reaped.wait(HEAD_POLL_S):
+            return
+    _log_line(run_dir, rank, f"the head (pid {pid}) is gone: rank {rank} stops, and is killed "
+                             f"if it has not ended {HEAD_GONE_GRACE_S:g} s from now")
+    with contextlib.suppress(OSError):
+        os.kill(child, signal.SIGTERM)  # the stop the head would have asked for: a checkpoint
+    if not reaped.wait(HEAD_GONE_GRACE_S):
+        _log_line(run_dir, rank, f"rank {rank} had not stopped {HEAD_GONE_GRACE_S:g} s after "
+                                 f"its head went: killed")
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)  # not reaped yet: still this rank's pid
+
+
 def _exit_like(status: int) -> int:
     """End the supervisor as the rank ended: MPICH cleans up at once after a rank killed by a
     signal (a non-zero exit before MPI init, on the other hand, leaves the others waiting)."""
@@ -178,7 +275,13 @@ def supervise(run_dir: Path, rank: int) -> int | None:
         write_json(path, record)
     except OSError:
         pass  # the head then knows less, nothing more
-    _, status = os.waitpid(child, 0)
+    reaped = threading.Event()
+    head = watched_head(os.environ.get(HEAD_ENV))
+    if head is not None:
+        threading.Thread(target=_watch_head, args=(head, child, reaped, run_dir, rank),
+                         name="gridrun-head-watch", daemon=True).start()
+    _, status = os.waitpid(child, 0)  # exact: which rank died first is told from these times
+    reaped.set()
     record["ended"] = time.time()
     if os.WIFSIGNALED(status):
         record["signal"] = os.WTERMSIG(status)

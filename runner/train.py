@@ -276,11 +276,14 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     loss_scale = grid.size / (trainer.batch_size * t.targets_per_sample)
     step, loss, stopped_by = t.start.step, float("nan"), None
     title = f"{run.strategy.name} {grid.pr}x{grid.pc}"
+    pace = grid.counter.pace  # what the watchdog's deadlines derive from
     with StopRequest() as stop, ProgressReporter(grid.rank == 0, steps, title) as progress:
         for step in range(t.start.step + 1, steps + 1):
+            meets = t.optimizer.meets_replicas(step - 1)
+            # asynchronous replicas never wait for each other in a step: each step is a round
+            pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
             began, before = time.perf_counter(), grid.counter.snapshot()
             x, y = t.batch()
-            meets = t.optimizer.meets_replicas(step - 1)
             loss, stopping = train_step(t.model, t.optimizer, x, y, step, loss_scale,
                                         t.loss_comm if meets else grid.model,
                                         t.stop_request(stop.requested, meets), grid.rank,
@@ -291,15 +294,20 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             at_end = step == steps
             due = every is not None and step % every == 0 and not at_end
             if stopping or due or at_end:
+                pace.begin("a stop check", step)  # asynchronous replicas meet here
                 if t.anyone_stopping(stopping or stop.requested):  # a held request too
                     stopped_by = stop.signal_name or "a signal to another rank"
                     break
                 if due:
+                    pace.begin("a checkpoint", step)
                     t.checkpoint(step)
             if at_end or (eval_every is not None and step % eval_every == 0):
+                pace.begin("evaluation", step)
                 t.evaluate(step, at_end, progress)
         if stopped_by is not None or every:
+            pace.begin("a checkpoint", step)
             t.checkpoint(step)
+    pace.begin("the end of training", step)
     t.close()
     if stopped_by is not None:
         return interrupted_summary(run_dir, grid, step, stopped_by, t.last_checkpoint)

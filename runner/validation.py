@@ -31,6 +31,10 @@ from runner.config import (
 from runner.core.registry import UnknownPluginError
 from runner.options import option_problems, with_defaults
 
+MIN_COMM_TIMEOUT_S = 1.0
+MAX_COMM_TIMEOUT_S = 365 * 86400.0
+MAX_SLOW_SECONDS = 86400.0
+
 
 def device_problems(run: RunConfig) -> list[str]:
     """trainer.device, trainer.precision and comm.cuda_aware; a GPU asked for where torch sees
@@ -118,9 +122,13 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
             resolve_resume(trainer.resume, None)
         except CheckpointError as exc:
             problems.append(str(exc))
-    if trainer.comm_timeout_s is not None and trainer.comm_timeout_s <= 0:
-        problems.append(f"trainer.comm_timeout_s={trainer.comm_timeout_s!r}: must be null or a "
-                        f"number of seconds > 0")
+    timeout = trainer.comm_timeout_s
+    if timeout is not None and not MIN_COMM_TIMEOUT_S <= timeout <= MAX_COMM_TIMEOUT_S:
+        # Below a second, any collective waits longer than that now and then; past a year it
+        # overflows the torch backend's own timeout: null is the way to wait for ever.
+        problems.append(f"trainer.comm_timeout_s={timeout:g}: must be null (wait for ever) or "
+                        f"from {MIN_COMM_TIMEOUT_S:g} to {MAX_COMM_TIMEOUT_S:.0f} seconds (a "
+                        f"year)")
     if run.comm.backend not in COMM_BACKENDS:
         problems.append(f"comm.backend={run.comm.backend}: must be one of "
                         f"{', '.join(COMM_BACKENDS)}")
@@ -137,6 +145,12 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
                         f"{', '.join(FAILURE_MODES)}")
     if debug.slow_seconds < 0:
         problems.append(f"debug.slow_seconds must be a number >= 0, got {debug.slow_seconds}")
+    elif debug.slow_seconds > MAX_SLOW_SECONDS:  # a sleep that long overflows, or never ends
+        problems.append(f"debug.slow_seconds={debug.slow_seconds:g}: must be at most "
+                        f"{MAX_SLOW_SECONDS:g} (a day)")
+    if debug.fail_at_step is not None and debug.fail_at_step > trainer.steps >= 1:
+        problems.append(f"debug.fail_at_step={debug.fail_at_step} is past trainer.steps="
+                        f"{trainer.steps}: that failure would never happen")
     if grid.pr >= 1 and grid.pc >= 1:
         if world_size is not None and grid.size != world_size:
             problems.append(f"grid.pr*grid.pc={grid.size} but the MPI job has {world_size} "

@@ -239,6 +239,13 @@ BAD: list[tuple[list[str], str]] = [
     (["grid.pc=1e3"], "grid.pc"),
     ([f"hydra.run.dir=/tmp/{'y' * 300}"], "is 300 bytes long; this file system takes at most"),
     ([f"hydra.run.dir=/tmp/{'/'.join(['z' * 200] * 25)}"], "file system takes paths of at most"),
+    (["trainer.comm_timeout_s=1e-9"], "trainer.comm_timeout_s=1e-09"),
+    (["trainer.comm_timeout_s=0.5"], "trainer.comm_timeout_s=0.5"),
+    (["trainer.comm_timeout_s=1e308"], "trainer.comm_timeout_s=1e+308"),
+    (["debug.slow_seconds=1e308"], "debug.slow_seconds=1e+308"),
+    (["debug.slow_seconds=90000"], "debug.slow_seconds=90000"),
+    (["debug.fail_at_step=11", "trainer.steps=10"],
+     "debug.fail_at_step=11 is past trainer.steps=10"),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from runner.core import CommCounter, CommWatchdog, CountedComm
+from runner.core import pace as pace_module
+from runner.core.pace import Deadline, Pace
 from tests.conftest import ROOT, TIMEOUT_S, read_summary
 
 DATA4 = ["strategy=data", "grid.pr=1", "grid.pc=4", "trainer.batch_size=32",
@@ -114,9 +117,9 @@ def test_a_hung_rank_ends_the_job_through_the_watchdog(tmp_path: Path) -> None:
     assert timed_out["rank"] in (0, 1, 3) and timed_out["group"] == "world", timed_out
     assert timed_out["missing_ranks"] == [2], timed_out
     expected = (f"rank {timed_out['rank']}: {timed_out['op']} '{timed_out['label']}' on group "
-                f"world (4 ranks) did not complete within {timeout} s "
-                f"(trainer.comm_timeout_s); a peer may have hung or died; rank 2 did not "
-                f"arrive: its last collective was #")
+                f"world (4 ranks) in step 3 did not complete within {timeout} s "
+                f"(trainer.comm_timeout_s, the deadline until 3 steps are timed); a peer may "
+                f"have hung or died; rank 2 did not arrive: its last collective was #")
     assert summary["error"].startswith(expected), summary["error"]
     assert summary["error"].endswith("s ago; it is not in a collective"), summary["error"]
     assert "rank 0 did not" not in summary["error"] and "rank 3 did not" not in summary["error"]
@@ -125,6 +128,63 @@ def test_a_hung_rank_ends_the_job_through_the_watchdog(tmp_path: Path) -> None:
     log = (run_dir / "logs" / f"rank{timed_out['rank']}.log").read_text()
     assert "did not complete within" in log
     assert not job_processes(run_dir)  # the hung rank too
+
+
+def test_a_hung_rank_ends_the_job_within_a_minute_by_default(tmp_path: Path) -> None:
+    """The default trainer.comm_timeout_s (300 s) is only the cap: once steps have been timed,
+    a collective's deadline derives from them (here the 30 s floor: steps are short), so a rank
+    hung in step 8 ends the job well within a minute, in one line that names the rank that
+    waited, what in, the deadline and how it was derived, and the rank that did not arrive."""
+    run_dir = tmp_path / "hung_default"
+    job = start_cli(*DATA2, "trainer.steps=1000", "debug.fail_at_step=8", "debug.fail_on_rank=1",
+                    "debug.fail_mode=hang", f"hydra.run.dir={run_dir}")
+    seen = wait_for_step(job, run_dir, 7)
+    out, err, ended = finish(job, run_dir, timeout=90)
+    assert job.returncode not in (0, 2), f"exit {job.returncode}\n{out}\n{err}"
+    assert ended - seen < 50, f"{ended - seen:.1f} s after step 7\n{err}"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the 2-rank job failed"), last
+    assert re.search(r"rank 0: \w+ '[^']*' on group \w+ \(2 ranks\) in step 8 did not "
+                     r"complete within 30 s \(the 30 s floor, above 5 × the slowest step so "
+                     r"far \([0-9.]+ s\); at most trainer\.comm_timeout_s=300 s\); a peer "
+                     r"may have hung or died; rank 1 did not arrive: ", last), last
+    timed_out = read_summary(run_dir)["timed_out"]
+    assert timed_out["rank"] == 0 and timed_out["missing_ranks"] == [1], timed_out
+    assert timed_out["deadline_s"] == 30 and timed_out["timeout_s"] == 300, timed_out
+    assert not job_processes(run_dir)
+
+
+def test_a_head_killed_with_its_process_group_takes_its_ranks_along(tmp_path: Path) -> None:
+    """SIGKILL to the head's process group leaves mpiexec (its own session) and the ranks (a
+    process group each, under MPICH's hydra) behind; here rank 1 hangs outside any collective
+    and no watchdog is set, so nothing but the head's end can stop them."""
+    run_dir, stderr = tmp_path / "headless", tmp_path / "head.err"
+    with stderr.open("w") as err:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "runner", *DATA2, "trainer.steps=1000", "debug.fail_at_step=3",
+             "debug.fail_on_rank=1", "debug.fail_mode=hang", "trainer.comm_timeout_s=null",
+             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True)
+    try:
+        wait_for_step(job, run_dir, 2)
+        assert job.poll() is None, stderr.read_text()
+        time.sleep(1.0)  # rank 1 is in its hang, rank 0 waits in step 3's collective
+        os.killpg(job.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        job.wait(timeout=30)  # its output's pipes are the job's too: not read here
+        while job_processes(run_dir) and time.monotonic() - killed < 20:
+            time.sleep(0.1)
+        left, took = job_processes(run_dir), time.monotonic() - killed
+        assert not left and took < KILL_DEADLINE_S, (f"{took:.1f} s after the head's SIGKILL: "
+                                                     f"{left}\n{stderr.read_text()}")
+        logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank*.log"))
+        assert f"the head (pid {job.pid}) is gone" in logs, logs[-2000:]
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(job.pid, signal.SIGKILL)
+        for line in job_processes(run_dir):
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_a_second_signal_kills_the_job_at_once(tmp_path: Path) -> None:
@@ -232,3 +292,78 @@ def test_the_watchdog_fires_once_on_an_operation_past_its_timeout() -> None:
         time.sleep(0.5)
     assert fired == ["rank 3: allreduce 'loss' on group world (4 ranks) did not complete "
                      "within 0.2 s (the communication timeout); a peer may have hung or died"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="no /proc")
+def test_the_head_is_watched_only_where_its_pid_means_it() -> None:
+    from runner import supervisor
+
+    identity = supervisor.head_identity()
+    assert identity is not None
+    started = supervisor._start_time(os.getpid())
+    assert supervisor.watched_head(identity) == (os.getpid(), started)
+    # another machine or pid namespace: not ours to watch; nor is a garbled value
+    assert supervisor.watched_head(f"another-boot/pid:[1]:{os.getpid()}:{started}") is None
+    assert supervisor.watched_head("garbled") is None and supervisor.watched_head(None) is None
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert supervisor._start_time(ended.pid) is None  # gone: what the watch waits for
+
+
+def test_a_deadline_derives_from_the_pace_of_the_steps_within_the_cap() -> None:
+    now = [0.0]
+    pace = Pace(clock=lambda: now[0])
+
+    def after(seconds: float, step: int, ends_round: bool = True) -> Deadline:
+        now[0] += seconds
+        pace.begin_step(step, ends_round)
+        return pace.deadline(300, "trainer.comm_timeout_s")
+
+    setting = "trainer.comm_timeout_s"
+    assert pace.deadline(300, setting) == Deadline(300, f"{setting}, the deadline outside "
+                                                        f"training steps")
+    assert pace.where() == " during start-up"
+    assert after(20, 1).how == f"{setting}, the deadline of the first steps after start-up"
+    assert after(9.0, 2).how == f"{setting}, the deadline until 3 steps are timed"  # 1: warm-up
+    after(0.5, 3)
+    after(1.2, 4)
+    assert after(0.5, 5) == Deadline(30, f"the 30 s floor, above 5 × the slowest step so far "
+                                         f"(1.20 s); at most {setting}=300 s")
+    assert pace.where() == " in step 5"
+    assert after(8.01, 6) == Deadline(41, f"5 × the slowest step so far (8.01 s); at most "
+                                          f"{setting}=300 s")
+    assert pace.deadline(20, setting) == Deadline(20, f"{setting}, below 41 s: 5 × the slowest "
+                                                      f"step so far (8.01 s)")
+    # evaluation, and the step right after it (a peer may still be evaluating): the cap
+    now[0] += 1
+    pace.begin("evaluation", 6)
+    assert pace.deadline(300, setting).seconds == 300
+    assert pace.where() == " during evaluation after step 6"
+    assert after(60, 7).how == f"{setting}, the deadline of the first steps after evaluation"
+    assert after(1, 8).seconds == 41  # the rounds timed before still count
+
+    # replicas that meet every 4th step wait at most the stretch between two meetings
+    pace = Pace(clock=lambda: now[0])
+    for step in range(1, 21):
+        after(3.0, step, ends_round=step % 4 == 0)
+    assert pace.deadline(300, setting) == Deadline(60, (
+        f"5 × the slowest stretch between the replicas' meetings so far (12.00 s); at most "
+        f"{setting}=300 s"))
+
+
+def test_a_paced_watchdog_fires_at_the_derived_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pace_module, "FLOOR_S", 0.2)  # seconds are long for a unit test
+    counter = CommCounter()
+    for step in range(1, 6):
+        counter.pace.begin_step(step)
+    fired: list[str] = []
+    watchdog = CommWatchdog(counter, 10, 3, lambda message, _: fired.append(message),
+                            interval=0.02, setting="trainer.comm_timeout_s", paced=True)
+    with watchdog:
+        counter.in_flight = ("allreduce", "world", 4, "loss", time.perf_counter())
+        time.sleep(0.6)
+    assert watchdog.deadline is not None and watchdog.deadline.seconds == 0.2
+    assert fired == ["rank 3: allreduce 'loss' on group world (4 ranks) in step 5 did not "
+                     "complete within 0.2 s (the 0.2 s floor, above 5 × the slowest step so far "
+                     "(0.00 s); at most trainer.comm_timeout_s=10 s); a peer may have hung or "
+                     "died"]

@@ -31,6 +31,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from runner.core.pace import Pace
+
 # Operation names as records, predictions (`runner.core.cost.CommOp`) and JSON output spell them:
 # measured and predicted operations are matched on these strings.
 # The collectives and point-to-point exchanges, each with an α–β cost (`runner.core.cost`):
@@ -83,6 +85,8 @@ class CommCounter:
     totals: CommTotals = field(default_factory=CommTotals)
     # The blocking operation this rank is in now, if any (read by the watchdog thread).
     in_flight: InFlight | None = None
+    # What the rank is doing and how long its steps take (its collectives' deadlines).
+    pace: Pace = field(default_factory=Pace)
 
     def add(self, op: RecordedOp, group: GroupName, group_size: int, nbytes: int, seconds: float,
             label: str) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runner.core.comm import CommCounter, InFlight
+from runner.core.pace import Deadline
 
 LOGGER_NAME = "gridrun"
 # The most ranks a timeout message names one by one (all are in `CommWatchdog.absent`).
@@ -44,12 +45,13 @@ ProgressInFlight = tuple[str, str, int, str, float]
 
 
 def describe_timeout(rank: int, in_flight: InFlight, timeout_s: float,
-                     setting: str = "the communication timeout") -> str:
-    """The one line that says which operation did not complete, on which rank and group."""
+                     setting: str = "the communication timeout", where: str = "") -> str:
+    """The one line that says which operation did not complete, on which rank and group, and
+    (`where`) in what work: " in step 8"; `setting` says how the deadline was derived."""
     op, group, size, label, _ = in_flight
     what = f"{op} '{label}'" if label else op
-    return (f"rank {rank}: {what} on group {group} ({size} ranks) did not complete within "
-            f"{timeout_s:g} s ({setting}); a peer may have hung or died")
+    return (f"rank {rank}: {what} on group {group} ({size} ranks){where} did not complete "
+            f"within {timeout_s:g} s ({setting}); a peer may have hung or died")
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,9 @@ def describe_absent(absent: list[Absence], limit: int = NAMED_ABSENT) -> str:
 
 class CommWatchdog:
     """Watches `counter.in_flight` from a daemon thread; `on_timeout(message, in_flight)` runs
-    in that thread, once, when one operation has been in flight longer than `timeout_s`.
+    in that thread, once, when one operation has been in flight longer than its deadline:
+    `timeout_s`, or with `paced`, the deadline `counter.pace` derives from the steps timed so
+    far, at most `timeout_s` (`runner.core.pace`); the one that fired is in `deadline`.
 
     With `publish`, the thread hands this rank's `progress()` to it every `publish_every`
     seconds (from the thread: a slow file system never delays training). With `peers`, a
@@ -159,7 +163,8 @@ class CommWatchdog:
                  interval: float | None = None,
                  publish: Callable[[CommProgress], None] | None = None,
                  peers: Callable[[InFlight], Mapping[int, CommProgress | None]] | None = None,
-                 publish_every: float = 1.0, settle_s: float | None = None) -> None:
+                 publish_every: float = 1.0, settle_s: float | None = None,
+                 paced: bool = False) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.counter = counter
@@ -175,7 +180,9 @@ class CommWatchdog:
         # Every peer that still runs its watchdog publishes within `publish_every` of a
         # timeout: a little more than that is enough to hear from all of them.
         self.settle_s = settle_s if settle_s is not None else publish_every + 0.5
+        self.paced = paced
         self.fired: str | None = None
+        self.deadline: Deadline | None = None
         self.absent: list[Absence] = []
         self._completed = counter.totals.calls
         self._completed_at = time.time()
@@ -232,9 +239,11 @@ class CommWatchdog:
             if self._stop.wait(wait):
                 return
             in_flight = self.counter.in_flight  # one read: a consistent tuple
-            if in_flight is not None and time.perf_counter() - in_flight[4] > self.timeout_s:
-                self._fire(in_flight)
-                return
+            if in_flight is not None:
+                deadline = self._deadline()
+                if time.perf_counter() - in_flight[4] > deadline.seconds:
+                    self._fire(in_flight, deadline)
+                    return
             self.progress()  # notes when the count of completed operations moved
 
     def _absent_peers(self, in_flight: InFlight) -> list[Absence]:
@@ -257,8 +266,15 @@ class CommWatchdog:
                                     stale_after=self.settle_s + self.publish_every)
             time.sleep(0.1)
 
-    def _fire(self, in_flight: InFlight) -> None:
-        message = describe_timeout(self.rank, in_flight, self.timeout_s, self.setting)
+    def _deadline(self) -> Deadline:
+        if not self.paced:
+            return Deadline(self.timeout_s, self.setting)
+        return self.counter.pace.deadline(self.timeout_s, self.setting)
+
+    def _fire(self, in_flight: InFlight, deadline: Deadline) -> None:
+        self.deadline = deadline
+        where = self.counter.pace.where() if self.paced else ""
+        message = describe_timeout(self.rank, in_flight, deadline.seconds, deadline.how, where)
         if self.peers is not None:
             self.absent = self._absent_peers(in_flight)
             if self.absent:
