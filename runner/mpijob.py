@@ -153,7 +153,7 @@ class MPIJob:
             env = self.env if identity is None else {**self.env, HEAD_ENV: identity}
             self.process = subprocess.Popen(self.command, env=env,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            preexec_fn=_stop_with_parent())
+                                            preexec_fn=stop_with_parent())
             previous = self._install_handlers()
             killed = self._watch()
             code = self.process.returncode
@@ -322,7 +322,7 @@ def _kill_all(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _stop_with_parent() -> Any:
+def stop_with_parent() -> Any:
     """A preexec function giving mpiexec SIGTERM when the head dies, however it dies (Linux):
     the ranks then stop cleanly rather than train on unwatched."""
     try:

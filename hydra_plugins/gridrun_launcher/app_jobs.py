@@ -74,7 +74,11 @@ def _run_mpi_job(job: RankJob, overrides: list[str], number: int, exchange: Path
     job_file, result_file = exchange / f"job{number}", exchange / f"job{number}.result"
     job_file.write_bytes(cloudpickle.dumps(job))
     command = mpi_command(job.config.hydra.launcher, job_file, result_file)
-    code = subprocess.run(command, env=rank_environment(), check=False).returncode
+    from runner.mpijob import stop_with_parent
+
+    # mpiexec gets SIGTERM when the sweep's head dies, and passes it on to the ranks
+    code = subprocess.run(command, env=rank_environment(), check=False,
+                          preexec_fn=stop_with_parent()).returncode
     return _job_return(result_file, overrides, number, code, command)
 
 
