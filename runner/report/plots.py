@@ -28,10 +28,11 @@ LINE_STYLES = ("-", "--", "-.", ":")
 
 
 def series(records: Iterable[Record], x: str, y: str, scale: float = 1.0) -> tuple[list, list]:
-    """The (x, y) points of the records that have both, numbers only."""
+    """The (x, y) points of the records that have both, `finite` numbers only (1e308 in %
+    or ms overflows matplotlib)."""
     xs, ys = [], []
     for record in records:
-        if finite(record.get(x)) and isinstance(record.get(y), (int, float)):
+        if finite(record.get(x)) and finite(record.get(y)):
             xs.append(record[x])
             ys.append(record[y] * scale)
     return xs, ys
