@@ -16,6 +16,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,33 @@ def test_a_sweep_csv_field_of_200_kB_is_read(tmp_path: Path) -> None:
     assert csv.field_size_limit() == limit  # csv's limit is the process's: given back
 
 
+def test_sweep_rows_naming_no_possible_directory_are_reported(tmp_path: Path) -> None:
+    """A job number of 300 digits and a run_dir of 5000 characters name no directory any file
+    system takes (asking one raised 'File name too long'): those jobs have no run."""
+    sweep = sweep_dir(tmp_path / "sweep", "")
+    with (sweep / "sweep_summary.csv").open("a", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["9" * 300, "a=1", "completed", "", ""])
+        writer.writerow([2, "a=2", "completed", "/x" * 2500, ""])
+    assert report_main([str(sweep)]) == 0
+    text = (sweep / "report" / "report.md").read_text()
+    assert f"| {'9' * 300} | a=1 | completed | — |" in text
+    assert "| 2 | a=2 | completed | — |" in text
+
+
+def test_overrides_shared_by_jobs_are_found_in_linear_time(tmp_path: Path) -> None:
+    """Two jobs of 50,000 overrides each: comparing them pairwise took minutes."""
+    from runner.report.data import Job, varying_overrides
+
+    overrides = [f"+k{i}=v" for i in range(50_000)]
+    jobs = [Job(0, [*overrides, "a=1"], "completed", None, None),
+            Job(1, [*overrides, "a=2"], "completed", None, None)]
+    start = time.perf_counter()
+    common, labels = varying_overrides(jobs)
+    assert time.perf_counter() - start < 5.0
+    assert common == overrides and labels == {0: "a=1", 1: "a=2"}
+
+
 def test_overrides_yaml_nested_deep_in_a_sweep_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep = sweep_dir(tmp_path / "sweep", "")
@@ -191,6 +219,19 @@ def test_a_metrics_line_over_1_mib_is_refused_by_line(
     run = run_dir(tmp_path / "run", json.dumps({"step": 2, "note": "x" * 2**20}))
     err = refused(capsys, report_main([str(run)]))
     assert err == f"{run / 'metrics.jsonl'}:2: a line of more than 1.0 MiB: refused"
+
+
+def test_text_from_a_run_is_shortened_in_figures(tmp_path: Path) -> None:
+    """A strategy name of a megabyte took minutes to lay out as a figure title; report.md
+    keeps it whole."""
+    from runner.report.data import load_run
+    from runner.report.plots import loss_figure
+
+    run = run_dir(tmp_path / "run")
+    (run / "summary.json").write_text(json.dumps({**SUMMARY, "strategy": "s" * 2**20}))
+    figure = loss_figure(load_run(run))
+    title = figure.get_suptitle()
+    assert len(title) <= 120 and title.startswith("Loss: sss") and title.endswith("…")
 
 
 def test_the_command_line_refuses_in_one_line(tmp_path: Path) -> None:

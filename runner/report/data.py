@@ -263,8 +263,11 @@ def _job_overrides(job_dir: Path | None, shown: str) -> list[str]:
 
 def _job_dir(sweep: Path, number: int, recorded: str) -> Path | None:
     for candidate in (sweep / str(number), Path(recorded) if recorded else None):
-        if candidate is not None and candidate.is_dir():
-            return candidate
+        try:
+            if candidate is not None and candidate.is_dir():
+                return candidate
+        except OSError:  # a name no file system takes (too long, say): no directory
+            continue
     return None
 
 
@@ -298,8 +301,10 @@ def varying_overrides(jobs: list[Job]) -> tuple[list[str], dict[int, str]]:
     """The overrides every job shares, and each job's label: the overrides that set it apart."""
     if len(jobs) < 2:  # nothing to set a job apart from
         return [], {job.number: " ".join(job.overrides) or f"job {job.number}" for job in jobs}
-    common = [o for o in jobs[0].overrides if all(o in job.overrides for job in jobs)]
-    labels = {job.number: " ".join(o for o in job.overrides if o not in common)
+    # sets: a sweep's files may hold any number of overrides, and lists compare pairwise
+    shared = set(jobs[0].overrides).intersection(*(job.overrides for job in jobs[1:]))
+    common = [o for o in jobs[0].overrides if o in shared]
+    labels = {job.number: " ".join(o for o in job.overrides if o not in shared)
               or f"job {job.number}" for job in jobs}
     return common, labels
 
