@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -22,8 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runner.replay import main as replay_main
 from runner.report.__main__ import main as report_main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_ok, run_cli
 
 TRAIN = {"step": 1, "time_s": 0.25, "loss": 2.5, "lr": 0.1, "step_time_s": 0.25,
          "comm_time_s": 0.05, "comm_bytes": 1024, "comm_share": 0.2, "samples_per_s": 128.0}
@@ -241,3 +243,74 @@ def test_the_command_line_refuses_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr == (f"error: {run / 'metrics.jsonl'}:2: nested deeper than 32 levels: "
                              "refused\n")
+
+
+# runner.replay
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hostile") / "original"
+    assert_ok(run_cli("strategy=data", "grid.pr=1", "grid.pc=1", "trainer.steps=3",
+                      "trainer.eval_every=null", "trainer.batch_size=16",
+                      f"hydra.run.dir={path}"))
+    return path
+
+
+def copied(original: Path, path: Path) -> Path:
+    shutil.copytree(original, path)
+    return path
+
+
+def with_line_2(run: Path, line: str) -> Path:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = line
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run / "metrics.jsonl"
+
+
+@pytest.mark.parametrize(("line", "why"), [
+    (DEEP_LIST, "nested deeper than 32 levels"),
+    (DEEP_OBJECT, "nested deeper than 32 levels"),
+    (LONG_INTEGER, "an integer of 5,001 digits (at most 100 are read)"),
+], ids=["list", "object", "integer"])
+def test_the_replay_refuses_a_hostile_metrics_line_before_it_trains(
+        line: str, why: str, original: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    source = copied(original, tmp_path / "source")
+    metrics = with_line_2(source, line)
+    again = tmp_path / "again"
+    err = refused(capsys, replay_main([str(source), "--run-dir", str(again)]))
+    assert err == f"{metrics}:2: {why}: refused"
+    assert not again.exists()  # nothing trained
+
+
+def test_the_replay_refuses_an_oversized_metrics_file_before_it_trains(
+        original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = copied(original, tmp_path / "source")
+    with (source / "metrics.jsonl").open("ab") as f:
+        f.truncate(300 * 2**20)
+    again = tmp_path / "again"
+    err = refused(capsys, replay_main([str(source), "--run-dir", str(again)]))
+    assert err.startswith(f"{source / 'metrics.jsonl'}: 300.0 MiB, more than the 256.0 MiB")
+    assert not again.exists()
+
+
+@pytest.mark.parametrize("name", ["config.yaml", ".hydra/overrides.yaml"])
+def test_the_replay_refuses_yaml_nested_100000_deep(
+        name: str, original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = copied(original, tmp_path / "source")
+    (source / name).write_text("[" * 100_000 + "]" * 100_000)
+    err = refused(capsys, replay_main([str(source), "--run-dir", str(tmp_path / "again")]))
+    assert err == f"{source / name}:1: nested deeper than 32 levels: refused"
+
+
+def test_the_replay_command_line_refuses_before_training(original: Path, tmp_path: Path) -> None:
+    source = copied(original, tmp_path / "source")
+    metrics = with_line_2(source, DEEP_OBJECT)
+    again = tmp_path / "again"
+    result = subprocess.run([sys.executable, "-m", "runner.replay", str(source), "--run-dir",
+                             str(again)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == f"error: {metrics}:2: nested deeper than 32 levels: refused\n"
+    assert result.stdout == "" and not again.exists()
