@@ -33,8 +33,9 @@ run directory:
 - Code: a `_target_` anywhere (a model, dataset or optimizer of the user's: any importable
   callable, `os.system` as well) and the `plugins` list name Python to import and call. Without
   `--trust` the replay refuses such a run before anything is imported, naming every piece of
-  code it names; `--trust` imports them, after printing what they are, and runs the run's
-  launcher unless `--launcher-command` names another.
+  code it names, the files it checked without importing anything, and the names it left
+  unimported (so unvalidated); `--trust` imports them, after printing each on a line of its
+  own, and runs the run's launcher unless `--launcher-command` names another.
 - Files: config.yaml, .hydra/overrides.yaml and the original's metrics.jsonl are all read
   before anything is imported or run, within the bounds of `runner/rundir_files.py` (size,
   line length, nesting, integer digits). A file beyond them is refused in one line naming it
@@ -258,17 +259,17 @@ def replay_config(values: dict[str, Any], *, launcher_command: str | None = None
     return cfg, notes
 
 
-def code_named(values: dict[str, Any]) -> list[str]:
-    """Every piece of code a run's config names for import: each `_target_` (by its key) and
-    each module of `plugins`."""
-    found: list[str] = []
+def code_pieces(values: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(key, name) of every piece of code a run's config names for import: each `_target_`
+    and each module of `plugins` (`plugins[i]`)."""
+    found: list[tuple[str, Any]] = []
 
-    def visit(value: Any, key: str) -> None:
+    def visit(value: Any, key: str) -> None:  # the file's nesting is bounded: recursion is safe
         if isinstance(value, dict):
             for name, item in value.items():
                 path = f"{key}.{name}" if key else str(name)
                 if name == "_target_":
-                    found.append(f"{path}={item}")
+                    found.append((path, item))
                 else:
                     visit(item, path)
         elif isinstance(value, list):
@@ -277,9 +278,31 @@ def code_named(values: dict[str, Any]) -> list[str]:
 
     visit({k: v for k, v in values.items() if k != "plugins"}, "")
     plugins = values.get("plugins")
-    if plugins:
-        found.append(f"plugins={plugins}")
+    if isinstance(plugins, list):
+        found += [(f"plugins[{index}]", module) for index, module in enumerate(plugins)]
+    elif plugins:
+        found.append(("plugins", plugins))
     return found
+
+
+def code_named(values: dict[str, Any]) -> list[str]:
+    """The code a run's config names, as a refusal names it: each `_target_` by its key, and
+    the `plugins` list as written."""
+    named = [f"{key}={name}" for key, name in code_pieces(values)
+             if not key.startswith("plugins")]
+    if values.get("plugins"):
+        named.append(f"plugins={values['plugins']}")
+    return named
+
+
+def _untrusted(config_path: Path, values: dict[str, Any], checked: list[str]) -> str:
+    """The refusal of a run that names code, when the replay is not told to trust it: the
+    code, what was checked without importing it, and what was left unimported."""
+    names = ", ".join(str(name) for _, name in code_pieces(values))
+    return (f"{config_path} names code to import and call: {', '.join(code_named(values))}; "
+            f"checked without importing anything: {', '.join(checked)} (read as data, nothing "
+            f"resolved); not imported, so neither validated nor run: {names}; a run directory "
+            "may come from anyone: read these, then replay with --trust")
 
 
 def launch_line(run: RunConfig, run_dir: Path) -> str:
@@ -321,14 +344,14 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
     except Refused as exc:
         print_error(str(exc))
         return EXIT_BAD_INPUT
-    code = code_named(values)
+    code = code_pieces(values)
     if code and not trust:
-        print_error(f"{config_path} names code to import and call: {', '.join(code)}; a run "
-                    f"directory may come from anyone: read these, then replay with --trust")
+        checked = ["config.yaml", *([".hydra/overrides.yaml"] if overrides is not None else []),
+                   *(["metrics.jsonl"] if original is not None else [])]
+        print_error(_untrusted(config_path, values, checked))
         return EXIT_BAD_INPUT
-    if code:
-        print(f"note: importing what the run names (--trust): {', '.join(code)}",
-              file=sys.stderr)
+    for key, name in code:  # one line each, before any of it is imported
+        print(f"note: importing what the run names (--trust): {key}={name}", file=sys.stderr)
     trust_launcher = trust_launcher or (trust and launcher_command is None)
     values, notes = replay_config(values, launcher_command=launcher_command,
                                   nproc_flag=nproc_flag, trust_launcher=trust_launcher,

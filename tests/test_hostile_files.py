@@ -314,3 +314,41 @@ def test_the_replay_command_line_refuses_before_training(original: Path, tmp_pat
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr == f"error: {metrics}:2: nested deeper than 32 levels: refused\n"
     assert result.stdout == "" and not again.exists()
+
+
+def code_config(source: Path, plugins: list[str]) -> None:
+    config = yaml.safe_load((source / "config.yaml").read_text())
+    config["model"] = {"_target_": "no_such_models.Net"}
+    config["optimizer"] = {**config["optimizer"], "_target_": "torch.optim.Adam"}
+    config["plugins"] = plugins
+    (source / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def test_the_refusal_without_trust_says_what_was_checked_and_what_was_not_imported(
+        original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = copied(original, tmp_path / "source")
+    code_config(source, ["no_such_plugin_a", "no_such_plugin_b"])
+    err = refused(capsys, replay_main([str(source), "--run-dir", str(tmp_path / "again")]))
+    assert ("checked without importing anything: config.yaml, .hydra/overrides.yaml, "
+            "metrics.jsonl (read as data, nothing resolved)") in err
+    assert ("not imported, so neither validated nor run: no_such_models.Net, torch.optim.Adam, "
+            "no_such_plugin_a, no_such_plugin_b") in err
+    assert "no_such_plugin_a" not in sys.modules
+
+
+def test_trust_names_each_import_on_its_own_line_before_anything_runs(
+        original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plugin that cannot be imported stops the trusted replay in its validation: the lines
+    that name what it imports come before that."""
+    source = copied(original, tmp_path / "source")
+    code_config(source, ["no_such_plugin_a", "no_such_plugin_b"])
+    again = tmp_path / "again"
+    rc = replay_main([str(source), "--run-dir", str(again), "--trust"])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and not again.exists()
+    prefix = "note: importing what the run names (--trust): "
+    assert err[:4] == [f"{prefix}model._target_=no_such_models.Net",
+                       f"{prefix}optimizer._target_=torch.optim.Adam",
+                       f"{prefix}plugins[0]=no_such_plugin_a",
+                       f"{prefix}plugins[1]=no_such_plugin_b"]
+    assert err[-1].startswith("error: ") and "no_such_plugin_a" in err[-1]
