@@ -121,6 +121,23 @@ def _json_too_deep(text: str) -> int | None:
     return None
 
 
+# a JSON string, a number (fraction, exponent) or a newline: what the integer search reads
+_JSON_NUMBER = re.compile(r'"(?:[^"\\\n]|\\.)*"|-?(\d+)(\.\d+)?([eE][-+]?\d+)?|\n')
+
+
+def _long_integer_line(text: str) -> int | None:
+    """The line (of `text`, from 1) of its first integer of more than `MAX_INT_DIGITS`
+    digits outside strings."""
+    line = 1
+    for token in _JSON_NUMBER.finditer(text):
+        digits, fraction, exponent = token.groups()
+        if token.group() == "\n":
+            line += 1
+        elif digits and not fraction and not exponent and len(digits) > MAX_INT_DIGITS:
+            return line
+    return None
+
+
 class _LongInteger(ValueError):
     def __init__(self, digits: int) -> None:
         super().__init__(f"an integer of {digits:,} digits (at most {MAX_INT_DIGITS} are read)")
@@ -134,15 +151,15 @@ def _integer(text: str) -> int:
 
 def parse_json(text: str, path: Path, line: int | None = None) -> Any:
     """JSON text as Python values; `RunFileError` beyond the bounds (naming `line`, or the
-    line of `text` where it nests too deep), `json.JSONDecodeError` for text that is no JSON."""
+    line of `text` where it goes beyond them), `json.JSONDecodeError` for text that is no
+    JSON."""
     deep = _json_too_deep(text)
     if deep is not None:
-        at = deep if line is None else line
-        raise RunFileError(path, f"nested deeper than {MAX_DEPTH} levels", at)
+        raise RunFileError(path, f"nested deeper than {MAX_DEPTH} levels", line or deep)
     try:
         return json.loads(text, parse_int=_integer)
     except _LongInteger as exc:
-        raise RunFileError(path, str(exc), line) from None
+        raise RunFileError(path, str(exc), line or _long_integer_line(text)) from None
 
 
 def load_json(path: Path) -> Any:

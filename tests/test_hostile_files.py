@@ -117,6 +117,17 @@ def test_a_summary_nested_100000_deep_is_refused(
     assert err == f"{run / 'summary.json'}:1: nested deeper than 32 levels: refused"
 
 
+def test_an_integer_of_5001_digits_in_summary_json_is_refused_by_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = run_dir(tmp_path / "run")
+    summary = json.dumps({**SUMMARY, "note": "9" * 200, "steps": 0}, indent=2)
+    (run / "summary.json").write_text(summary.replace('"steps": 0', '"steps": ' + "9" * 5_001))
+    line = summary.splitlines().index('  "steps": 0,') + 1
+    err = refused(capsys, report_main([str(run)]))
+    assert err == (f"{run / 'summary.json'}:{line}: an integer of 5,001 digits (at most 100 are "
+                   "read): refused")
+
+
 @pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "- " * 100_000 + "x"],
                          ids=["flow", "block"])
 def test_a_config_yaml_nested_100000_deep_is_refused(
