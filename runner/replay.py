@@ -33,8 +33,14 @@ run directory:
 - Code: a `_target_` anywhere (a model, dataset or optimizer of the user's: any importable
   callable, `os.system` as well) and the `plugins` list name Python to import and call. Without
   `--trust` the replay refuses such a run before anything is imported, naming every piece of
-  code it names; `--trust` imports them, after printing what they are, and runs the run's
-  launcher unless `--launcher-command` names another.
+  code it names, the files it checked without importing anything, and the names it left
+  unimported (so unvalidated); `--trust` imports them, after printing each on a line of its
+  own, and runs the run's launcher unless `--launcher-command` names another.
+- Files: config.yaml, .hydra/overrides.yaml and the original's metrics.jsonl are all read
+  before anything is imported or run, within the bounds of `runner/rundir_files.py` (size,
+  line length, nesting, integer digits). A file beyond them is refused in one line naming it
+  and its line, exit 2, so that exit 1 always means a replay that ran and differs (or did not
+  complete). A metrics line that is no JSON is skipped, as one cut short by a crash.
 
 Before anything runs, the replay prints the run directory it writes and the launcher command line
 it starts (or that one rank trains in this process).
@@ -59,6 +65,7 @@ from runner.config import ConfigError, DebugConfig, LauncherConfig, PlanConfig, 
 from runner.console import print_error
 from runner.launch import RunFailed, RunInterrupted, checked_run, execute, mpi_command
 from runner.report.data import read_metrics
+from runner.rundir_files import RunFileError, parse_yaml, read_text
 
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
 DEBUG_KNOBS = ("fail_at_step", "fail_on_rank", "fail_mode", "slow_rank", "slow_seconds")
@@ -70,9 +77,22 @@ class Refused(ValueError):
 
 
 def training_losses(run_dir: Path) -> dict[int, float]:
-    """Step → training loss from a run's `metrics.jsonl` (a line cut short is skipped)."""
+    """Step → training loss from a run's `metrics.jsonl` (a line cut short is skipped);
+    `RunFileError` for a file or line beyond the readers' bounds."""
     train, _, _ = read_metrics(run_dir / "metrics.jsonl")
     return {int(r["step"]): float(r["loss"]) for r in train if isinstance(r.get("loss"), float)}
+
+
+def original_losses(run_dir: Path) -> dict[int, float] | None:
+    """The original's training losses, read before anything runs (None: it has no
+    metrics.jsonl); `Refused` for a file beyond the bounds, so that a replay never trains
+    only to stop at its comparison."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return None
+    try:
+        return training_losses(run_dir)
+    except RunFileError as exc:
+        raise Refused(str(exc)) from None
 
 
 def compare(original: dict[int, float], replay: dict[int, float]) -> str | None:
@@ -120,12 +140,15 @@ def interpolated(value: Any) -> tuple[str, str] | None:
     return None
 
 
-def _read_yaml(path: Path) -> Any:
-    """A run file as plain values, nothing resolved; `Refused` when it is no YAML or holds an
-    interpolation."""
+def _read_yaml(path: Path) -> tuple[str, Any]:
+    """A run file's text, and its plain values, nothing resolved; `Refused` when it is beyond
+    the readers' bounds (runner/rundir_files.py), no YAML, or holds an interpolation."""
     try:
-        loaded = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        text = read_text(path, errors="strict")
+        loaded = parse_yaml(text, path)
+    except RunFileError as exc:
+        raise Refused(str(exc)) from None
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: undecodable, or a bad value
         raise Refused(f"{path}: cannot be read: {str(exc).splitlines()[0]}") from None
     found = interpolated(loaded)
     if found is not None:
@@ -133,15 +156,15 @@ def _read_yaml(path: Path) -> Any:
         shown = text if len(text) <= 60 else f"{text[:57]}..."
         raise Refused(f"{path}: {key} holds an interpolation ({shown!r}); gridrun writes run "
                       "files resolved, so this one is not as gridrun wrote it: refused")
-    return loaded
+    return text, loaded
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """A run's `config.yaml` as plain values, read as the ranks read it (OmegaConf's YAML) but
     never resolved: `Refused` for a file with an interpolation, or no mapping."""
-    _read_yaml(path)  # the interpolation check, on the text as written
+    text, _ = _read_yaml(path)  # the bounds and the interpolation check, on the text as written
     try:
-        loaded = OmegaConf.load(path)
+        loaded = OmegaConf.create(text)  # the text checked, not the file read again
     except Exception as exc:  # OmegaConf's own errors, or a recursion in YAML anchors
         raise Refused(f"{path}: cannot be read: {str(exc).splitlines()[0]}") from None
     if not isinstance(loaded, DictConfig):
@@ -157,7 +180,7 @@ def read_overrides(run_dir: Path) -> list[str] | None:
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return None
-    loaded = _read_yaml(path) or []
+    loaded = _read_yaml(path)[1] or []
     if not isinstance(loaded, list) or not all(isinstance(o, str) for o in loaded):
         raise Refused(f"{path}: not a list of overrides")
     return loaded
@@ -236,17 +259,17 @@ def replay_config(values: dict[str, Any], *, launcher_command: str | None = None
     return cfg, notes
 
 
-def code_named(values: dict[str, Any]) -> list[str]:
-    """Every piece of code a run's config names for import: each `_target_` (by its key) and
-    each module of `plugins`."""
-    found: list[str] = []
+def code_pieces(values: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(key, name) of every piece of code a run's config names for import: each `_target_`
+    and each module of `plugins` (`plugins[i]`)."""
+    found: list[tuple[str, Any]] = []
 
-    def visit(value: Any, key: str) -> None:
+    def visit(value: Any, key: str) -> None:  # the file's nesting is bounded: recursion is safe
         if isinstance(value, dict):
             for name, item in value.items():
                 path = f"{key}.{name}" if key else str(name)
                 if name == "_target_":
-                    found.append(f"{path}={item}")
+                    found.append((path, item))
                 else:
                     visit(item, path)
         elif isinstance(value, list):
@@ -255,9 +278,31 @@ def code_named(values: dict[str, Any]) -> list[str]:
 
     visit({k: v for k, v in values.items() if k != "plugins"}, "")
     plugins = values.get("plugins")
-    if plugins:
-        found.append(f"plugins={plugins}")
+    if isinstance(plugins, list):
+        found += [(f"plugins[{index}]", module) for index, module in enumerate(plugins)]
+    elif plugins:
+        found.append(("plugins", plugins))
     return found
+
+
+def code_named(values: dict[str, Any]) -> list[str]:
+    """The code a run's config names, as a refusal names it: each `_target_` by its key, and
+    the `plugins` list as written."""
+    named = [f"{key}={name}" for key, name in code_pieces(values)
+             if not key.startswith("plugins")]
+    if values.get("plugins"):
+        named.append(f"plugins={values['plugins']}")
+    return named
+
+
+def _untrusted(config_path: Path, values: dict[str, Any], checked: list[str]) -> str:
+    """The refusal of a run that names code, when the replay is not told to trust it: the
+    code, what was checked without importing it, and what was left unimported."""
+    names = ", ".join(str(name) for _, name in code_pieces(values))
+    return (f"{config_path} names code to import and call: {', '.join(code_named(values))}; "
+            f"checked without importing anything: {', '.join(checked)} (read as data, nothing "
+            f"resolved); not imported, so neither validated nor run: {names}; a run directory "
+            "may come from anyone: read these, then replay with --trust")
 
 
 def launch_line(run: RunConfig, run_dir: Path) -> str:
@@ -292,20 +337,21 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
     if not config_path.is_file():
         print_error(f"{run_dir}: not a run directory (no config.yaml)")
         return EXIT_BAD_INPUT
-    try:
+    try:  # every file the replay reads, before anything is imported or run
         values = read_config(config_path)
         overrides = read_overrides(run_dir)
+        original = original_losses(run_dir)
     except Refused as exc:
         print_error(str(exc))
         return EXIT_BAD_INPUT
-    code = code_named(values)
+    code = code_pieces(values)
     if code and not trust:
-        print_error(f"{config_path} names code to import and call: {', '.join(code)}; a run "
-                    f"directory may come from anyone: read these, then replay with --trust")
+        checked = ["config.yaml", *([".hydra/overrides.yaml"] if overrides is not None else []),
+                   *(["metrics.jsonl"] if original is not None else [])]
+        print_error(_untrusted(config_path, values, checked))
         return EXIT_BAD_INPUT
-    if code:
-        print(f"note: importing what the run names (--trust): {', '.join(code)}",
-              file=sys.stderr)
+    for key, name in code:  # one line each, before any of it is imported
+        print(f"note: importing what the run names (--trust): {key}={name}", file=sys.stderr)
     trust_launcher = trust_launcher or (trust and launcher_command is None)
     values, notes = replay_config(values, launcher_command=launcher_command,
                                   nproc_flag=nproc_flag, trust_launcher=trust_launcher,
@@ -339,10 +385,10 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
     except (RunFailed, RunInterrupted) as exc:
         print_error(f"the replay did not complete: {exc}")
         return EXIT_DIFFERENT
-    if not (run_dir / "metrics.jsonl").is_file():
+    if original is None:
         print("the original has no metrics.jsonl: nothing to compare")
         return 0
-    original, again = training_losses(run_dir), training_losses(new_dir)
+    again = training_losses(new_dir)
     difference = compare(original, again)
     note = uncompared(original, again)
     if note:

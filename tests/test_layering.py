@@ -39,8 +39,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("config and registries", {"runner.config", "runner.options", "runner.registry"}),
     ("strategies", {"strategies."}),
     ("the distributed-tensor core", {"runner.core."}),
-    ("utilities", {"runner", "runner.rundir", "runner.console", "runner.logs",
-                   "runner.process"}),
+    ("utilities", {"runner", "runner.rundir", "runner.rundir_files", "runner.console",
+                   "runner.logs", "runner.process"}),
 ]
 
 

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.report.data import ReportError, is_run_dir, is_sweep_dir, load_run, load_sweep
+from runner.report.data import (
+    ReportError,
+    Run,
+    Sweep,
+    is_run_dir,
+    is_sweep_dir,
+    load_run,
+    load_sweep,
+)
+from runner.rundir_files import RunFileError
 
 __all__ = ["ReportError", "write_report"]
 
@@ -26,18 +35,13 @@ def write_report(path: Path, out: Path | None = None) -> list[Path]:
     if not path.is_dir():
         raise ReportError(f"{path}: not a directory")
     out = out if out is not None else path / "report"
-    if is_run_dir(path):
-        run = load_run(path)
-        figures = plots.run_figures(run)
-        render = lambda pngs: summary.run_markdown(run, pngs)  # noqa: E731
-    elif is_sweep_dir(path):
-        sweep = load_sweep(path)
-        figures = plots.sweep_figures(sweep.jobs)
-        render = lambda pngs: summary.sweep_markdown(sweep, pngs)  # noqa: E731
+    loaded = _load(path)
+    if isinstance(loaded, Run):
+        figures = plots.run_figures(loaded)
+        render = lambda pngs: summary.run_markdown(loaded, pngs)  # noqa: E731
     else:
-        raise ReportError(f"{path} is neither a run directory (config.yaml, metrics.jsonl, "
-                          "summary.json) nor a sweep directory (sweep_summary.csv, numbered "
-                          "job directories)")
+        figures = plots.sweep_figures(loaded.jobs)
+        render = lambda pngs: summary.sweep_markdown(loaded, pngs)  # noqa: E731
     try:
         out.mkdir(parents=True, exist_ok=True)
         pngs = plots.save(figures, out)
@@ -46,3 +50,17 @@ def write_report(path: Path, out: Path | None = None) -> list[Path]:
     except OSError as exc:
         raise ReportError(f"cannot write the report into {out}: {exc.strerror or exc}") from exc
     return [report, *pngs]
+
+
+def _load(path: Path) -> Run | Sweep:
+    """The run or sweep at `path`, every file read before anything is written."""
+    try:
+        if is_run_dir(path):
+            return load_run(path)
+        if is_sweep_dir(path):
+            return load_sweep(path)
+    except RunFileError as exc:  # a file beyond the readers' bounds
+        raise ReportError(str(exc)) from None
+    raise ReportError(f"{path} is neither a run directory (config.yaml, metrics.jsonl, "
+                      "summary.json) nor a sweep directory (sweep_summary.csv, numbered "
+                      "job directories)")

@@ -8,13 +8,21 @@ refused (`ReportError`).
 A run's files are data from wherever the run was copied, so they are read as plain YAML and JSON
 and shown as written: no OmegaConf, hence no interpolation is ever resolved (`${oc.env:NAME}` in
 a config.yaml or an override appears in the report as that text, never as this machine's value).
+
+Hostile files (`runner/rundir_files.py` holds the bounds): what no reader should take in, a
+file over its size limit, a line of metrics.jsonl over 1 MiB, JSON or YAML nested deeper than
+32 levels (or multiplied by YAML aliases), an integer of more than 100 digits, is refused too:
+one line naming the file and its line, no report written. What is within the bounds but cannot
+be read is noted and left out, as a cut-short line always was: a metrics line that is no JSON
+object with an integer `step`, a summary.json or config.yaml that is no valid JSON or YAML. A
+value that is no finite number of a usable size (see `finite`: NaN, infinities, 1e308, text
+where a number belongs) is plotted nowhere and computed with nowhere; tables show it as
+written, and a note counts those of metrics.jsonl, naming the first.
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +30,22 @@ from typing import Any, TypeGuard
 
 import yaml
 
+from runner.rundir_files import (
+    RunFileError,
+    load_json,
+    load_yaml,
+    parse_json,
+    read_csv,
+    read_lines,
+)
+
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 SWEEP_CSV = "sweep_summary.csv"
+# the numbers of a metrics line (DESIGN.md); `step` aside, which a line cannot do without
+METRIC_KEYS = ("time_s", "loss", "lr", "step_time_s", "comm_time_s", "comm_bytes", "comm_share",
+               "samples_per_s", "accuracy", "workers_loss", "workers_accuracy")
+# past this a value is no measurement: scaled for a figure (ms, %) it would overflow to inf
+USABLE_MAGNITUDE = 1e100
 
 Record = dict[str, Any]
 
@@ -77,13 +99,13 @@ class Run:
     def stats(self) -> Record:
         """The summary's numbers; for a run without one, the same numbers from its metrics so
         far (predictions are then unknown)."""
-        steps = [r["step_time_s"] for r in self.train if _number(r.get("step_time_s"))]
-        comm = [r["comm_time_s"] for r in self.train if _number(r.get("comm_time_s"))]
+        steps = [r["step_time_s"] for r in self.train if finite(r.get("step_time_s"))]
+        comm = [r["comm_time_s"] for r in self.train if finite(r.get("comm_time_s"))]
         # not in summary.json, whose comm_time_s_per_step is a mean (start-up steps weigh in)
         median_comm = {"median_comm_time_s": statistics.median(comm) if comm else None}
         if self.summary is not None and self.summary.get("status") == "completed":
             return {**self.summary, **median_comm}
-        nbytes = [r["comm_bytes"] for r in self.train if _number(r.get("comm_bytes"))]
+        nbytes = [r["comm_bytes"] for r in self.train if finite(r.get("comm_bytes"))]
         derived: Record = {
             "steps": self.train[-1]["step"] if self.train else None,
             "final_loss": self.train[-1].get("loss") if self.train else None,
@@ -140,41 +162,66 @@ def is_sweep_dir(path: Path) -> bool:
 
 
 def read_metrics(path: Path) -> tuple[list[Record], list[Record], list[str]]:
-    """Training and validation lines of a metrics.jsonl, skipping what cannot be read."""
-    lines = path.read_text(errors="replace").splitlines()
+    """Training and validation lines of a metrics.jsonl, skipping what cannot be read;
+    `RunFileError` for a file or line beyond the bounds. Counts, not lists, of what is
+    skipped: a file of junk lines may hold millions."""
     train: list[Record] = []
     val: list[Record] = []
-    notes: list[str] = []
-    bad = 0
-    for number, line in enumerate(lines, 1):
+    bad = unusable = last = last_bad = 0
+    first_unusable = ""
+    for number, line in read_lines(path):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if not isinstance(record, dict) or not _number(record.get("step")):
-            if number == len(lines):
-                notes.append("the last line of metrics.jsonl is incomplete (still being "
-                             "written, or the run was stopped): ignored")
-            else:
-                bad += 1
+        last = number
+        record = _record(line, path, number)
+        if record is None:
+            bad, last_bad = bad + 1, number
             continue
+        for key in METRIC_KEYS:
+            if record.get(key) is not None and not finite(record[key]):
+                unusable += 1
+                first_unusable = first_unusable or f"line {number}, {key}={record[key]!r}"
         if record.get("split") == "val":
             val.append(record)
         elif "split" not in record:
             train.append(record)
+    notes = []
+    if bad and last_bad == last:
+        bad -= 1
+        notes.append("the last line of metrics.jsonl is incomplete (still being written, or "
+                     "the run was stopped): ignored")
     if bad:
         notes.append(f"{bad} unreadable line(s) in metrics.jsonl ignored")
+    if unusable:
+        shown = first_unusable if len(first_unusable) <= 80 else f"{first_unusable[:77]}..."
+        notes.append(f"{unusable} value(s) in metrics.jsonl are no finite number of a usable "
+                     f"size: left out (first: {shown})")
     return train, val, notes
+
+
+def _record(line: str, path: Path, number: int) -> Record | None:
+    """A metrics line as a record, None when it is none: no JSON object with a `step`."""
+    try:
+        record = parse_json(line, path, number)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and _step(record.get("step")) else None
+
+
+def _step(value: Any) -> bool:
+    """gridrun writes steps as integers; a float could be infinite or NaN, which no step is."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _load_yaml(path: Path) -> Any:
     """The file as plain Python values, exactly as written (safe YAML: no tags, no
-    interpolation), or None when it cannot be read (a report only notes that)."""
+    interpolation), or None when it is no YAML (a report only notes that); `RunFileError`
+    beyond the bounds."""
     try:
-        return yaml.safe_load(path.read_text(errors="replace"))
-    except (OSError, yaml.YAMLError):
+        return load_yaml(path)
+    except RunFileError:
+        raise
+    except (yaml.YAMLError, ValueError):  # ValueError: a value YAML's constructors refuse
         return None
 
 
@@ -189,7 +236,7 @@ def load_run(path: Path) -> Run:
     summary = None
     if (path / "summary.json").is_file():
         try:
-            summary = json.loads((path / "summary.json").read_text())
+            summary = load_json(path / "summary.json")
         except json.JSONDecodeError:
             notes.append("summary.json is not valid JSON: ignored")
     elif train:
@@ -216,8 +263,11 @@ def _job_overrides(job_dir: Path | None, shown: str) -> list[str]:
 
 def _job_dir(sweep: Path, number: int, recorded: str) -> Path | None:
     for candidate in (sweep / str(number), Path(recorded) if recorded else None):
-        if candidate is not None and candidate.is_dir():
-            return candidate
+        try:
+            if candidate is not None and candidate.is_dir():
+                return candidate
+        except OSError:  # a name no file system takes (too long, say): no directory
+            continue
     return None
 
 
@@ -226,17 +276,16 @@ def load_sweep(path: Path) -> Sweep:
     jobs: list[Job] = []
     notes: list[str] = []
     if (path / SWEEP_CSV).is_file():
-        with (path / SWEEP_CSV).open(newline="") as f:
-            for row in csv.DictReader(f):
-                try:
-                    number = int(row.get("job") or "")
-                except ValueError:
-                    notes.append(f"{SWEEP_CSV}: a row without a job number ignored")
-                    continue
-                job_dir = _job_dir(path, number, row.get("run_dir") or "")
-                run = load_run(job_dir) if job_dir is not None and is_run_dir(job_dir) else None
-                jobs.append(Job(number, _job_overrides(job_dir, row.get("overrides") or ""),
-                                row.get("status") or "unknown", row.get("error") or None, run))
+        for row in read_csv(path / SWEEP_CSV):
+            try:
+                number = int(row.get("job") or "")
+            except ValueError:
+                notes.append(f"{SWEEP_CSV}: a row without a job number ignored")
+                continue
+            job_dir = _job_dir(path, number, row.get("run_dir") or "")
+            run = load_run(job_dir) if job_dir is not None and is_run_dir(job_dir) else None
+            jobs.append(Job(number, _job_overrides(job_dir, row.get("overrides") or ""),
+                            row.get("status") or "unknown", row.get("error") or None, run))
     else:
         notes.append(f"no {SWEEP_CSV}: the sweep is still going or was interrupted; jobs are "
                      "read from their directories")
@@ -252,11 +301,15 @@ def varying_overrides(jobs: list[Job]) -> tuple[list[str], dict[int, str]]:
     """The overrides every job shares, and each job's label: the overrides that set it apart."""
     if len(jobs) < 2:  # nothing to set a job apart from
         return [], {job.number: " ".join(job.overrides) or f"job {job.number}" for job in jobs}
-    common = [o for o in jobs[0].overrides if all(o in job.overrides for job in jobs)]
-    labels = {job.number: " ".join(o for o in job.overrides if o not in common)
+    # sets: a sweep's files may hold any number of overrides, and lists compare pairwise
+    shared = set(jobs[0].overrides).intersection(*(job.overrides for job in jobs[1:]))
+    common = [o for o in jobs[0].overrides if o in shared]
+    labels = {job.number: " ".join(o for o in job.overrides if o not in shared)
               or f"job {job.number}" for job in jobs}
     return common, labels
 
 
 def finite(value: Any) -> TypeGuard[float]:
-    return _number(value) and math.isfinite(value)
+    """A number to plot and compute with: finite, and of a size no measurement exceeds (NaN
+    compares false; a huge int compares exactly, never converted to a float)."""
+    return _number(value) and abs(value) <= USABLE_MAGNITUDE

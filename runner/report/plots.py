@@ -7,7 +7,8 @@ times, evaluations excluded), the time the run spent training rather than starti
 
 Text taken from a run's files (names in titles, overrides in legends and ticks) is drawn with
 `parse_math=False`: as written, never read as mathtext (a `$...$` in a copied run's config would
-otherwise be typeset, or stop the report with a parse error).
+otherwise be typeset, or stop the report with a parse error), and cut to `TEXT_LIMIT` characters
+(report.md has it whole).
 """
 
 from __future__ import annotations
@@ -25,13 +26,20 @@ TIME_LABEL = "training time (s, cumulative step time)"
 WIDE = (11.0, 4.2)
 DPI = 110
 LINE_STYLES = ("-", "--", "-.", ":")
+TEXT_LIMIT = 100  # characters: laying out a megabyte of title took matplotlib minutes
+
+
+def short(text: str) -> str:
+    """`text` as a figure shows it: at most `TEXT_LIMIT` characters."""
+    return text if len(text) <= TEXT_LIMIT else f"{text[:TEXT_LIMIT - 1]}…"
 
 
 def series(records: Iterable[Record], x: str, y: str, scale: float = 1.0) -> tuple[list, list]:
-    """The (x, y) points of the records that have both, numbers only."""
+    """The (x, y) points of the records that have both, `finite` numbers only (1e308 in %
+    or ms overflows matplotlib)."""
     xs, ys = [], []
     for record in records:
-        if finite(record.get(x)) and isinstance(record.get(y), (int, float)):
+        if finite(record.get(x)) and finite(record.get(y)):
             xs.append(record[x])
             ys.append(record[y] * scale)
     return xs, ys
@@ -66,7 +74,7 @@ def loss_figure(run: Run) -> Figure:
             ax.plot(*series(run.val, x, "workers_loss"), "s--", ms=3,
                     label="validation loss, replicas' mean")
         _finish(ax, xlabel, "cross-entropy loss")
-    fig.suptitle(f"Loss: {run.describe()}", parse_math=False)
+    fig.suptitle(short(f"Loss: {run.describe()}"), parse_math=False)
     return fig
 
 
@@ -80,7 +88,7 @@ def accuracy_figure(run: Run) -> Figure:
                     label="replicas' mean")
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         _finish(ax, xlabel, "validation accuracy")
-    fig.suptitle(f"Validation accuracy: {run.describe()}", parse_math=False)
+    fig.suptitle(short(f"Validation accuracy: {run.describe()}"), parse_math=False)
     return fig
 
 
@@ -105,7 +113,7 @@ def comm_figure(run: Run) -> Figure:
                         label=f"communication time (predicted, {predicted * 1e3:.3f} ms)")
     time_ax.set_ylim(bottom=0)
     _finish(time_ax, "step", "time per step (ms)")
-    fig.suptitle(f"Communication: {run.describe()}", parse_math=False)
+    fig.suptitle(short(f"Communication: {run.describe()}"), parse_math=False)
     return fig
 
 
@@ -138,7 +146,7 @@ def sweep_curves_figure(jobs: list[Job]) -> Figure:
         (line,) = by_step.plot(*series(job.run.train, "step", "loss"), **style)
         by_time.plot(*series(job.run.train, "time_s", "loss"), **style)
         accuracy.plot(*series(job.run.val, "step", "accuracy"), marker="o", ms=4, **style)
-        line.set_label(f"{job.number}: {labels[job.number]}")
+        line.set_label(short(f"{job.number}: {labels[job.number]}"))
     _finish(by_step, "step", "training loss", legend=False)
     _finish(by_time, TIME_LABEL, "training loss", legend=False)
     accuracy.yaxis.set_major_formatter(PercentFormatter(1.0))
@@ -182,7 +190,7 @@ def sweep_times_figure(jobs: list[Job]) -> Figure:
     short run (MPI warm-up), which the prediction does not model."""
     shown = [job for job in jobs if job.plotted]
     _, labels = varying_overrides(jobs)
-    ticks = [f"{job.number}\n" + labels[job.number].replace(" ", "\n") for job in shown]
+    ticks = [short(f"{job.number}\n" + labels[job.number].replace(" ", "\n")) for job in shown]
     stats = [job.run.stats() for job in shown if job.run is not None]
     fig = Figure(figsize=(max(9.0, 2.2 * len(shown) + 3), 4.8), layout="constrained")
     times, nbytes = fig.subplots(1, 2)
