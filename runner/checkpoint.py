@@ -1251,12 +1251,12 @@ def resume_command(run_dir: Path) -> str:
     the shell)."""
     overrides: list[str] = []
     try:
-        import yaml
+        from runner.rundir_files import load_yaml
 
-        saved = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
+        saved = load_yaml(run_dir / ".hydra" / "overrides.yaml") or []
         overrides = [str(o) for o in saved
                      if not str(o).startswith(("trainer.resume=", "hydra.run.dir="))]
-    except (OSError, ImportError, ValueError):
+    except (OSError, ValueError, TypeError):  # unreadable, beyond the bounds, not a list
         pass
     words = [*overrides, f"hydra.run.dir={hydra_quoted(str(run_dir))}", "trainer.resume=auto"]
     return " ".join(["python -m runner", *map(shlex.quote, words)])

@@ -221,15 +221,14 @@ def _inside(path: Path, run_dir: Path) -> bool:
 def _config_changes(run: RunConfig, recorded: Path, most: int = 4) -> list[str]:
     """`key: was → now` for each key outside `RESUMABLE` that differs from the config the
     earlier run recorded (at most `most`, then how many more)."""
-    import yaml
-
     from runner.config import parse_with_problems
+    from runner.rundir_files import load_yaml
 
     try:
-        loaded = yaml.safe_load(recorded.read_text())
+        loaded = load_yaml(recorded)  # within bounds: the directory may not be this user's
         earlier, problems = parse_with_problems(loaded if isinstance(loaded, Mapping) else {})
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as exc:
-        return [f"its config.yaml cannot be read: {type(exc).__name__}"]
+    except (OSError, ValueError) as exc:
+        return [f"its config.yaml cannot be read: {str(exc).splitlines()[0][:200]}"]
     if problems or not isinstance(loaded, Mapping):
         return ["its config.yaml is not a run's config"]
     was, now = _flat(dataclasses.asdict(earlier)), _flat(dataclasses.asdict(run))
