@@ -100,7 +100,7 @@ def _fits(pricing: Pricing, i: int, layout: TensorLayout) -> bool:
 
 
 def _windowed_ok(layer: nn.Module) -> bool:
-    from strategies.domain import windowed_problem
+    from strategies.spatial import windowed_problem
 
     return not isinstance(layer, nn.Conv2d) or windowed_problem(layer) is None
 
