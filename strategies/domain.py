@@ -33,7 +33,6 @@ from runner.core.halo import HaloPlan
 from runner.core.primitives import all_gather
 from strategies.base import ParallelModel, Strategy, predict_step, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
-from strategies.grid import sequential_problems
 from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
 from strategies.sequence import (
@@ -57,6 +56,7 @@ from strategies.sharded import (
     output_shapes,
     plan_layers,
     rank0_param_items,
+    sequential_problems,
     split_param_bytes,
     whole_norm_problems,
     whole_param_items,
