@@ -104,12 +104,6 @@ class DamagedCheckpoint(CheckpointError):
         super().__init__(f"checkpoint {path}: {file}: {reason}")
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    """An exception's text as one line (a hostile file chooses what ends up in messages)."""
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[:limit - 1] + "…"
-
-
 def step_dir(checkpoints: Path, step: int) -> Path:
     return checkpoints / f"{STEP_PREFIX}{step:08d}"
 

@@ -52,8 +52,9 @@ from strategies.layouts import (
     param_groups_of,
     passthrough_options,
 )
-from strategies.registry import register_strategy
+from strategies.registry import STRATEGIES, register_strategy
 from strategies.sharded import layer_label
+from strategies.spatial import windowed_problem
 
 TREE_CHOICES = ("data", "grid", "model", "domain")
 
@@ -100,8 +101,6 @@ def _fits(pricing: Pricing, i: int, layout: TensorLayout) -> bool:
 
 
 def _windowed_ok(layer: nn.Module) -> bool:
-    from strategies.domain import windowed_problem
-
     return not isinstance(layer, nn.Conv2d) or windowed_problem(layer) is None
 
 
@@ -252,8 +251,6 @@ class AutoLayout(Strategy):
                refusals: list[str]) -> tuple[float, Strategy] | None:
         """Strategy `name`'s predicted step time for the whole model, or None (its first
         reason then joins `refusals`)."""
-        from strategies.registry import STRATEGIES
-
         strategy = STRATEGIES.get(name)(
             self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
             costs=self.costs, rows_touched=self.rows_touched, compute_dtype=self.compute_dtype,

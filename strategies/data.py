@@ -47,6 +47,7 @@ from strategies.sparse_exchange import (
     SparseGradientExchange,
     sparse_tables,
 )
+from strategies.tensor_parallel import tp_compute_seconds
 from strategies.transformer import GPT, activation_elements
 from strategies.whole_batch import BatchStatistics, RowDraws, forward_key
 
@@ -221,6 +222,8 @@ class DataParallel(Strategy):
         (each named by its lowest world rank)."""
         if isinstance(self.ranks_per_node, int):
             return [rank // self.ranks_per_node for rank in range(grid.size)]
+        # imported here: importing mpi4py initialises MPI, which a 1-process run never does
+        # (as in runner.core.comm)
         from mpi4py import MPI
 
         world = grid.world.communicator
@@ -344,8 +347,6 @@ class DataParallel(Strategy):
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:
         if isinstance(model, GPT):  # attention's products and passes, as tensor parallelism's
-            from strategies.tensor_parallel import tp_compute_seconds
-
             return tp_compute_seconds(model, sample_shape, grid, global_batch, "pairing",
                                       self.rates)
         return super().predict_compute_seconds(model, sample_shape, grid, global_batch)

@@ -39,8 +39,8 @@ from strategies.sharded import (
     output_itemsizes,
     plan_layers,
     rank0_param_items,
+    sequential_problems,
     split_param_bytes,
-    unsupported_layers,
     whole_norm_problems,
     whole_param_items,
 )
@@ -94,14 +94,6 @@ def split_at_first_linear(model: nn.Module) -> int:
     layers = list(model.children())
     return next((i for i, layer in enumerate(layers) if isinstance(layer, nn.Linear)),
                 len(layers))
-
-
-def sequential_problems(model: nn.Module, strategy: str) -> list[str]:
-    if not isinstance(model, nn.Sequential):
-        return [f"strategy={strategy} splits nn.Sequential models of Linear, Conv2d, pooling "
-                f"and activation layers, got {type(model).__name__}: strategy=data trains any "
-                f"module"]
-    return [f"strategy={strategy} cannot split {p}" for p in unsupported_layers(list(model))]
 
 
 def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,

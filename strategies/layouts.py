@@ -74,14 +74,6 @@ from runner.core.halo import HaloPlan
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import reduce_scatter
 from strategies.base import ParallelModel, gradient_exchange
-from strategies.domain import (
-    WINDOWED,
-    SpatialWindowed,
-    SpatialWindowed2D,
-    height_window,
-    width_window,
-    windowed_problem,
-)
 from strategies.norm import (
     BATCH_NORMS,
     DistributedBatchNorm,
@@ -96,6 +88,14 @@ from strategies.sharded import (
     layer_label,
     output_itemsizes,
     output_shapes,
+)
+from strategies.spatial import (
+    WINDOWED,
+    SpatialWindowed,
+    SpatialWindowed2D,
+    height_window,
+    width_window,
+    windowed_problem,
 )
 
 C, R = 0, 1  # grid dims: a rank's coordinates are (batch_index, model_index)

@@ -284,6 +284,7 @@ def math_attention() -> Iterator[None]:
     """`F.scaled_dot_product_attention` by torch's math attention: its dropout is then an
     operator of its own, which row draws can cut (a fused GPU kernel draws its mask inside
     itself). The planning forwards and the forwards that draw by rows run under it alike."""
+    # imported here: torch.nn.attention is newer than the oldest torch pyproject.toml allows
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.MATH]):

@@ -103,6 +103,16 @@ def unsupported_layers(layers: Sequence[nn.Module]) -> list[str]:
     return problems
 
 
+def sequential_problems(model: nn.Module, strategy: str) -> list[str]:
+    """Why `strategy` (model, grid, domain) cannot split `model` as a sequence of layers
+    (empty: it can)."""
+    if not isinstance(model, nn.Sequential):
+        return [f"strategy={strategy} splits nn.Sequential models of Linear, Conv2d, pooling "
+                f"and activation layers, got {type(model).__name__}: strategy=data trains any "
+                f"module"]
+    return [f"strategy={strategy} cannot split {p}" for p in unsupported_layers(list(model))]
+
+
 def whole_norm_problems(layers: Sequence[nn.Module], start: int) -> list[str]:
     """BatchNorms of the split part that would normalize whole features (after a gather, or
     before the first split layer): every rank of the model group would hold a partial

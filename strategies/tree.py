@@ -70,6 +70,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
+from runner.core.halo import HaloPlan
 from runner.core.primitives import all_gather, repartition
 from strategies.base import ParallelModel, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
@@ -81,6 +82,7 @@ from strategies.norm import (
 )
 from strategies.probe import logits_of, sample_dtype
 from strategies.sharded import CHANNEL_LOCAL, SHARDABLE, ShardedConv2d, ShardedLinear
+from strategies.spatial import ROW_LOCAL, WINDOWED, SpatialWindowed, height_window, windowed_problem
 
 Layout = Literal["whole", "split", "rows", "slab"]
 Mode = Literal["model", "grid", "domain"]  # the strategy whose rules apply
@@ -240,8 +242,6 @@ def _slab_rule(node: torch.fx.Node, modules: dict[str, nn.Module],
     part ends there; a refused layer raises). Convolutions and pooling exchange halos,
     BatchNorm takes every rank's statistics, row-local modules, elementwise functions and
     additions run on the slab as it is. Every slab output needs a row on every rank."""
-    from strategies.domain import ROW_LOCAL, WINDOWED, windowed_problem
-
     if node.op == "placeholder":
         return Step(node, "input", {}, "whole")
     inputs = {n.name: layout.get(n.name) for n in _tensor_inputs(node)}
@@ -515,8 +515,6 @@ def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: Proces
             built[target] = DistributedBatchNorm(module, stats_world, f"bn:{target}")
             whole_params += list(built[target].parameters())
         elif step.rule == "windowed" and grid.pr > 1:
-            from strategies.domain import WINDOWED, SpatialWindowed
-
             assert isinstance(module, WINDOWED)
             height = plan.shapes[_input_name(step)][1]
             built[target] = SpatialWindowed(module, comm, height, overlap)
@@ -617,9 +615,6 @@ def _halo_ops(module: nn.Module, shape: tuple[int, ...], rows: int, pr: int, ite
     """A windowed layer's halo exchanges on height slabs (as `strategies.domain` prices them):
     rank 0's rows the others read, and in the backward (when its input has a gradient) the
     halos' gradients sent back."""
-    from runner.core.halo import HaloPlan
-    from strategies.domain import WINDOWED, height_window
-
     assert isinstance(module, WINDOWED)
     channels, height, width = shape
     plan = HaloPlan(height, height_window(module), pr, 0)

@@ -110,3 +110,72 @@ def test_train_fits_on_a_page() -> None:
     tree = ast.parse((ROOT / "runner" / "train.py").read_text())
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert train.end_lineno is not None and train.end_lineno - train.lineno + 1 <= 80
+
+
+def test_strategies_import_no_circle_and_none_inside_functions() -> None:
+    """Every import of strategies/ and runner/ (module level and inside functions) is an edge;
+    no circle may pass through a strategies module, and no function in strategies/ imports a
+    strategies module: an import inside a function is how a circle hides. Imports of other
+    packages inside functions stay allowed (mpi4py initialises MPI on import)."""
+    paths = sorted(p for folder in ("strategies", "runner") for p in (ROOT / folder).rglob("*.py"))
+    trees = {module_name(p): ast.parse(p.read_text()) for p in paths}
+    packages = {module_name(p) for p in paths if p.name == "__init__.py"}
+
+    def targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+        """The project modules an import statement names (`from a import b`: a.b if that is a
+        module, else a)."""
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package
+                package = module if module in packages else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in trees else base
+                     for alias in node.names]
+        found = set()
+        for name in names:
+            while name and name not in trees:  # `import a.b.c`: the longest prefix a module
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+        return found
+
+    graph: dict[str, set[str]] = {}
+    inside_functions: list[str] = []
+    for module, tree in trees.items():
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                graph[module] |= targets(module, node) - {module}
+        if not module.startswith("strategies"):
+            continue
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    inside_functions += [f"{module}:{node.lineno} ({function.name}) imports "
+                                         f"{name}" for name in sorted(targets(module, node))
+                                         if name.startswith("strategies")]
+    assert not inside_functions, "\n".join(sorted(set(inside_functions)))
+
+    # a circle through a strategies module: the module reached again from what it imports
+    circles = []
+    for start in sorted(m for m in graph if m.startswith("strategies")):
+        came_from: dict[str, str] = {}  # per module reached: the module that imports it
+        todo = [start]
+        while todo and start not in came_from:
+            module = todo.pop(0)
+            for imported in sorted(graph[module]):
+                if imported not in came_from:
+                    came_from[imported] = module
+                    todo.append(imported)
+        if start in came_from:
+            circle = [start]
+            while len(circle) == 1 or circle[-1] != start:
+                circle.append(came_from[circle[-1]])
+            circles.append(" -> ".join(reversed(circle)))
+    assert not circles, "\n".join(circles)

@@ -289,11 +289,6 @@ class _Timer:
         return statistics.median(samples[1:] if len(samples) > 3 else samples)
 
 
-def _round_size(size: float) -> int:
-    """A dimension: a multiple of 64 from 256 on (odd sizes take slower kernels)."""
-    return max(1, round(size)) if size < 256 else 64 * round(size / 64)
-
-
 def _gemm_point(rows: int, features: int, timer: _Timer) -> tuple[float, float]:
     """(flops, flop/s) of a Linear layer's products on `rows` rows of `features` features, as
     many out: the median of the forward (x·Wᵀ + b), the input's gradient (g·W) and the

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from torch import nn
 
 from runner.core import CountedComm, ProcessGrid
-from strategies.domain import SpatialWindowed
+from strategies.spatial import SpatialWindowed
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
