@@ -74,12 +74,12 @@ def write_index(out: Path) -> Path:
         headlines += module.headline(data)
     lines = [
         "# Reproductions of the seed papers", "",
-        "gridrun implements the methods of four papers (docs/design.md). This report reruns "
-        "three of their headline comparisons at the scale of the machine that generated it: "
+        "gridrun implements the methods of four papers ([the design](../design.md)). This "
+        "report reruns three of their headline comparisons at the scale of a 2-core machine: "
         "4 MPI ranks on 2 cores, small models and data, minutes rather than days. Each page "
-        "puts the paper's own figures beside gridrun's and says why they differ. A paper's "
-        "number is quoted only where its text was available; otherwise the page says so. "
-        "The fourth paper (DistDL's adjoint primitives) is a correctness property, tested by "
+        "puts the paper's own figures beside gridrun's and says why they differ. The papers' "
+        "figures are quoted from their own tables, figures and abstracts. The fourth paper "
+        "(DistDL's adjoint primitives) is a correctness property, tested by "
         "the suite's dot-product tests, not a comparison to rerun.", "",
         "```bash",
         "python -m runner.reproduce                 # everything, 7-10 minutes on 2 cores",

@@ -215,8 +215,12 @@ def render(data: dict[str, Any], out: Path) -> Path:
         "rows. It combines AllReduce (for dense variables) with parameter servers (for sparse "
         "ones), sizing the data transferred by the sparsity. Its abstract reports up to 2.8× and "
         "6.02× speedups for NLP models over TensorFlow and Horovod on 48 GPUs. For image "
-        "classification it matches Horovod and is 1.53× faster than TensorFlow. The paper's "
-        "own bytes-per-density figures and crossover point were not available offline.", "",
+        "classification it matches Horovod and is 1.53× faster than TensorFlow. The paper sends "
+        "sparse variables (embedding gradients) to sharded parameter servers, one per machine, "
+        "with aggregation inside a machine first, and dense variables through all-reduce; bytes "
+        "alone favour the sparse exchange below a density of about 2/N. On LM1B with 8 "
+        "machines it reports 277k words/s against 101k for TensorFlow's parameter server and "
+        "39k for Horovod.", "",
         "**gridrun's run.** `experiment=parallax_tokens`: `EmbeddingBag(100000, 64, "
         "sparse=True)` (25.6 MB) → MLP → 4 classes, on Zipf–Mandelbrot token documents, "
         "global batch 256, `strategy=data` on 4 ranks, plain SGD. `dataset.seq_len` sets how "
@@ -239,7 +243,7 @@ def render(data: dict[str, Any], out: Path) -> Path:
         "network, with models of millions of embedding rows. Here a 25.6 MB table lives on 4 "
         "ranks that share 2 cores, so the dense all-reduce is cheap in absolute terms. The "
         "sparse modes' local work (sorting, summing and scattering rows) weighs as much as "
-        "their communication, and they issue several collectives a step where dense issues "
+        "their communication, and they make several collectives a step where dense makes "
         f"one, each waiting for any descheduled rank. {_direction(data)} "
         f"{machine_note(data)}", "",
     ]
@@ -268,10 +272,10 @@ def headline(data: dict[str, Any]) -> list[list[str]]:
     held = mem["sharded_held_bytes"]
     return [
         [TITLE.split(":")[0], "crossover density (dense all-reduce no slower than sparse)",
-         "not available offline",
+         "bytes alone favour sparse below a density of about 2/N",
          f"{cross['density']:.1%} of rows" if finite(cross.get("density")) else "none measured"],
         [TITLE.split(":")[0], "embedding table per rank: replicated → sharded",
-         "not available offline",
+         "sharded over one parameter server per machine (no per-rank size given)",
          f"{mem['replicated_bytes'] / 1e6:.2f} MB → "
          + (f"{held / 1e6:.2f} MB" if finite(held) else "not measured")],
     ]

@@ -49,9 +49,11 @@ COUNTERPARTS = {"async_easgd": "async_sgd", "async_measgd": "async_msgd",
                 "hogwild_easgd": "hogwild_sgd"}
 FULL = {"steps": 400, "target": 0.93, "repeats": 2}
 QUICK = {"steps": 60, "target": 0.8, "repeats": 1}
-# From the paper's abstract (the exact Table 3 entries were not available offline).
+# The paper's Table 3 (MNIST, LeNet, to accuracy 0.988): original EASGD 5,000 iterations, 41 s,
+# 87% communicating; Sync EASGD 1,000 iterations, 7.7 s, 14% communicating.
 PAPER_SPEEDUP = 5.3
 PAPER_COMM_SHARE = (0.87, 0.14)
+PAPER_STEPS = (5000, 1000)
 
 
 def jobs(runs_dir: Path, quick: bool, repeat: int = 0) -> dict[str, Launch]:
@@ -159,6 +161,12 @@ def comparisons(results: dict[str, Any]) -> list[list[str]]:
                  f"{percent(shares[0])} → {percent(shares[1])}",
                  ("yes" if shares[1] < shares[0] else "no")
                  if finite(shares[0]) and finite(shares[1]) else "—"])
+    steps = [ok.get(n, {}).get("steps_to_target") for n in ("easgd", "sync_easgd")]
+    if finite(steps[0]) and finite(steps[1]):
+        rows.append(["steps to target: original EASGD → Sync EASGD",
+                     f"{PAPER_STEPS[0]:,} → {PAPER_STEPS[1]:,} (Table 3, to 0.988)",
+                     f"{steps[0]:.0f} → {steps[1]:.0f} (to {results['target']:.0%})",
+                     "yes" if steps[1] < steps[0] else "no"])
     for ours, theirs in COUNTERPARTS.items():
         claim = f"`{ours}` faster than `{theirs}`"
         mine, base = _time(ok.get(ours)), _time(ok.get(theirs))
@@ -258,8 +266,12 @@ def render(results: dict[str, Any], out: Path) -> Path:
         "Sync EASGD ties for the best performance while being deterministic. And by cutting "
         f"the communication share from {PAPER_COMM_SHARE[0]:.0%} to {PAPER_COMM_SHARE[1]:.0%}, "
         f"Sync EASGD is {PAPER_SPEEDUP}× faster than the original round-robin EASGD on the same "
-        "platform. The entries of the paper's Table 3 (time per method) were not available "
-        "offline, so this page quotes only the abstract's figures and the ordering it states.",
+        "platform. The paper's Table 3 (MNIST, LeNet, target accuracy 0.988): the original "
+        f"EASGD takes {PAPER_STEPS[0]:,} iterations and 41 s, "
+        f"{PAPER_COMM_SHARE[0]:.0%} of the time communicating; Sync EASGD "
+        f"{PAPER_STEPS[1]:,} iterations and 7.7 s, {PAPER_COMM_SHARE[1]:.0%} communicating — "
+        f"{PAPER_SPEEDUP}× faster. Its weak scaling of GoogleNet on KNL keeps 91.6% efficiency "
+        "at 4,352 cores.",
         "",
         f"**gridrun's run.** `experiment={EXPERIMENT}`: the digits MLP (64→128→128→10), global "
         f"batch 64, `strategy=data` on a 1 × 4 grid (4 replicas), seed 0, {results['steps']} "
@@ -314,7 +326,8 @@ def _repeats_text(results: dict[str, Any]) -> str:
 def headline(results: dict[str, Any]) -> list[list[str]]:
     rows = comparisons(results)
     paper = TITLE.split(":")[0]
-    judged = [row[3] for row in rows if row[3] in ("yes", "no")]
+    judged = [row[3] for row in rows if row[3] in ("yes", "no")
+              and not row[0].startswith("steps to target")]  # Table 3's, not the abstract's
     return [*([paper, claim, figure, ours] for claim, figure, ours, _ in rows[:2]),
             [paper, "the paper's orderings that hold here", "all (its abstract's claims)",
              f"{judged.count('yes')} of {len(judged)}"]]
