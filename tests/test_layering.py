@@ -1,64 +1,55 @@
-"""The modules in the order a run passes through them (docs/architecture.md): a module may
-import its own layer and the layers below it, never one above. Read from the source (every
-import statement, also those inside functions), so a new upward import fails here."""
+"""The rooms of the house in the order a run passes through them (docs/architecture.md): every
+sub-package of runner/ is a room (read from the folders, so a new folder must be given a floor),
+as are strategies/, the Hydra launcher and runner/'s own top-level modules. A module may import
+its own floor and the floors below it, never one above; inside a room, the order of its modules
+(`ORDER`) holds the same way. Read from the source (every import statement, also those inside
+functions), so a new upward import fails here. docs/architecture.md names every module, and
+every module it names exists."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("runner", "strategies", "hydra_plugins")
 
-# Top to bottom. A name ending in "." stands for every module under that package.
-LAYERS: list[tuple[str, set[str]]] = [
-    ("entry points", {
-        "hydra_plugins.gridrun_launcher", "hydra_plugins.gridrun_launcher.app_jobs",
-        "hydra_plugins.gridrun_launcher.app_rank", "hydra_plugins.gridrun_launcher.mpi_launcher",
-        "runner.__main__", "runner.cli.app", "runner.cli.worker", "runner.plan.__main__",
-        "runner.replay", "runner.report.__main__", "runner.reproduce.__main__",
-        "runner.reproduce.grid"}),
-    ("the head", {
-        "runner.cli.compose", "runner.cli.help", "runner.cli.launch", "runner.cli.sweep",
-        "runner.report", "runner.report.data", "runner.report.plots", "runner.report.summary",
-        "runner.reproduce", "runner.reproduce.parallax", "runner.reproduce.runs",
-        "runner.reproduce.sc17"}),
-    ("the head's watch over a job", {"runner.cli.mpijob"}),
-    ("checks before a run", {"runner.cli.preflight", "runner.cli.validation"}),
-    ("process roles", {
-        "runner.training.mpienv", "runner.training.rank", "runner.training.supervisor"}),
-    ("the loop", {"runner.training.loop"}),
-    ("the run's records", {"runner.training.summary"}),
-    ("start or resume", {"runner.training.resume"}),
-    ("the step", {
-        "runner.training.evaluation", "runner.training.sampling", "runner.training.step"}),
-    ("checkpoints, signals, boards", {
-        "runner.checkpoint.store", "runner.records.board", "runner.training.interrupt"}),
-    ("assembly", {"runner.training.assembly"}),
-    ("devices and precision", {"runner.training.devices", "runner.training.precision"}),
-    ("plugins", {
-        "runner.optim.easgd", "runner.optim.parameter_server", "runner.optim.sync", "runner.plan",
-        "runner.plan.calibration", "runner.plan.planner", "runner.zoo.corpus",
-        "runner.zoo.datasets", "runner.zoo.models", "runner.zoo.userdata"}),
-    ("machine costs", {"runner.config.machine"}),
-    ("config and registries", {
-        "runner.config.options", "runner.config.registry", "runner.config.schema"}),
-    ("strategies", {"strategies."}),
-    ("the distributed-tensor core", {"runner.core."}),
-    ("utilities", {
-        "runner", "runner.checkpoint", "runner.cli", "runner.config", "runner.optim",
-        "runner.records", "runner.training", "runner.zoo", "runner.records.console",
-        "runner.records.logs", "runner.records.process",
-        "runner.records.rundir", "runner.records.rundir_files"}),
+# Top to bottom: a floor's rooms.
+FLOORS: list[tuple[str, set[str]]] = [
+    ("the commands", {"runner.__main__", "runner.reproduce", "hydra_plugins.gridrun_launcher"}),
+    ("the tools that start runs or read them", {"runner.replay", "runner.plan"}),
+    ("the head", {"runner.cli"}),
+    ("a rank, and the reports of runs", {"runner.training", "runner.report"}),
+    ("checkpoints", {"runner.checkpoint"}),
+    ("plugins", {"runner.optim", "runner.zoo"}),
+    ("config and strategies", {"runner.config", "strategies"}),
+    ("the distributed-tensor core and the records", {"runner.core", "runner.records", "runner"}),
 ]
 
-
-def layer_of(module: str) -> int | None:
-    for index, (_, members) in enumerate(LAYERS):
-        for member in members:
-            if module == member or (member.endswith(".") and
-                                    (module + ".").startswith(member)):
-                return index
-    return None
+# Inside a room, top to bottom: its modules' order (a room not named here has none).
+ORDER: dict[str, list[set[str]]] = {
+    "runner.cli": [
+        {"app", "worker"},
+        {"compose", "help", "launch", "sweep"},
+        {"mpijob"},
+        {"preflight", "validation"},
+    ],
+    "runner.training": [
+        {"supervisor", "mpienv", "rank"},
+        {"loop"},
+        {"summary"},
+        {"resume"},
+        {"step", "evaluation", "sampling"},
+        {"interrupt"},
+        {"assembly"},
+        {"devices", "precision"},
+    ],
+    "runner.config": [
+        {"machine"},
+        {"schema", "options", "registry"},
+    ],
+}
 
 
 def module_name(path: Path) -> str:
@@ -66,6 +57,38 @@ def module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def sources() -> list[Path]:
+    return sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
+
+
+MODULES = {module_name(p) for p in sources()}
+
+
+def room_of(module: str) -> str:
+    """A sub-package of runner/ is a room, a module directly in runner/ is one by itself."""
+    parts = module.split(".")
+    if parts[0] == "runner":
+        if len(parts) > 1 and (ROOT / "runner" / parts[1] / "__init__.py").is_file():
+            return f"runner.{parts[1]}"
+        return module
+    if parts[0] == "hydra_plugins":
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def floor_of(room: str) -> int | None:
+    return next((i for i, (_, rooms) in enumerate(FLOORS) if room in rooms), None)
+
+
+def tier_of(module: str) -> int | None:
+    """The module's place in its room's ORDER (None where the room has none)."""
+    tiers = ORDER.get(room_of(module))
+    if tiers is None:
+        return None
+    name = module.rpartition(".")[2]
+    return next((i for i, tier in enumerate(tiers) if name in tier), None)
 
 
 def project_imports(path: Path) -> set[str]:
@@ -78,35 +101,97 @@ def project_imports(path: Path) -> set[str]:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         for name in names:
             # `from runner.core import Partition`: the module is the longest prefix that is one
-            while name and layer_of(name) is None:
+            while name and name not in MODULES:
                 name = name.rpartition(".")[0]
-            if name.split(".")[0] in ("runner", "strategies", "hydra_plugins"):
+            if name:
                 found.add(name)
     return found
 
 
-def sources() -> list[Path]:
-    return sorted(p for folder in ("runner", "strategies", "hydra_plugins")
-                  for p in (ROOT / folder).rglob("*.py"))
+def test_every_room_has_a_floor_and_every_floor_a_room() -> None:
+    rooms = {room_of(m) for m in MODULES}
+    named = set().union(*(members for _, members in FLOORS))
+    assert not rooms - named, f"add these rooms to FLOORS: {sorted(rooms - named)}"
+    assert not named - rooms, f"no such rooms (remove them from FLOORS): {sorted(named - rooms)}"
 
 
-def test_every_module_has_a_layer() -> None:
-    unplaced = [module_name(p) for p in sources() if layer_of(module_name(p)) is None]
-    assert not unplaced, f"add these to LAYERS: {unplaced}"
+def test_every_module_of_an_ordered_room_has_its_place() -> None:
+    unplaced = [m for m in MODULES if room_of(m) in ORDER and m != room_of(m)
+                and tier_of(m) is None]
+    assert not unplaced, f"add these to ORDER: {sorted(unplaced)}"
+    for room, tiers in ORDER.items():
+        for tier in tiers:
+            missing = {name for name in tier if f"{room}.{name}" not in MODULES}
+            assert not missing, f"no such modules in {room} (remove them from ORDER): {missing}"
 
 
-def test_no_module_imports_a_layer_above_it() -> None:
+def test_no_module_imports_a_floor_above_it() -> None:
     upward = []
     for path in sources():
         module = module_name(path)
-        own = layer_of(module)
+        own = floor_of(room_of(module))
         assert own is not None
         for imported in project_imports(path):
-            theirs = layer_of(imported)
+            theirs = floor_of(room_of(imported))
             if theirs is not None and theirs < own:
-                upward.append(f"{module} ({LAYERS[own][0]}) imports {imported} "
-                              f"({LAYERS[theirs][0]})")
+                upward.append(f"{module} ({FLOORS[own][0]}) imports {imported} "
+                              f"({FLOORS[theirs][0]})")
     assert not upward, "\n".join(upward)
+
+
+def test_no_module_imports_one_above_it_in_its_room() -> None:
+    upward = []
+    for path in sources():
+        module = module_name(path)
+        own = tier_of(module)
+        for imported in project_imports(path):
+            theirs = tier_of(imported)
+            if (own is not None and theirs is not None and theirs < own
+                    and room_of(imported) == room_of(module)):
+                upward.append(f"{module} imports {imported}, above it in {room_of(module)}")
+    assert not upward, "\n".join(upward)
+
+
+def architecture_paths() -> tuple[set[str], list[str]]:
+    """The files docs/architecture.md names, line by line: a path in backquotes (`runner/x.py`,
+    or a folder, `runner/core/`), and a bare `name.py` after a folder on the same line is that
+    folder's. Returns (the paths named, bare names without a folder before them)."""
+    named: set[str] = set()
+    orphans: list[str] = []
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        folder = None
+        for token in re.findall(r"`([^`\s]+)`", line):
+            if token.split("/")[0] in FOLDERS:
+                path = token.rstrip("/")
+                named.add(path)
+                if not path.endswith(".py"):
+                    folder = path
+            elif re.fullmatch(r"\w+\.py", token):
+                if folder is None:
+                    orphans.append(token)
+                else:
+                    named.add(f"{folder}/{token}")
+    return named, orphans
+
+
+def test_architecture_names_every_module() -> None:
+    named, _ = architecture_paths()
+    missing = []
+    for path in sources():
+        relative = path.relative_to(ROOT)
+        if relative.name in ("__init__.py", "__main__.py") and \
+                str(relative.parent) in named:
+            continue  # a package named by its folder
+        if str(relative) not in named:
+            missing.append(str(relative))
+    assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+def test_every_module_path_in_architecture_exists() -> None:
+    named, orphans = architecture_paths()
+    assert not orphans, f"docs/architecture.md names these without their folder: {orphans}"
+    absent = sorted(p for p in named if not (ROOT / p).exists())
+    assert not absent, f"docs/architecture.md names what does not exist: {absent}"
 
 
 def test_the_loop_does_not_know_the_planner() -> None:
