@@ -28,7 +28,7 @@ GLOBAL_BATCH = 256
 def build_model():
     import torch
 
-    from runner.models import mlp
+    from runner.zoo.models import mlp
 
     torch.manual_seed(0)
     return mlp((LAYERS[0],), LAYERS[-1], hidden=LAYERS[1:-1])

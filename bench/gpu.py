@@ -70,7 +70,7 @@ def plain_worker(spec: dict[str, Any]) -> None:
     import torch.nn.functional as F
     from torch import nn
 
-    from runner.datasets import Synthetic
+    from runner.zoo.datasets import Synthetic
 
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"

@@ -40,7 +40,7 @@ VARIANTS: list[tuple[str, dict[str, str]]] = [
 def build(widths: list[int], blocks: list[int]) -> Any:
     import torch
 
-    from runner.models import resnet
+    from runner.zoo.models import resnet
 
     torch.manual_seed(0)
     return resnet((3, 32, 32), 10, widths=widths, blocks=blocks)
@@ -68,10 +68,10 @@ def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[
     import torch
     from mpi4py import MPI
 
+    from runner.config.machine import load_machine_costs
+    from runner.config.registry import load_plugins
     from runner.core import ProcessGrid
     from runner.core.cost import step_bytes, step_time
-    from runner.machine import load_machine_costs
-    from runner.registry import load_plugins
     from strategies import STRATEGIES as REGISTRY
 
     load_plugins()

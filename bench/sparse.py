@@ -15,8 +15,8 @@ thus overlap by chance (≈ d² of the rows for two ranks), not identically; rea
 Zipfian, overlaps more.
 
 Every mode trains through `DataParallel(sparse=mode).parallelize(...)`, exactly as a run does (α, β
-and the local costs from the stored calibration, like runner/train.py): `dense` is what a user
-picking it gets, the table joining the ordinary dense gradient buckets (all-reduce of the whole
+and the local costs from the stored calibration, like runner/training/loop.py): `dense` is what a
+user picking it gets, the table joining the ordinary dense gradient buckets (all-reduce of the whole
 table, then a dense SGD update of every row); `allgather`, `sharded` and `auto` go through the
 sparse exchange (when `auto` picks dense, that is the exchange's own path: the rows scattered into
 a zero table, all-reduced, applied as a dense update). Each mode starts from the same weights and
@@ -184,8 +184,8 @@ def worker(vocabs: list[int], densities: list[float], repeats: int, warmup: int,
     import torch
     from mpi4py import MPI
 
+    from runner.config.machine import load_machine_costs
     from runner.core import ProcessGrid
-    from runner.machine import load_machine_costs
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

@@ -59,10 +59,10 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
     from mpi4py import MPI
     from torch.nn.parallel import DistributedDataParallel
 
+    from runner.config.machine import load_compute_rates, load_machine_costs
     from runner.core import ProcessGrid
     from runner.core.compute import oversubscription
     from runner.core.cost import step_bytes
-    from runner.machine import load_compute_rates, load_machine_costs
     from strategies import STRATEGIES
     from strategies.base import predict_step
 

@@ -1,3 +1,3 @@
-from runner.app import run
+from runner.cli.app import run
 
 run()

@@ -37,7 +37,7 @@ run directory:
   unimported (so unvalidated); `--trust` imports them, after printing each on a line of its
   own, and runs the run's launcher unless `--launcher-command` names another.
 - Files: config.yaml, .hydra/overrides.yaml and the original's metrics.jsonl are all read
-  before anything is imported or run, within the bounds of `runner/rundir_files.py` (size,
+  before anything is imported or run, within the bounds of `runner/records/rundir_files.py` (size,
   line length, nesting, integer digits). A file beyond them is refused in one line naming it
   and its line, exit 2, so that exit 1 always means a replay that ran and differs (or did not
   complete). A metrics line that is no JSON is skipped, as one cut short by a crash.
@@ -61,11 +61,11 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import ConfigError, DebugConfig, LauncherConfig, PlanConfig, RunConfig
-from runner.console import print_error
-from runner.launch import RunFailed, RunInterrupted, checked_run, execute, mpi_command
+from runner.cli.launch import RunFailed, RunInterrupted, checked_run, execute, mpi_command
+from runner.config.schema import ConfigError, DebugConfig, LauncherConfig, PlanConfig, RunConfig
+from runner.records.console import print_error
+from runner.records.rundir_files import RunFileError, parse_yaml, read_text
 from runner.report.data import read_metrics
-from runner.rundir_files import RunFileError, parse_yaml, read_text
 
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
 DEBUG_KNOBS = ("fail_at_step", "fail_on_rank", "fail_mode", "slow_rank", "slow_seconds")
@@ -142,7 +142,7 @@ def interpolated(value: Any) -> tuple[str, str] | None:
 
 def _read_yaml(path: Path) -> tuple[str, Any]:
     """A run file's text, and its plain values, nothing resolved; `Refused` when it is beyond
-    the readers' bounds (runner/rundir_files.py), no YAML, or holds an interpolation."""
+    the readers' bounds (runner/records/rundir_files.py), no YAML, or holds an interpolation."""
     try:
         text = read_text(path, errors="strict")
         loaded = parse_yaml(text, path)
@@ -314,7 +314,7 @@ def launch_line(run: RunConfig, run_dir: Path) -> str:
 
 def _asynchronous(optimizer: str) -> bool:
     """Whether the optimizer's replicas meet in an order no config fixes."""
-    from runner.registry import OPTIMIZERS, load_plugins
+    from runner.config.registry import OPTIMIZERS, load_plugins
 
     load_plugins()
     try:

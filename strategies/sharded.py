@@ -306,8 +306,8 @@ def output_itemsizes(layers: Sequence[nn.Module],
                      compute_dtype: torch.dtype | None = None) -> list[int]:
     """Bytes per element of what moves between ranks: index 0 the model's input, index i + 1
     layer i's output. Under mixed precision (`compute_dtype`) floating inputs are stored in the
-    half type (`runner.precision`), matrix products and convolutions output it, an embedding
-    outputs its table's dtype, and every other layer keeps its input's."""
+    half type (`runner.training.precision`), matrix products and convolutions output it, an
+    embedding outputs its table's dtype, and every other layer keeps its input's."""
     whole = activation_itemsize(layers)
     if compute_dtype is None:
         return [whole] * (len(layers) + 1)

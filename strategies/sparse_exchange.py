@@ -33,7 +33,7 @@ grid continues with the same hot rows.
 The optimizer receives the summed gradient (scaled like the dense buckets) as a sparse tensor
 from the sparse modes, so plain SGD updates only those rows (and a dense one when `auto` chose
 dense: then nearly every row was touched anyway). With momentum or weight decay, which move
-every row every step, `sgd` applies it densely (`runner/optim.py`): the exchange still moves
+every row every step, `sgd` applies it densely (`runner/optim/sync.py`): the exchange still moves
 only rows, the update is what the rule demands.
 """
 

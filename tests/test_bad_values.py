@@ -1,6 +1,6 @@
 """Bad values, table-driven: each is refused before any process starts, in one line naming it,
 with no run directory left behind and nothing else printed. In-process through the head's own
-check (`runner.app.precheck`: composition, the schema, validation, the machine), which is what
+check (`runner.cli.app.precheck`: composition, the schema, validation, the machine), which is what
 `python -m runner` runs before anything else; `tests/test_cli_errors.py` proves the exit code 2
 and the absence of tracebacks and MPI jobs through the real command line for a sample.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.app import precheck
-from runner.rundir import LOCK_FILE, MetricsWriter, atomic_write_text, release_run_dirs
+from runner.cli.app import precheck
+from runner.records.rundir import LOCK_FILE, MetricsWriter, atomic_write_text, release_run_dirs
 
 EASGD = ["optimizer=easgd"]
 SYNTH = ["dataset=synthetic"]
@@ -274,7 +274,7 @@ def test_a_bad_value_is_one_line_naming_it(overrides: list[str], fragment: str, 
 def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from runner.rundir import lock_run_dir; "
+        [sys.executable, "-c", "import sys, time; from runner.records.rundir import lock_run_dir; "
          f"lock_run_dir({str(run_dir)!r}); print('locked', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -392,7 +392,7 @@ def test_the_heads_check_of_a_good_config_stays_light(tmp_path: Path) -> None:
     meta kernels (torch._dynamo and sympy: 1-2 s of every run's start, see bench/startup.py)."""
     from tests.conftest import ROOT
 
-    code = ("import sys; from runner.app import precheck; "
+    code = ("import sys; from runner.cli.app import precheck; "
             f"assert precheck(['hydra.run.dir={tmp_path / 'run'}']) is None; "
             "heavy = [m for m in ('torch._dynamo', 'sympy', 'sklearn') if m in sys.modules]; "
             "print(heavy)")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, verify_resume
+from runner.checkpoint.store import Checkpoint, CheckpointError, latest_checkpoint, verify_resume
 from runner.core.placement import Placement
 from tests.conftest import ROOT, TIMEOUT_S, assert_ok, read_metrics, read_summary, run_cli
 
@@ -142,7 +142,7 @@ def _rank_pids(run_dir: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"runner.worker" in cmdline and str(run_dir).encode() in cmdline:
+        if b"runner.cli.worker" in cmdline and str(run_dir).encode() in cmdline:
             pids.append(int(proc.name))
     return pids
 
@@ -225,9 +225,9 @@ def test_a_checkpoint_of_another_model_is_refused(reference: Path) -> None:
 
 
 def _meta_model(*overrides: str) -> torch.nn.Module:
-    from runner import assembly
-    from runner.compose import compose
-    from runner.validation import validate
+    from runner.cli.compose import compose
+    from runner.cli.validation import validate
+    from runner.training import assembly
 
     run = validate(compose([*GRID, *overrides]), world_size=4)
     spec = assembly.build_dataset(run.dataset).spec()

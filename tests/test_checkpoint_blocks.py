@@ -23,8 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from runner import assembly
-from runner.checkpoint import (
+from runner.checkpoint.store import (
     Checkpoint,
     DamagedCheckpoint,
     Entry,
@@ -36,8 +35,9 @@ from runner.checkpoint import (
 from runner.core import ProcessGrid
 from runner.core.partition import balanced_slice
 from runner.core.placement import Placement, place_block, place_rows, place_whole, placement_of
-from runner.optim import SynchronousSGD
-from runner.sampling import EpochSampler
+from runner.optim.sync import SynchronousSGD
+from runner.training import assembly
+from runner.training.sampling import EpochSampler
 from strategies import ParallelModel
 from tests.test_checkpoint_integrity import (
     meta_model,

@@ -20,8 +20,7 @@ import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from runner import assembly
-from runner.checkpoint import (
+from runner.checkpoint.store import (
     Checkpoint,
     CheckpointError,
     DamagedCheckpoint,
@@ -33,16 +32,17 @@ from runner.checkpoint import (
     save_checkpoint,
     verify_resume,
 )
-from runner.compose import compose
-from runner.config import RunConfig
+from runner.cli.compose import compose
+from runner.cli.validation import validate
+from runner.config.schema import RunConfig
 from runner.core import ProcessGrid
 from runner.core.placement import place_whole
-from runner.optim import SynchronousSGD
-from runner.resume import start_or_resume
-from runner.rundir import RunDir
-from runner.sampling import EpochSampler
-from runner.step import StepFailure
-from runner.validation import validate
+from runner.optim.sync import SynchronousSGD
+from runner.records.rundir import RunDir
+from runner.training import assembly
+from runner.training.resume import start_or_resume
+from runner.training.sampling import EpochSampler
+from runner.training.step import StepFailure
 
 SHARD = "rank-00000.pt"
 OVERRIDES = ["grid.pr=1", "grid.pc=1", "strategy=data", "optimizer.momentum=0.9",

@@ -105,8 +105,8 @@ THROUGH_CLI = ("zero_ranks", "unknown_model", "every_problem_named", "wrong_type
 @pytest.mark.parametrize("name", sorted(set(CASES) - set(THROUGH_CLI)))
 def test_bad_input_is_one_line_in_the_heads_check(name: str, tmp_path: Path,
                                                   capfd: pytest.CaptureFixture[str]) -> None:
-    from runner.app import precheck
-    from runner.rundir import release_run_dirs
+    from runner.cli.app import precheck
+    from runner.records.rundir import release_run_dirs
 
     args, expected = CASES[name]
     run_dir = tmp_path / "run"

@@ -112,7 +112,7 @@ def test_site_launcher_command_and_args_are_used(runs: Runs) -> None:
     run_dir = runs("mlp_p2")
     recorded = (run_dir / "launcher_args.txt").read_text().split()
     assert recorded[:4] == ["-n", "2", "-genv", "GRIDRUN_TEST_MARK"]
-    assert recorded[-3:] == ["-m", "runner.worker", str(run_dir)]
+    assert recorded[-3:] == ["-m", "runner.cli.worker", str(run_dir)]
 
 
 def test_cnn_in_a_user_started_mpi_job_reproduces_single_process(runs: Runs) -> None:
@@ -272,8 +272,8 @@ def test_replica_optimizers_run_from_a_multirun(session_tmp: Path) -> None:
 
 
 def test_experiment_configs_compose_and_validate(tmp_path: Path) -> None:
-    from runner.app import precheck
-    from runner.rundir import release_run_dirs
+    from runner.cli.app import precheck
+    from runner.records.rundir import release_run_dirs
 
     for experiment in ("digits_cnn", "synthetic_mlp", "easgd_digits", "tokens_bag",
                        "kjv_bag"):

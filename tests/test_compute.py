@@ -241,7 +241,7 @@ def write_calibration(path: Path, compute: object | None) -> None:
 
 
 def test_load_compute_rates(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from runner.machine import load_compute_rates
+    from runner.config.machine import load_compute_rates
 
     path = tmp_path / "calibration.json"
     monkeypatch.setenv("GRIDRUN_CALIBRATION", str(path))

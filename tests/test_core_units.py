@@ -8,10 +8,10 @@ from typing import Literal
 import pytest
 import torch
 
+from runner.config.options import option_problems, with_defaults
 from runner.core import CommCounter, CountedComm, ProcessGrid, balanced_sizes, balanced_slice
 from runner.core.registry import Registry, UnknownPluginError
-from runner.mpienv import detect_mpi_environment
-from runner.options import option_problems, with_defaults
+from runner.training.mpienv import detect_mpi_environment
 
 Mode = Literal["a", "b"]
 
@@ -82,7 +82,7 @@ def test_plugin_options_are_checked_against_the_signature() -> None:
 
 
 def test_the_schema_names_every_unknown_key_and_wrong_type() -> None:
-    from runner.config import ConfigError, parse
+    from runner.config.schema import ConfigError, parse
 
     good = {"model": {"name": "mlp"}, "dataset": {"name": "digits"},
             "strategy": {"name": "grid"}, "optimizer": {"name": "sgd"}}

@@ -14,10 +14,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner import assembly
-from runner.config import ConfigError
-from runner.preflight import memory_estimate
-from runner.validation import validate
+from runner.cli.preflight import memory_estimate
+from runner.cli.validation import validate
+from runner.config.schema import ConfigError
+from runner.training import assembly
 from strategies.probe import draw_plan, logits_of, probe, random_draws, sample_dtype
 from tests import corpus_models as corpus
 from tests.conftest import assert_ok, run_cli_together, train_losses

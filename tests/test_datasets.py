@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from runner.datasets import Digits, ZipfTokens, _split
+from runner.zoo.datasets import Digits, ZipfTokens, _split
 
 
 @pytest.mark.parametrize("val_fraction", [0.2, 0.35])
@@ -34,7 +34,7 @@ def test_digits_are_bitwise_those_of_sklearn_load_digits(val_fraction: float) ->
 
 def test_digits_load_without_importing_sklearn_or_scipy() -> None:
     # a fresh interpreter: this one may have imported scikit-learn already
-    code = ("import sys; from runner.datasets import Digits; d = Digits(); d.spec(); d.load(); "
+    code = ("import sys; from runner.zoo.datasets import Digits; d = Digits(); d.spec(); d.load(); "
             "print(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
@@ -70,7 +70,7 @@ def test_token_dataset_names_every_bad_size() -> None:
 
 
 def test_king_james_verses_by_section() -> None:
-    from runner.corpus import PAD, SECTIONS, KingJamesVerses
+    from runner.zoo.corpus import PAD, SECTIONS, KingJamesVerses
 
     dataset = KingJamesVerses(vocab_size=3000, seq_len=24)
     spec, data = dataset.spec(), dataset.load()
@@ -86,7 +86,7 @@ def test_king_james_verses_by_section() -> None:
 def test_a_missing_corpus_package_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from runner.corpus import KingJamesVerses
+    from runner.zoo.corpus import KingJamesVerses
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install 'gridrun\[text\]'"):

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHECKED = sorted((ROOT / "strategies").glob("*.py")) + [
     ROOT / "runner" / "core" / name for name in ("primitives.py", "halo.py", "sparse.py")
-] + [ROOT / "runner" / "easgd.py", ROOT / "runner" / "evaluation.py"]
+] + [ROOT / "runner" / "optim" / "easgd.py",
+   ROOT / "runner" / "training" / "evaluation.py"]
 
 # torch factories whose tensor is on the CPU unless `device=` says otherwise.
 DEFAULT_CPU = frozenset({

@@ -296,7 +296,7 @@ def test_the_watchdog_fires_once_on_an_operation_past_its_timeout() -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="no /proc")
 def test_the_head_is_watched_only_where_its_pid_means_it() -> None:
-    from runner import supervisor
+    from runner.training import supervisor
 
     identity = supervisor.head_identity()
     assert identity is not None

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from runner import interrupt, rank, supervisor
+from runner.cli.mpijob import MPIJob
 from runner.core import CommCounter
 from runner.core.watchdog import CommProgress, CommWatchdog, absent_ranks, describe_absent
-from runner.mpijob import MPIJob
-from runner.rundir import MetricsWriter, RunDir
+from runner.records.rundir import MetricsWriter, RunDir
+from runner.training import interrupt, rank, supervisor
 from tests.conftest import read_summary
 from tests.test_failures import finish, job_processes, start_cli
 

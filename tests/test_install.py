@@ -70,7 +70,7 @@ def test_the_wheel_carries_configs_types_scripts_and_the_launcher(tmp_path: Path
     assert not missing, f"packages not in the wheel (add them to pyproject.toml): {missing}"
     info = f"gridrun-{VERSION}.dist-info"
     entry_points = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
-    assert "gridrun = runner.app:run" in entry_points
+    assert "gridrun = runner.cli.app:run" in entry_points
     assert "gridrun-plan = runner.plan.__main__:run" in entry_points
     metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
     assert "License-Expression: MIT" in metadata and "Typing :: Typed" in metadata
@@ -81,14 +81,14 @@ def test_the_wheel_carries_configs_types_scripts_and_the_launcher(tmp_path: Path
 
 def test_the_checkout_reads_its_own_conf() -> None:
     """The editable install maps nothing into the checkout: `runner/conf` exists in a wheel only."""
-    from runner.compose import CONF_DIR
+    from runner.cli.compose import CONF_DIR
 
     assert not (ROOT / "runner" / "conf").exists()
     assert CONF_DIR == ROOT / "conf"
 
 
 def test_help_text_lists_groups_options_keys_and_examples() -> None:
-    from runner.help import help_text
+    from runner.cli.help import help_text
 
     text = help_text()
     assert text.startswith("usage: gridrun ")
@@ -115,7 +115,7 @@ def test_help_text_lists_groups_options_keys_and_examples() -> None:
 
 def test_help_and_version_import_neither_torch_nor_mpi() -> None:
     probe = ("import sys, time; start = time.perf_counter()\n"
-             "from runner.help import help_text, plan_help_text, version_text\n"
+             "from runner.cli.help import help_text, plan_help_text, version_text\n"
              "help_text(); plan_help_text(); text = version_text()\n"
              "print(time.perf_counter() - start)\n"
              "print(sorted(m for m in ('torch', 'mpi4py', 'strategies') if m in sys.modules))\n"

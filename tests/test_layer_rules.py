@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from runner.config.registry import load_plugins
 from runner.core import GridShape
-from runner.registry import load_plugins
 from strategies import STRATEGIES
 
 

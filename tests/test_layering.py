@@ -1,56 +1,55 @@
-"""The modules in the order a run passes through them (docs/architecture.md): a module may
-import its own layer and the layers below it, never one above. Read from the source (every
-import statement, also those inside functions), so a new upward import fails here."""
+"""The rooms of the house in the order a run passes through them (docs/architecture.md): every
+sub-package of runner/ is a room (read from the folders, so a new folder must be given a floor),
+as are strategies/, the Hydra launcher and runner/'s own top-level modules. A module may import
+its own floor and the floors below it, never one above; inside a room, the order of its modules
+(`ORDER`) holds the same way. Read from the source (every import statement, also those inside
+functions), so a new upward import fails here. docs/architecture.md names every module, and
+every module it names exists."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("runner", "strategies", "hydra_plugins")
 
-# Top to bottom. A name ending in "." stands for every module under that package.
-LAYERS: list[tuple[str, set[str]]] = [
-    ("entry points", {"runner.__main__", "runner.app", "runner.worker", "runner.replay",
-                      "runner.plan.__main__", "runner.report.__main__",
-                      "runner.reproduce.__main__", "runner.reproduce.grid",
-                      "hydra_plugins.gridrun_launcher",
-                      "hydra_plugins.gridrun_launcher.mpi_launcher",
-                      "hydra_plugins.gridrun_launcher.app_jobs",
-                      "hydra_plugins.gridrun_launcher.app_rank"}),
-    ("the head", {"runner.compose", "runner.help", "runner.launch", "runner.sweep", "runner.report",
-                  "runner.report.data", "runner.report.plots", "runner.report.summary",
-                  "runner.reproduce", "runner.reproduce.runs", "runner.reproduce.sc17",
-                  "runner.reproduce.parallax"}),
-    ("the head's watch over a job", {"runner.mpijob"}),
-    ("checks before a run", {"runner.preflight", "runner.validation"}),
-    ("process roles", {"runner.supervisor", "runner.mpienv", "runner.rank"}),
-    ("the loop", {"runner.train"}),
-    ("the run's records", {"runner.summary"}),
-    ("start or resume", {"runner.resume"}),
-    ("the step", {"runner.step", "runner.evaluation", "runner.sampling"}),
-    ("checkpoints, signals, boards", {"runner.checkpoint", "runner.interrupt", "runner.board"}),
-    ("assembly", {"runner.assembly"}),
-    ("devices and precision", {"runner.devices", "runner.precision"}),
-    ("plugins", {"runner.easgd", "runner.optim", "runner.models", "runner.datasets",
-                 "runner.corpus", "runner.userdata", "runner.plan", "runner.plan.planner",
-                 "runner.plan.calibration", "runner.parameter_server"}),
-    ("machine costs", {"runner.machine"}),
-    ("config and registries", {"runner.config", "runner.options", "runner.registry"}),
-    ("strategies", {"strategies."}),
-    ("the distributed-tensor core", {"runner.core."}),
-    ("utilities", {"runner", "runner.rundir", "runner.rundir_files", "runner.console",
-                   "runner.logs", "runner.process"}),
+# Top to bottom: a floor's rooms.
+FLOORS: list[tuple[str, set[str]]] = [
+    ("the commands", {"runner.__main__", "runner.reproduce", "hydra_plugins.gridrun_launcher"}),
+    ("the tools that start runs or read them", {"runner.replay", "runner.plan"}),
+    ("the head", {"runner.cli"}),
+    ("a rank, and the reports of runs", {"runner.training", "runner.report"}),
+    ("checkpoints", {"runner.checkpoint"}),
+    ("plugins", {"runner.optim", "runner.zoo"}),
+    ("config and strategies", {"runner.config", "strategies"}),
+    ("the distributed-tensor core and the records", {"runner.core", "runner.records", "runner"}),
 ]
 
-
-def layer_of(module: str) -> int | None:
-    for index, (_, members) in enumerate(LAYERS):
-        for member in members:
-            if module == member or (member.endswith(".") and
-                                    (module + ".").startswith(member)):
-                return index
-    return None
+# Inside a room, top to bottom: its modules' order (a room not named here has none).
+ORDER: dict[str, list[set[str]]] = {
+    "runner.cli": [
+        {"app", "worker"},
+        {"compose", "help", "launch", "sweep"},
+        {"mpijob"},
+        {"preflight", "validation"},
+    ],
+    "runner.training": [
+        {"supervisor", "mpienv", "rank"},
+        {"loop"},
+        {"summary"},
+        {"resume"},
+        {"step", "evaluation", "sampling"},
+        {"interrupt"},
+        {"assembly"},
+        {"devices", "precision"},
+    ],
+    "runner.config": [
+        {"machine"},
+        {"schema", "options", "registry"},
+    ],
+}
 
 
 def module_name(path: Path) -> str:
@@ -58,6 +57,38 @@ def module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def sources() -> list[Path]:
+    return sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
+
+
+MODULES = {module_name(p) for p in sources()}
+
+
+def room_of(module: str) -> str:
+    """A sub-package of runner/ is a room, a module directly in runner/ is one by itself."""
+    parts = module.split(".")
+    if parts[0] == "runner":
+        if len(parts) > 1 and (ROOT / "runner" / parts[1] / "__init__.py").is_file():
+            return f"runner.{parts[1]}"
+        return module
+    if parts[0] == "hydra_plugins":
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def floor_of(room: str) -> int | None:
+    return next((i for i, (_, rooms) in enumerate(FLOORS) if room in rooms), None)
+
+
+def tier_of(module: str) -> int | None:
+    """The module's place in its room's ORDER (None where the room has none)."""
+    tiers = ORDER.get(room_of(module))
+    if tiers is None:
+        return None
+    name = module.rpartition(".")[2]
+    return next((i for i, tier in enumerate(tiers) if name in tier), None)
 
 
 def project_imports(path: Path) -> set[str]:
@@ -70,44 +101,106 @@ def project_imports(path: Path) -> set[str]:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         for name in names:
             # `from runner.core import Partition`: the module is the longest prefix that is one
-            while name and layer_of(name) is None:
+            while name and name not in MODULES:
                 name = name.rpartition(".")[0]
-            if name.split(".")[0] in ("runner", "strategies", "hydra_plugins"):
+            if name:
                 found.add(name)
     return found
 
 
-def sources() -> list[Path]:
-    return sorted(p for folder in ("runner", "strategies", "hydra_plugins")
-                  for p in (ROOT / folder).rglob("*.py"))
+def test_every_room_has_a_floor_and_every_floor_a_room() -> None:
+    rooms = {room_of(m) for m in MODULES}
+    named = set().union(*(members for _, members in FLOORS))
+    assert not rooms - named, f"add these rooms to FLOORS: {sorted(rooms - named)}"
+    assert not named - rooms, f"no such rooms (remove them from FLOORS): {sorted(named - rooms)}"
 
 
-def test_every_module_has_a_layer() -> None:
-    unplaced = [module_name(p) for p in sources() if layer_of(module_name(p)) is None]
-    assert not unplaced, f"add these to LAYERS: {unplaced}"
+def test_every_module_of_an_ordered_room_has_its_place() -> None:
+    unplaced = [m for m in MODULES if room_of(m) in ORDER and m != room_of(m)
+                and tier_of(m) is None]
+    assert not unplaced, f"add these to ORDER: {sorted(unplaced)}"
+    for room, tiers in ORDER.items():
+        for tier in tiers:
+            missing = {name for name in tier if f"{room}.{name}" not in MODULES}
+            assert not missing, f"no such modules in {room} (remove them from ORDER): {missing}"
 
 
-def test_no_module_imports_a_layer_above_it() -> None:
+def test_no_module_imports_a_floor_above_it() -> None:
     upward = []
     for path in sources():
         module = module_name(path)
-        own = layer_of(module)
+        own = floor_of(room_of(module))
         assert own is not None
         for imported in project_imports(path):
-            theirs = layer_of(imported)
+            theirs = floor_of(room_of(imported))
             if theirs is not None and theirs < own:
-                upward.append(f"{module} ({LAYERS[own][0]}) imports {imported} "
-                              f"({LAYERS[theirs][0]})")
+                upward.append(f"{module} ({FLOORS[own][0]}) imports {imported} "
+                              f"({FLOORS[theirs][0]})")
     assert not upward, "\n".join(upward)
 
 
+def test_no_module_imports_one_above_it_in_its_room() -> None:
+    upward = []
+    for path in sources():
+        module = module_name(path)
+        own = tier_of(module)
+        for imported in project_imports(path):
+            theirs = tier_of(imported)
+            if (own is not None and theirs is not None and theirs < own
+                    and room_of(imported) == room_of(module)):
+                upward.append(f"{module} imports {imported}, above it in {room_of(module)}")
+    assert not upward, "\n".join(upward)
+
+
+def architecture_paths() -> tuple[set[str], list[str]]:
+    """The files docs/architecture.md names, line by line: a path in backquotes (`runner/x.py`,
+    or a folder, `runner/core/`), and a bare `name.py` after a folder on the same line is that
+    folder's. Returns (the paths named, bare names without a folder before them)."""
+    named: set[str] = set()
+    orphans: list[str] = []
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        folder = None
+        for token in re.findall(r"`([^`\s]+)`", line):
+            if token.split("/")[0] in FOLDERS:
+                path = token.rstrip("/")
+                named.add(path)
+                if not path.endswith(".py"):
+                    folder = path
+            elif re.fullmatch(r"\w+\.py", token):
+                if folder is None:
+                    orphans.append(token)
+                else:
+                    named.add(f"{folder}/{token}")
+    return named, orphans
+
+
+def test_architecture_names_every_module() -> None:
+    named, _ = architecture_paths()
+    missing = []
+    for path in sources():
+        relative = path.relative_to(ROOT)
+        if relative.name in ("__init__.py", "__main__.py") and \
+                str(relative.parent) in named:
+            continue  # a package named by its folder
+        if str(relative) not in named:
+            missing.append(str(relative))
+    assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+def test_every_module_path_in_architecture_exists() -> None:
+    named, orphans = architecture_paths()
+    assert not orphans, f"docs/architecture.md names these without their folder: {orphans}"
+    absent = sorted(p for p in named if not (ROOT / p).exists())
+    assert not absent, f"docs/architecture.md names what does not exist: {absent}"
+
+
 def test_the_loop_does_not_know_the_planner() -> None:
-    assert not {m for m in project_imports(ROOT / "runner" / "train.py")
+    assert not {m for m in project_imports(ROOT / "runner" / "training" / "loop.py")
                 if m.startswith("runner.plan")}
 
 
 def test_train_fits_on_a_page() -> None:
-    tree = ast.parse((ROOT / "runner" / "train.py").read_text())
+    tree = ast.parse((ROOT / "runner" / "training" / "loop.py").read_text())
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert train.end_lineno is not None and train.end_lineno - train.lineno + 1 <= 80
 

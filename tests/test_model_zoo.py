@@ -15,10 +15,10 @@ import torch
 import yaml
 from torch import nn
 
-from runner.app import precheck
-from runner.datasets import CIFAR10_CLASSES, CIFAR10_RECORD, Cifar10
-from runner.models import BasicBlock, ResNet, resnet, vgg
-from runner.registry import DATASETS, MODELS, load_plugins
+from runner.cli.app import precheck
+from runner.config.registry import DATASETS, MODELS, load_plugins
+from runner.zoo.datasets import CIFAR10_CLASSES, CIFAR10_RECORD, Cifar10
+from runner.zoo.models import BasicBlock, ResNet, resnet, vgg
 from tests.conftest import ROOT, assert_ok, read_summary, run_cli
 
 

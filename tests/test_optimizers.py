@@ -22,14 +22,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.checkpoint import (
+from runner.checkpoint.store import (
     Checkpoint,
     DamagedCheckpoint,
     checkpoint_bytes,
     parameter_shapes,
     verify_resume,
 )
-from runner.optim import (
+from runner.config.options import option_problems, with_defaults
+from runner.config.registry import OPTIMIZERS, load_plugins
+from runner.optim.parameter_server import AsyncMSGD, AsyncSGD, HogwildSGD
+from runner.optim.sync import (
     ELEMENTWISE_TORCH_OPTIMIZERS,
     SynchronousSGD,
     TorchAdam,
@@ -37,9 +40,6 @@ from runner.optim import (
     UnsavableState,
     wrap_torch_optimizer,
 )
-from runner.options import option_problems, with_defaults
-from runner.parameter_server import AsyncMSGD, AsyncSGD, HogwildSGD
-from runner.registry import OPTIMIZERS, load_plugins
 from tests.conftest import assert_ok, read_metrics, run_cli_together
 
 INPUTS = ("model", "grid", "total_steps")
@@ -276,10 +276,10 @@ def test_adamw_on_any_grid_repeats_one_process(runs: dict[str, Path]) -> None:
 def test_one_process_is_a_plain_torch_adamw_loop(runs: dict[str, Path]) -> None:
     """The same model, data order and loss as `python -m runner` on one process, trained by
     `torch.optim.AdamW` itself."""
-    from runner import assembly
-    from runner.compose import compose
-    from runner.sampling import EpochSampler
-    from runner.validation import validate
+    from runner.cli.compose import compose
+    from runner.cli.validation import validate
+    from runner.training import assembly
+    from runner.training.sampling import EpochSampler
 
     run = validate(compose([*ADAMW, *ONE]), world_size=1)
     torch.manual_seed(run.seed)
@@ -334,9 +334,9 @@ def test_checkpoint_bytes_counts_adam_s_moments(runs: dict[str, Path]) -> None:
 
 
 def _meta_model() -> torch.nn.Module:
-    from runner import assembly
-    from runner.compose import compose
-    from runner.validation import validate
+    from runner.cli.compose import compose
+    from runner.cli.validation import validate
+    from runner.training import assembly
 
     run = validate(compose([*ADAMW, *ONE]), world_size=1)
     spec = assembly.build_dataset(run.dataset).spec()
@@ -376,7 +376,7 @@ def test_scalars_are_checked_and_a_checkpoint_without_them_still_loads(
         "its step value for 'x' is not a parameter of this model")
 
 
-# -- SC17's parameter-server baselines (runner/parameter_server.py) -------------------------------
+# -- SC17's parameter-server baselines (runner/optim/parameter_server.py) --------------------------
 
 PARAMETER_SERVERS = {"async_sgd": AsyncSGD, "async_msgd": AsyncMSGD, "hogwild_sgd": HogwildSGD}
 

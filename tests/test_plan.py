@@ -55,7 +55,7 @@ def test_fit_recovers_a_line() -> None:
 def test_activation_memory_by_hand() -> None:
     """Default MLP (Flatten, 64->128, ReLU, 128->128, ReLU, 128->10) on 8x8 digits, B = 64."""
     from runner.core import GridShape
-    from runner.models import mlp
+    from runner.zoo.models import mlp
     from strategies import STRATEGIES
 
     with torch.device("meta"):
@@ -143,7 +143,7 @@ PLAN_BAD: list[tuple[dict[str, object], str]] = [
 
 @pytest.mark.parametrize(("values", "named"), PLAN_BAD, ids=[str(v) for v, _ in PLAN_BAD])
 def test_planner_values_no_plan_can_use_are_named(values: dict[str, object], named: str) -> None:
-    from runner.config import PlanConfig
+    from runner.config.schema import PlanConfig
     from runner.plan.__main__ import plan_value_problems
 
     problems = plan_value_problems(PlanConfig(**values))  # type: ignore[arg-type]
@@ -180,7 +180,7 @@ def test_calibration_lives_in_the_users_cache(monkeypatch: pytest.MonkeyPatch,
                                              tmp_path: Path) -> None:
     import socket
 
-    from runner.machine import calibration_path
+    from runner.config.machine import calibration_path
 
     monkeypatch.delenv("GRIDRUN_CALIBRATION", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

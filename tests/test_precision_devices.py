@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from runner.app import precheck
-from runner.config import DebugConfig
+from runner.cli.app import precheck
+from runner.config.schema import DebugConfig
 from runner.core import CommCounter, CountedComm, DevicePaths
 from runner.core.staging import StagedTransport
 from runner.core.torchdist import LocalTransport
-from runner.precision import DynamicLossScale, Precision
-from runner.rundir import release_run_dirs
-from runner.step import train_step
+from runner.records.rundir import release_run_dirs
+from runner.training.precision import DynamicLossScale, Precision
+from runner.training.step import train_step
 from strategies.base import Score, cross_entropy_score
 
 

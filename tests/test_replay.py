@@ -69,7 +69,7 @@ def edit_config(run_dir: Path, **sections: Any) -> None:
 
 def default_launch(run_dir: Path, ranks: int) -> str:
     return "launcher: " + shlex.join([MPIEXEC, "-n", str(ranks), sys.executable, "-m",
-                                      "runner.worker", str(run_dir)])
+                                      "runner.cli.worker", str(run_dir)])
 
 
 def test_a_run_replays_to_the_same_losses(original: Path, tmp_path: Path) -> None:
@@ -177,7 +177,7 @@ def test_an_explicit_launcher_is_used(original_2_ranks: Path, tmp_path: Path) ->
     result = replay(str(source), "--run-dir", str(again), "--launcher-command", command)
     assert_ok(result)
     assert marker.exists()
-    assert f"launcher: {command} -n 2 {shlex.quote(sys.executable)} -m runner.worker " \
+    assert f"launcher: {command} -n 2 {shlex.quote(sys.executable)} -m runner.cli.worker " \
            f"{again}\n" in result.stdout
     assert "identical: the 4 training losses" in result.stdout
     assert "not used" not in result.stderr  # the run's launcher was the default one

@@ -184,8 +184,8 @@ def test_bad_options_are_one_line_and_exit_2(argv: list[str], message: str, tmp_
     ["experiment=parallax_tokens", "strategy.sparse=sharded"],
 ])
 def test_the_experiments_compose_and_validate(overrides: list[str], tmp_path: Path) -> None:
-    from runner.app import precheck
-    from runner.rundir import release_run_dirs
+    from runner.cli.app import precheck
+    from runner.records.rundir import release_run_dirs
 
     run_dir = tmp_path / "run"
     try:

@@ -2,9 +2,9 @@
 run (its metrics, its outcome, its checkpoints) is refused in one line naming the directory and
 what it holds, with every file of it left as it was, unless it is a resume of that same run:
 from its own checkpoints, under its own config but for what a resume may change
-(`runner.preflight.RESUMABLE`). A resume keeps what it rewrites under `earlier-<time>/`.
+(`runner.cli.preflight.RESUMABLE`). A resume keeps what it rewrites under `earlier-<time>/`.
 
-In-process through the head's own check (`runner.app.precheck`), on copies of one real run;
+In-process through the head's own check (`runner.cli.app.precheck`), on copies of one real run;
 two cases through the command line.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.app import precheck
-from runner.rundir import release_run_dirs
+from runner.cli.app import precheck
+from runner.records.rundir import release_run_dirs
 from tests.conftest import assert_ok, read_metrics, read_summary, run_cli
 
 BASE = ["strategy=data", "grid.pr=1", "grid.pc=1", "trainer.eval_every=null", "seed=3"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from runner.checkpoint import latest_checkpoint
+from runner.checkpoint.store import latest_checkpoint
 from tests.conftest import MPIEXEC, ROOT, TIMEOUT_S, assert_ok, read_metrics, run_cli_together
 
 STEPS, HALF = 20, 10
@@ -113,9 +113,9 @@ from mpi4py import MPI
 
 from runner.core import CommCounter, ProcessGrid
 from runner.core.sparse import BlockRows
-from runner.datasets import ZipfTokens
-from runner.models import bag_classifier
-from runner.optim import SynchronousSGD, TorchAdam
+from runner.zoo.datasets import ZipfTokens
+from runner.zoo.models import bag_classifier
+from runner.optim.sync import SynchronousSGD, TorchAdam
 from strategies.data import DataParallel
 from strategies.sparse_exchange import UnevenState
 

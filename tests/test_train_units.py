@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.assembly import OPTIMIZER_INPUTS
-from runner.compose import one_line
-from runner.optim import SynchronousSGD, scheduled_lr
-from runner.options import with_defaults
-from runner.rundir import MetricsWriter
-from runner.sampling import EpochSampler
-from runner.sweep import SweepJob, sweep_failures, sweep_rows
+from runner.cli.compose import one_line
+from runner.cli.sweep import SweepJob, sweep_failures, sweep_rows
+from runner.config.options import with_defaults
+from runner.optim.sync import SynchronousSGD, scheduled_lr
+from runner.records.rundir import MetricsWriter
+from runner.training.assembly import OPTIMIZER_INPUTS
+from runner.training.sampling import EpochSampler
 from strategies.buckets import group_by_size
 
 

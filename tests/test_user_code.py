@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.compose import compose
-from runner.config import ConfigError
-from runner.validation import validate
+from runner.cli.compose import compose
+from runner.cli.validation import validate
+from runner.config.schema import ConfigError
 from tests.conftest import read_summary, train_losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,7 +239,7 @@ class SilentRows(MapRows):
 
 @pytest.mark.parametrize("case", BAD_DATA)
 def test_a_users_data_is_checked_in_the_head(case: str) -> None:
-    from runner.userdata import TargetDataset, UserDatasetError
+    from runner.zoo.userdata import TargetDataset, UserDatasetError
 
     made, message = BAD_DATA[case]
     with pytest.raises(UserDatasetError) as refused:
@@ -248,7 +248,7 @@ def test_a_users_data_is_checked_in_the_head(case: str) -> None:
 
 
 def test_good_data_passes_the_heads_check() -> None:
-    from runner.userdata import TargetDataset
+    from runner.zoo.userdata import TargetDataset
 
     TargetDataset(lambda: (pairs(), pairs(8)), "my.data").check()
     TargetDataset(lambda: (MapRows(*pairs(), num_classes=3),

@@ -74,7 +74,7 @@ def _run_mpi_job(job: RankJob, overrides: list[str], number: int, exchange: Path
     job_file, result_file = exchange / f"job{number}", exchange / f"job{number}.result"
     job_file.write_bytes(cloudpickle.dumps(job))
     command = mpi_command(job.config.hydra.launcher, job_file, result_file)
-    from runner.mpijob import stop_with_parent
+    from runner.cli.mpijob import stop_with_parent
 
     # mpiexec gets SIGTERM when the sweep's head dies, and passes it on to the ranks
     code = subprocess.run(command, env=rank_environment(), check=False,
@@ -91,7 +91,7 @@ def mpi_command(launcher: DictConfig, job_file: Path, result_file: Path) -> list
 
 
 def _default_mpiexec() -> str:
-    from runner.mpienv import bundled_mpiexec
+    from runner.training.mpienv import bundled_mpiexec
 
     return bundled_mpiexec() or "mpiexec"
 
@@ -100,7 +100,7 @@ def rank_environment() -> dict[str, str]:
     """This process's environment without its own MPI identity (as for gridrun's ranks), and
     with its import path: the ranks import the task function's module and what it imports, the
     app's own directory included."""
-    from runner.mpienv import child_environment
+    from runner.training.mpienv import child_environment
 
     env = child_environment()
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(os.path.abspath(p) for p in sys.path))

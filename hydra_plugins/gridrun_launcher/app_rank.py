@@ -13,8 +13,8 @@ exception does under `python -m mpi4py`: the other ranks may be waiting for it i
 A rank other than 0 first gives rank 0 a moment to write its result, so that a task that raises
 on every rank comes back as its own exception rather than as a killed job.
 
-The rank is told by the launcher's environment (`runner.mpienv`), not by MPI: initialising MPI
-is the task's business (it may want its own thread level, or no MPI at all).
+The rank is told by the launcher's environment (`runner.training.mpienv`), not by MPI: initialising
+MPI is the task's business (it may want its own thread level, or no MPI at all).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict, read_write
 
-from runner.mpienv import detect_mpi_environment
+from runner.training.mpienv import detect_mpi_environment
 
 # How long a failed rank other than 0 waits for rank 0's result before it ends the job.
 RESULT_WAIT_S = 5.0

@@ -3,7 +3,7 @@
 Jobs run one after another (concurrent jobs would share the cores and spoil every job's timings).
 The launcher serves two kinds of app (one app per sweep):
 
-- **gridrun's own** (the task function is `runner.app.hydra_task`): for each job the launcher
+- **gridrun's own** (the task function is `runner.cli.app.hydra_task`): for each job the launcher
   composes the job's config, and the task function validates it, writes the job's run directory
   and starts `mpiexec -n pr*pc` for it (1-rank jobs train in this process). gridrun's `grid.*`
   and `launcher.*` size and start the job: this launcher's own fields below are ignored. A job
@@ -49,13 +49,13 @@ from omegaconf import DictConfig, open_dict
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from runner.sweep import SweepJob
+    from runner.cli.sweep import SweepJob
 
 log = logging.getLogger(__name__)
 
 SWEEP_CSV = "sweep_summary.csv"
-# The module of gridrun's own task function (`runner.app.hydra_task`).
-GRIDRUN_TASK_MODULE = "runner.app"
+# The module of gridrun's own task function (`runner.cli.app.hydra_task`).
+GRIDRUN_TASK_MODULE = "runner.cli.app"
 
 
 @dataclass
@@ -99,8 +99,8 @@ class MPILauncher(Launcher):
 
     def _launch_gridrun_jobs(self, job_overrides: Sequence[Sequence[str]],
                              initial_job_idx: int) -> list[JobReturn]:
-        from runner.console import make_console
-        from runner.launch import RunInterrupted
+        from runner.cli.launch import RunInterrupted
+        from runner.records.console import make_console
 
         assert self.config is not None
         setup_globals()
@@ -124,8 +124,8 @@ class MPILauncher(Launcher):
                          console: "Console") -> tuple[JobReturn, "SweepJob"]:
         """Run one job in this process (its task starts the job's MPI job) and record it for the
         table. An override that does not compose fails this job only."""
-        from runner.rundir import RunDir
-        from runner.sweep import SweepJob
+        from runner.cli.sweep import SweepJob
+        from runner.records.rundir import RunDir
 
         assert self.config is not None and self.hydra_context is not None
         assert self.task_function is not None
@@ -157,10 +157,10 @@ def _finish_gridrun_sweep(sweep_dir: Path, console: "Console", returns: Sequence
     """Print and write the sweep table (`jobs`: the sweep's so far), then end the sweep where
     this batch (`returns`) stopped or failed as expected (exit 130, exit 1); other failures are
     left to Hydra."""
-    from runner.config import ConfigError
-    from runner.console import print_error
-    from runner.launch import RunFailed, RunInterrupted
-    from runner.sweep import sweep_failures, sweep_rows, sweep_table, write_sweep_csv
+    from runner.cli.launch import RunFailed, RunInterrupted
+    from runner.cli.sweep import sweep_failures, sweep_rows, sweep_table, write_sweep_csv
+    from runner.config.schema import ConfigError
+    from runner.records.console import print_error
 
     rows = sweep_rows(jobs)
     write_sweep_csv(sweep_dir / SWEEP_CSV, rows)

@@ -4,7 +4,7 @@ backward seconds of a layer on the local shapes a layout gives a rank.
 A training step's time is compute + communication + wait; `runner.core.cost` prices the
 communication, this module the compute. The rates (`ComputeRates`) are measured by
 `python -m runner.plan plan.calibrate=true` (`runner.plan.calibration.measure_compute`) and found
-again by `runner.machine.load_compute_rates`; until then `DEFAULT_RATES` stand in.
+again by `runner.config.machine.load_compute_rates`; until then `DEFAULT_RATES` stand in.
 
 The model, per operation a rank's layer issues (float32 throughout):
 
@@ -315,7 +315,7 @@ class ComputeRates:
 
     threads: int = 1
     """The torch threads the rates were measured with (a rank runs with
-    cores // ranks-on-the-node threads, at least 1: `runner.rank`)."""
+    cores // ranks-on-the-node threads, at least 1: `runner.training.rank`)."""
 
     source: str = "default"
     """Where the numbers come from: "default", "calibrated (<path>)"."""
@@ -455,8 +455,8 @@ def pass_seconds(nbytes: float, rates: ComputeRates, calls: int = 1) -> float:
 def oversubscription(ranks_on_node: int, cores: int) -> float:
     """How much slower each rank computes when the node's ranks share its cores: ranks / cores,
     at least 1. Ranks run one torch thread each when there are more ranks than cores
-    (`runner.rank`), so r ranks on c < r cores take turns and each gets c / r of a core; with a
-    core each (or more: each then runs several threads, which rates measured with as many
+    (`runner.training.rank`), so r ranks on c < r cores take turns and each gets c / r of a core;
+    with a core each (or more: each then runs several threads, which rates measured with as many
     `threads` reflect) nothing slows down."""
     return max(1.0, ranks_on_node / max(cores, 1))
 

@@ -15,7 +15,8 @@ same thread also keeps a `CommProgress` of its rank (how many operations it comp
 count last moved, what it is in now) and hands it to `publish` about once a second; on timeout it
 asks `peers` for the latest progress of the other ranks of the group and names those that are not
 in the same operation (`absent_ranks`). How progress travels between ranks (files in the run
-directory, in `runner.rank`) is the caller's business: no MPI traffic, nothing on the hot path.
+directory, in `runner.training.rank`) is the caller's business: no MPI traffic, nothing on the hot
+path.
 
 On timeout the thread writes one line to stderr and to the rank's log, then calls `on_timeout`
 (the worker records the failure and calls MPI Abort from this thread, which ends the whole job

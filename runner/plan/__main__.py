@@ -23,9 +23,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.compose import CONF_DIR, register_configs, with_target_groups
-from runner.config import PlanConfig, Plugin
-from runner.console import make_console, print_error
+from runner.cli.compose import CONF_DIR, register_configs, with_target_groups
+from runner.config.schema import PlanConfig, Plugin
+from runner.records.console import make_console, print_error
 
 if TYPE_CHECKING:
     from runner.plan.planner import Plan
@@ -65,8 +65,8 @@ def precheck(args: list[str]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.compose import compose, config_dirs, one_line, without_config_dirs
-    from runner.config import ConfigError, parse_plan
+    from runner.cli.compose import compose, config_dirs, one_line, without_config_dirs
+    from runner.config.schema import ConfigError, parse_plan
 
     rest = without_config_dirs(args)
     flags = [a for a in rest if a.startswith("-")]
@@ -108,7 +108,7 @@ def hydra_task(cfg: DictConfig) -> None:
 def plan_or_calibrate(cfg: DictConfig, job: str = "") -> int:
     """Print the plan for a composed config (or calibrate); the exit code. Problems are one
     line on stderr, prefixed with `job` in a sweep."""
-    from runner.config import ConfigError, parse_plan
+    from runner.config.schema import ConfigError, parse_plan
     from runner.core.registry import UnknownPluginError
     from runner.plan.calibration import CalibrationFailed
 
@@ -144,7 +144,7 @@ def calibrate(repeats: int = 20) -> None:
         measure,
         usable_cores,
     )
-    from runner.rundir import write_json
+    from runner.records.rundir import write_json
 
     console = make_console()
     cores = usable_cores()
@@ -180,12 +180,12 @@ def measure_step_overhead(steps: int = 60) -> float:
     import torch
     from omegaconf import OmegaConf
 
-    from runner import assembly
+    from runner.cli.validation import validate
+    from runner.config.machine import load_compute_rates
     from runner.core import ProcessGrid
-    from runner.machine import load_compute_rates
-    from runner.rundir import RunDir
-    from runner.train import train
-    from runner.validation import validate
+    from runner.records.rundir import RunDir
+    from runner.training import assembly
+    from runner.training.loop import train
     from strategies.base import predict_step
 
     cfg = OmegaConf.create({
@@ -326,10 +326,10 @@ def _unwritable_file(path: Path) -> str | None:
 
 def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     """The plan for a composed config (no MPI: the model is built on the meta device)."""
-    from runner import assembly
-    from runner.config import parse
-    from runner.machine import load_compute_rates, load_machine_costs
+    from runner.config.machine import load_compute_rates, load_machine_costs
+    from runner.config.schema import parse
     from runner.plan.planner import make_plan
+    from runner.training import assembly
     from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
     from strategies.transformer import is_gpt
 
@@ -415,12 +415,12 @@ def _hydra_args(args: list[str]) -> list[str]:
 def main(argv: list[str]) -> int:
     """The planner's command line; the exit code (Hydra's own exits are `SystemExit`s)."""
     if "-h" in argv or "--help" in argv:
-        from runner.help import plan_help_text
+        from runner.cli.help import plan_help_text
 
         print(plan_help_text())
         return 0
     if "--version" in argv:
-        from runner.help import version_text
+        from runner.cli.help import version_text
 
         print(version_text())
         return 0
@@ -443,7 +443,7 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
     """The `gridrun-plan` console script."""
-    from runner.process import end_process
+    from runner.records.process import end_process
 
     try:
         code = main(sys.argv[1:])

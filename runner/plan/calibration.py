@@ -5,7 +5,7 @@ sweep on up to 4 (never more ranks than this process may use cores: `calibration
 message sizes from 8 B to 2 MiB. A least-squares fit of t = α + β·n to the ping-pong gives the
 point-to-point values; a fit of the all-reduce times to 2(α⌈log₂ p⌉ + β(p−1)/p·n) gives the
 values the planner uses (training steps are collectives). Both are stored as JSON at
-`calibration_path()` (the user's cache, one file per host), where `runner.machine` finds them
+`calibration_path()` (the user's cache, one file per host), where `runner.config.machine` finds them
 for every later plan and run.
 
 `measure_compute()` (in this process, one torch thread, about 6 seconds) measures the compute
@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from runner.machine import calibration_path
-from runner.rundir import write_json
+from runner.config.machine import calibration_path
+from runner.records.rundir import write_json
 
 SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
 PINGPONG_RANKS = 2

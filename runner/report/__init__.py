@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runner.records.rundir_files import RunFileError
 from runner.report.data import (
     ReportError,
     Run,
@@ -20,7 +21,6 @@ from runner.report.data import (
     load_run,
     load_sweep,
 )
-from runner.rundir_files import RunFileError
 
 __all__ = ["ReportError", "write_report"]
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from runner.console import print_error
+from runner.records.console import print_error
 from runner.report import ReportError, write_report
 
 EXIT_BAD_INPUT = 2

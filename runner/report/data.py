@@ -9,7 +9,7 @@ A run's files are data from wherever the run was copied, so they are read as pla
 and shown as written: no OmegaConf, hence no interpolation is ever resolved (`${oc.env:NAME}` in
 a config.yaml or an override appears in the report as that text, never as this machine's value).
 
-Hostile files (`runner/rundir_files.py` holds the bounds): what no reader should take in, a
+Hostile files (`runner/records/rundir_files.py` holds the bounds): what no reader should take in, a
 file over its size limit, a line of metrics.jsonl over 1 MiB, JSON or YAML nested deeper than
 32 levels (or multiplied by YAML aliases), an integer of more than 100 digits, is refused too:
 one line naming the file and its line, no report written. What is within the bounds but cannot
@@ -30,7 +30,7 @@ from typing import Any, TypeGuard
 
 import yaml
 
-from runner.rundir_files import (
+from runner.records.rundir_files import (
     RunFileError,
     load_json,
     load_yaml,

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from runner.console import print_error
+from runner.records.console import print_error
 from runner.reproduce import grid, parallax, sc17
 from runner.reproduce.runs import read_json, table, write_json
 

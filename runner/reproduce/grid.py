@@ -27,8 +27,8 @@ STRATEGIES = "[data,grid]"
 def plan_one(world: int, batch: int) -> dict[str, Any]:
     """The best grid of `data` and `grid` for AlexNet at `world` ranks and global `batch`,
     and pure batch parallelism's prediction beside it."""
-    from runner.compose import compose
-    from runner.config import parse_plan
+    from runner.cli.compose import compose
+    from runner.config.schema import parse_plan
     from runner.core.cost import DEFAULT_ALPHA, DEFAULT_BETA
     from runner.plan.__main__ import build_plan
     from runner.plan.planner import order

@@ -53,8 +53,8 @@ def launch(job: Launch, timeout_s: float = 300.0) -> Run:
 def optimizer_missing(name: str) -> str | None:
     """Why `optimizer=name` cannot run in this checkout (no config file, not registered), or
     None when it can."""
-    from runner.compose import CONF_DIR
-    from runner.registry import OPTIMIZERS, load_plugins
+    from runner.cli.compose import CONF_DIR
+    from runner.config.registry import OPTIMIZERS, load_plugins
 
     load_plugins()
     if not (CONF_DIR / "optimizer" / f"{name}.yaml").is_file():

@@ -1,5 +1,5 @@
-"""SC17's asynchronous baselines on real ranks (`runner/parameter_server.py`); these checks run
-in check_easgd.py's launch (`mpiexec -n 4 python check_easgd.py TMPDIR`), or alone.
+"""SC17's asynchronous baselines on real ranks (`runner/optim/parameter_server.py`); these checks
+run in check_easgd.py's launch (`mpiexec -n 4 python check_easgd.py TMPDIR`), or alone.
 
 - with one replica each is plain SGD: `async_sgd` and `hogwild_sgd` torch's SGD, `async_msgd`
   torch's SGD with momentum μ (1 × 1 on each rank, and `grid` 2 × 1, where the convolutions are
@@ -28,19 +28,19 @@ from mpi4py import MPI
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.checkpoint import Checkpoint
+from runner.checkpoint.store import Checkpoint
+from runner.cli.validation import validate
 from runner.core import ProcessGrid
-from runner.easgd import _flatten_into
-from runner.parameter_server import (
+from runner.optim.easgd import _flatten_into
+from runner.optim.parameter_server import (
     SERVER_VELOCITY,
     AsyncMSGD,
     AsyncSGD,
     HogwildSGD,
     ParameterServer,
 )
-from runner.rundir import RunDir
-from runner.train import build_training
-from runner.validation import validate
+from runner.records.rundir import RunDir
+from runner.training.loop import build_training
 from strategies import STRATEGIES
 from strategies.data import DataParallel
 

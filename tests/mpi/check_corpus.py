@@ -30,9 +30,9 @@ from harness import (  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from runner.config import ConfigError  # noqa: E402
+from runner.cli.validation import validate  # noqa: E402
+from runner.config.schema import ConfigError  # noqa: E402
 from runner.core import ProcessGrid  # noqa: E402
-from runner.validation import validate  # noqa: E402
 from tests import corpus_models as corpus  # noqa: E402
 
 WORLD = MPI.COMM_WORLD

@@ -30,7 +30,7 @@ from torch import nn
 
 from runner.core import ProcessGrid
 from runner.core.rma import OneSidedVector
-from runner.easgd import RoundRobinEASGD, SyncEASGD
+from runner.optim.easgd import RoundRobinEASGD, SyncEASGD
 from strategies.data import DataParallel
 
 WORLD = MPI.COMM_WORLD

@@ -152,7 +152,7 @@ def run_config(model: dict, pins: dict[str, str] | None, pr: int, pc: int, steps
 CNN = {"name": "cnn", "channels": [6, 10], "kernel_size": 3, "hidden": [30, 21],
        "activation": "relu"}
 # digits' CNN: conv 0, relu 1, pool 2, conv 3, relu 4, pool 5, flatten 6, linear 7, relu 8,
-# linear 9, relu 10, linear 11 (runner.models.cnn)
+# linear 9, relu 10, linear 11 (runner.zoo.models.cnn)
 RUNS = [
     ("domain_prefix", CNN, {"0": "domain", "3": "domain", "7": "row", "9": "col", "11": "batch"},
      4, 1),

@@ -156,7 +156,7 @@ def every_measured_collective_is_predicted() -> None:
     strategy's prediction, for every strategy and grid, MLP and CNN with uneven widths."""
     from collections import Counter
 
-    from runner.models import cnn, mlp, resnet
+    from runner.zoo.models import cnn, mlp, resnet
     from strategies import STRATEGIES
 
     for pr, pc in [*GRIDS, (1, 2)]:

@@ -35,9 +35,9 @@ from runner.core.sparse import (
     push_rows,
     push_rows_by_node,
 )
-from runner.datasets import ZipfTokens
-from runner.models import bag_classifier
-from runner.optim import SynchronousSGD
+from runner.optim.sync import SynchronousSGD
+from runner.zoo.datasets import ZipfTokens
+from runner.zoo.models import bag_classifier
 from strategies import ParallelModel, sparse_exchange
 from strategies.data import DataParallel
 from strategies.sparse_exchange import SparseGradientExchange

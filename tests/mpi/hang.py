@@ -1,7 +1,7 @@
 """A rank that hangs outside any collective still ends the job, under either backend: its peer
 waits in an all-reduce (a torch.distributed one under "torch"), its watchdog fires and aborts
-the MPI job from the watchdog's thread, as `runner.rank` does. Not a `@check` script: the job is
-meant to end by MPI_Abort. `mpiexec -n 2 python THIS --backend=torch [blocking|nonblocking]`.
+the MPI job from the watchdog's thread, as `runner.training.rank` does. Not a `@check` script: the
+job is meant to end by MPI_Abort. `mpiexec -n 2 python THIS --backend=torch [blocking|nonblocking]`.
 
 Rank 0 prints `waiting` just before it enters the collective that never completes; the test
 reads the watchdog's line on stderr, the exit code and how long the job took.
@@ -19,13 +19,14 @@ from mpi4py import MPI
 from runner.core import CommWatchdog, ProcessGrid
 
 TIMEOUT_S = 1.0
-ABORT_GRACE_S = 1.0  # runner.rank's
+ABORT_GRACE_S = 1.0  # runner.training.rank's
 WORLD = MPI.COMM_WORLD
 MODE = sys.argv[1] if len(sys.argv) > 1 else "blocking"
 
 
 def on_timeout(message: str, in_flight: object) -> None:
-    time.sleep(ABORT_GRACE_S)  # as runner.rank: the watchdog's line through the launcher first
+    # as runner.training.rank: the watchdog's line through the launcher first
+    time.sleep(ABORT_GRACE_S)
     WORLD.Abort(1)  # from the watchdog's thread: the main thread is blocked in the collective
 
 

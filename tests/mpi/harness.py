@@ -99,9 +99,9 @@ def train_run(config: dict[str, Any], run_dir: Path, grid: Any) -> Path:
     """train() on `grid` with a plain config dict, the directory made by the grid's rank 0."""
     from omegaconf import OmegaConf
 
-    from runner.rundir import RunDir
-    from runner.train import train
-    from runner.validation import validate
+    from runner.cli.validation import validate
+    from runner.records.rundir import RunDir
+    from runner.training.loop import train
 
     cfg = OmegaConf.create(config)
     directory = RunDir(run_dir)

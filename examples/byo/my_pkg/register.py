@@ -7,7 +7,7 @@ import math
 
 from torch import nn
 
-from runner.registry import register_model
+from runner.config.registry import register_model
 
 
 @register_model("wide_mlp")

@@ -1,0 +1,342 @@
+"""The head's watch over an MPI job it started: the ranks' supervisors
+(`runner.training.supervisor`) record each rank's pid and how it ended, so a rank that died without
+a word (SIGKILL, the OOM killer, a segfault) is named with its signal; a job the launcher does not
+end by itself after a rank died is killed; no rank process outlives the job. SIGINT or SIGTERM to
+the head asks the ranks to stop cleanly (they checkpoint); a second one kills them. No Hydra here.
+
+The head forwards SIGTERM whatever it got: every launcher passes SIGTERM on to the ranks, SIGINT
+not always (Slurm's srun only reports the job's state at a first Ctrl-C; MPICH's mpiexec passes it
+on, with lines of its own). So that the ranks still say which signal the user sent, the head first
+writes its name to `RUN_DIR/.ranks/stop-signal` (read by `runner.training.interrupt`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from runner.records.rundir import RunDir, atomic_write_text
+from runner.training.supervisor import (
+    HEAD_ENV,
+    RANKS_DIR,
+    head_identity,
+    read_failure_reports,
+    read_rank_records,
+    stop_signal_path,
+)
+
+POLL_S = 0.1
+# After a rank died, the launcher's own clean-up gets this long before the head kills the job
+# (MPICH needs ~40 ms after a SIGKILL; it never ends a job whose rank exited non-zero before
+# MPI init: the others wait in MPI_Init for ever).
+KILL_GRACE_S = 3.0
+STOP_MESSAGE = ("stopping: the ranks finish their step and write a checkpoint "
+                "(press Ctrl-C again to kill the job)")
+
+
+def _proc_state(pid: int) -> str | None:
+    """The process state letter from /proc (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "?"
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def _alive(pid: int) -> bool:
+    if Path("/proc/self").exists():
+        return _proc_state(pid) not in (None, "Z", "X")  # a zombie has ended
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[-1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _last_logged_step(log: Path) -> int | None:
+    """The last training step a rank logged (its log's `step N loss ...` lines)."""
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, log.stat().st_size - 65536))
+            tail = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    steps = re.findall(r"\bstep (\d+) loss\b", tail)
+    return int(steps[-1]) if steps else None
+
+
+def _abnormal(record: dict[str, Any]) -> bool:
+    return "ended" in record and (record.get("signal") is not None
+                                  or record.get("exit_code", 0) != 0)
+
+
+@dataclass
+class JobResult:
+    """How an MPI job ended, as far as the head could tell."""
+
+    exit_code: int
+    failure: dict[str, Any] | None = None  # the rank that died first (failed_rank, error, ...)
+    stop_signal: str | None = None  # the head was asked to stop (SIGINT/SIGTERM)
+    killed: str | None = None  # why the head killed the job itself
+
+
+class MPIJob:
+    """One `mpiexec` job and its ranks, watched from the head."""
+
+    def __init__(self, command: list[str], run_dir: Path, env: dict[str, str]) -> None:
+        self.command, self.run_dir, self.env = command, Path(run_dir), env
+        self.records: dict[int, dict[str, Any]] = {}
+        self.vanished: list[dict[str, Any]] = []  # supervisors gone without a record
+        self.stop_signal: str | None = None
+        self.kill_requested = False
+        self.process: subprocess.Popen[bytes] | None = None
+        self._host = socket.gethostname()
+        self._records_mtime: int | None = None
+        self._read_at = 0.0
+
+    def run(self) -> JobResult:
+        shutil.rmtree(self.run_dir / RANKS_DIR, ignore_errors=True)  # an earlier run's records
+        previous: dict[int, Any] = {}
+        try:
+            # Its own session: the terminal's Ctrl-C reaches the head alone, which asks the job
+            # to stop once (mpiexec forwards SIGTERM to every rank) instead of the terminal and
+            # the head both signalling it.
+            # the ranks' supervisors watch it (runner.training.supervisor)
+            identity = head_identity()
+            env = self.env if identity is None else {**self.env, HEAD_ENV: identity}
+            self.process = subprocess.Popen(self.command, env=env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=stop_with_parent())
+            previous = self._install_handlers()
+            killed = self._watch()
+            code = self.process.returncode
+            self._refresh(force=True)
+            self._reap_leftovers()
+        except BaseException:
+            self.kill()  # whatever stops the head must not leave the job behind
+            raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        failure = self._diagnose()
+        shutil.rmtree(self.run_dir / RANKS_DIR, ignore_errors=True)
+        return JobResult(code, failure, self.stop_signal, killed)
+
+    def _watch(self) -> str | None:
+        assert self.process is not None
+        failed_at: float | None = None
+        while True:
+            try:
+                self.process.wait(timeout=POLL_S)
+                return None
+            except subprocess.TimeoutExpired:
+                pass
+            if self.kill_requested:
+                self.kill()
+                return f"killed at a second {self.stop_signal}"
+            if failed_at is None and self._failure_seen():
+                failed_at = time.monotonic()
+            elif failed_at is not None and time.monotonic() - failed_at > KILL_GRACE_S:
+                self.kill()
+                return (f"the launcher had not ended the job {KILL_GRACE_S:g} s later: killed by "
+                        f"gridrun")
+
+    # -- what the supervisors say ----------------------------------------------------------
+
+    def _refresh(self, force: bool = False) -> None:
+        """Re-read the records when their directory changed (they are replaced by renames), and
+        at least once a second (a file system whose times are coarse may not show a change)."""
+        try:
+            mtime = (self.run_dir / RANKS_DIR).stat().st_mtime_ns
+        except OSError:
+            return
+        now = time.monotonic()
+        if force or mtime != self._records_mtime or now - self._read_at > 1.0:
+            self._records_mtime, self._read_at = mtime, now
+            self.records = read_rank_records(self.run_dir)
+
+    def _local(self, record: dict[str, Any]) -> bool:
+        return record.get("host") == self._host  # pids on other nodes are not ours to check
+
+    def _failure_seen(self) -> bool:
+        self._refresh()
+        if any(_abnormal(r) for r in self.records.values()):
+            return True
+        gone = [r for r in self.records.values() if "ended" not in r and self._local(r)
+                and not _alive(int(r["supervisor_pid"]))]
+        if gone:
+            self._refresh(force=True)  # it may have recorded its end just before exiting
+            # Several at once: the launcher's clean-up came first, which of them went first is
+            # not known (all are named).
+            self.vanished = [r for r in gone if "ended" not in self.records.get(r["rank"], {})]
+        return bool(self.vanished)
+
+    def _diagnose(self) -> dict[str, Any] | None:
+        """The rank that ended first without finishing, in the words of a summary: the first
+        rank that reported how it failed, in its own words, unless another rank died before
+        (the head needs those words when that rank could not write `summary.json`: a full
+        disk)."""
+        ended = sorted((r for r in self.records.values() if _abnormal(r)),
+                       key=lambda r: r["ended"])
+        reports = sorted(read_failure_reports(self.run_dir).values(),
+                         key=lambda r: float(r.get("at", 0.0)))
+        if reports and (not ended or float(reports[0].get("at", 0.0)) <= ended[0]["ended"]):
+            return {k: v for k, v in reports[0].items() if k != "at"}
+        if not ended and len(self.vanished) > 1:
+            ranks = sorted(int(r["rank"]) for r in self.vanished)
+            return {"failed_ranks": ranks, "error": (
+                f"ranks {', '.join(map(str, ranks))} ended without a trace (their supervisors "
+                f"were killed)")}
+        record = ended[0] if ended else (self.vanished[0] if self.vanished else None)
+        if record is None:
+            return None
+        rank, pid = int(record["rank"]), int(record["pid"])
+        last = _last_logged_step(RunDir(self.run_dir).rank_log(rank))
+        when = " before its first step" if last is None else f" at step ~{last + 1}"
+        failure: dict[str, Any] = {"failed_rank": rank, "pid": pid}
+        if "ended" not in record:
+            what = (f"ended without a trace (its supervisor, pid {record['supervisor_pid']}, "
+                    f"was killed)")
+        elif record.get("signal") is not None:
+            failure["signal"] = int(record["signal"])
+            what = f"was killed by signal {failure['signal']} ({_signal_name(failure['signal'])})"
+        else:
+            failure["exit_code"] = int(record["exit_code"])
+            what = f"exited with code {failure['exit_code']}"
+        failure["error"] = f"rank {rank} (pid {pid}) {what}{when}"
+        return failure
+
+    # -- signals and killing ---------------------------------------------------------------
+
+    def _install_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # only the main thread may; a head elsewhere is not at a terminal
+        return {signum: signal.signal(signum, self._on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_signal is not None:
+            self.kill_requested = True  # asked twice: the poll loop kills the job at once
+            return
+        self.stop_signal = _signal_name(signum)
+        print(STOP_MESSAGE, file=sys.stderr, flush=True)
+        if self.process is not None and self.process.poll() is None:
+            self._tell_ranks(self.stop_signal)
+            self.process.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank
+
+    def _tell_ranks(self, name: str) -> None:
+        """The signal the head got, for the ranks that get SIGTERM in its place (written before
+        the SIGTERM is sent: a rank that gets it finds the file)."""
+        path = stop_signal_path(self.run_dir)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({"signal": name, "time": time.time()}) + "\n")
+        except OSError:
+            pass  # the ranks then name the SIGTERM they got
+
+    def _rank_pids(self) -> list[int]:
+        """This job's rank processes on this host, supervisors first (so that none of them
+        outlives its rank to record a death the head caused)."""
+        local = [r for r in self.records.values() if self._local(r)]
+        pids = [int(r[key]) for key in ("supervisor_pid", "pid") for r in local if key in r]
+        marker = str(self.run_dir)
+        return [pid for pid in pids if _alive(pid) and marker in _cmdline(pid)]
+
+    def kill(self) -> None:
+        """SIGKILL mpiexec, what it started, and every rank process of this job on this host.
+        MPICH's Hydra puts each rank in a process group of its own: mpiexec's group is not
+        enough."""
+        if self.process is None:
+            return
+        self._refresh(force=True)
+        victims = _descendants(self.process.pid) if Path("/proc").is_dir() else []
+        victims += [pid for pid in self._rank_pids() if pid not in victims]
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except OSError:
+                self.process.kill()
+        _kill_all(victims)
+        self.process.wait()
+
+    def _reap_leftovers(self) -> None:
+        """After mpiexec ended: no rank process of this job may still run."""
+        leftovers = self._rank_pids()
+        _kill_all(leftovers)
+        deadline = time.monotonic() + 5.0
+        while leftovers and time.monotonic() < deadline:
+            leftovers = [pid for pid in leftovers if _alive(pid)]
+            time.sleep(0.02)
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def stop_with_parent() -> Any:
+    """A preexec function giving mpiexec SIGTERM when the head dies, however it dies (Linux):
+    the ranks then stop cleanly rather than train on unwatched."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    return preexec
+
+

@@ -1,0 +1,400 @@
+"""The run configuration: one schema, in one place.
+
+Every key of the engine's own sections has its type, default and documentation here, in a
+dataclass per section (the docstring under a field documents it). The entry points register these
+dataclasses in Hydra's ConfigStore (`runner.cli.compose`), so `conf/` holds only the plugin groups
+(model, dataset, strategy, optimizer, experiment) and the root's defaults list. A plugin's own
+options are typed by its constructor's signature (`runner.config.options`).
+
+`parse()` turns a composed config (Hydra's, or a run directory's `config.yaml`) into a frozen
+`RunConfig`, naming every unknown key and wrong type at once; the cross-field and plugin checks
+are `runner.cli.validation`'s. Nothing here imports Hydra or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config.options import type_problem
+
+if TYPE_CHECKING:  # imported when parsing: `--help` and `--cfg` need no torch
+    from runner.core.grid import GridShape
+
+DTYPES = ("float32", "float64")  # float64: to check a strategy's mathematics beyond rounding
+FAILURE_MODES = ("raise", "kill", "hang", "nan")
+LOGGERS = ("none", "tensorboard")
+COMM_BACKENDS = ("mpi", "torch")
+DEVICES = ("cpu", "cuda", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CUDA_AWARE = ("auto", "true", "false")
+PLUGIN_GROUPS = ("model", "dataset", "strategy", "optimizer")
+# What a run's task returns to a Hydra sweeper (Optuna...): a summary key, and its direction.
+OBJECTIVES = {"val_loss": "minimize", "val_accuracy": "maximize", "final_loss": "minimize",
+              "workers_val_loss": "minimize", "workers_val_accuracy": "maximize",
+              "wall_time_s": "minimize", "median_step_time_s": "minimize",
+              "samples_per_s": "maximize"}
+TARGET_KEY = "_target_"
+
+# OmegaConf reads these annotations at run time: the typing spellings it understands
+# (`Optional[int]`, not `int | None`), hence the UP007 exemptions below.
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; `problems` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass
+class GridConfig:
+    """The process grid `pr × pc`."""
+
+    pr: int = 2
+    """Ranks that split the model (or each sample's domain): the size of a model group."""
+    pc: int = 2
+    """Ranks that split the batch: the number of batch replicas."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    steps: int = 300
+    """Training steps (global batches)."""
+    batch_size: int = 64
+    """The global batch: the same whatever the number of ranks."""
+    log_every: int = 1
+    """A metrics.jsonl line every N steps."""
+    eval_every: Optional[int] = 100  # noqa: UP045
+    """Validation loss and accuracy every N steps (null: only at the end)."""
+    eval_samples: Optional[int] = None  # noqa: UP045
+    """Validate on the first N samples of the validation set (null: all of it)."""
+    checkpoint_every: Optional[int] = None  # noqa: UP045
+    """A sharded checkpoint every N steps, and at the end (null: none)."""
+    keep_checkpoints: Optional[int] = 3  # noqa: UP045
+    """The newest complete checkpoints kept (null: all)."""
+    resume: Optional[str] = None  # noqa: UP045
+    """null, auto (this run directory's latest checkpoint), or a checkpoint or run directory."""
+    comm_timeout_s: Optional[float] = 300.0  # noqa: UP045
+    """The most seconds a collective may wait before it ends the job (null: wait for ever; 1 s
+    to a year). Inside training steps, once three have been timed, the deadline is shorter:
+    max(30 s, 5 × the slowest step so far), so at the default a hung rank ends the job within
+    a minute while no step has taken over 10 s. Start-up, the first steps, evaluation,
+    checkpoints and the first step after each of these get this whole cap."""
+    threads: Optional[int] = None  # noqa: UP045
+    """torch threads per rank (null: the node's cores / its ranks)."""
+    dtype: str = "float32"
+    """float32, or float64 to check a strategy against one process beyond float32 rounding."""
+    device: str = "cpu"
+    """cpu; cuda (rank r uses GPU `local rank % GPUs on its node`; model, batches and the whole
+    step live there); auto (cuda where torch sees a GPU, else cpu)."""
+    precision: str = "fp32"
+    """fp32; bf16 or fp16: the forward and the loss under autocast (the parameters, their
+    gradients and the optimizer stay float32), floating inputs stored in that dtype; fp16 with
+    dynamic loss scaling (a step whose gradients overflow is skipped on every rank)."""
+
+
+@dataclass
+class LauncherConfig:
+    """How P > 1 ranks are started when the runner is not already inside an MPI job."""
+
+    command: Optional[str] = None  # noqa: UP045
+    """The launcher, with its own arguments (null: the mpiexec of the bundled MPICH)."""
+    nproc_flag: str = "-n"
+    """The launcher's flag for the number of ranks."""
+    args: list[str] = field(default_factory=list)
+    """Extra launcher arguments, before the program."""
+
+    @property
+    def argv(self) -> list[str]:
+        """The launcher command as words (empty: the bundled mpiexec)."""
+        return shlex.split(self.command) if self.command else []
+
+
+@dataclass
+class CommConfig:
+    """How the ranks communicate."""
+
+    backend: str = "mpi"
+    """mpi (mpi4py on host buffers), or torch (torch.distributed process groups over the same
+    grid, gloo for CPU tensors, bootstrapped from the MPI job). The EASGD family's one-sided
+    windows stay on MPI under both."""
+    cuda_aware: str = "auto"
+    """Under mpi with trainer.device=cuda: true hands GPU buffers to MPI as they are (an MPI
+    built with CUDA support); false stages them through pinned host buffers; auto: true only
+    when the MPI library says it was built with CUDA."""
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    name: str = "none"
+    """none, or tensorboard (event files under <run dir>/tensorboard/)."""
+
+
+@dataclass
+class DebugConfig:
+    """For tests and measurements: make one rank fail or straggle; time collectives alone."""
+
+    fail_at_step: Optional[int] = None  # noqa: UP045
+    """Make rank `fail_on_rank` fail at this step (null: never)."""
+    fail_on_rank: int = 0
+    """The rank that fails."""
+    fail_mode: str = "raise"
+    """raise (an exception), kill (SIGKILL itself), hang (sleep outside any collective, so the
+    others wait in one), nan (its loss becomes NaN)."""
+    isolate_comm: bool = False
+    """Time each collective alone (a barrier first, no overlap), to check the α–β model."""
+    slow_rank: Optional[int] = None  # noqa: UP045
+    """This rank sleeps `slow_seconds` in every step: a straggler (null: none)."""
+    slow_seconds: float = 0.0
+    """How long the straggler sleeps per step."""
+    stage_host_tensors: bool = False
+    """Send host tensors through the staging path that GPU tensors take under an MPI without
+    CUDA support (copied into pooled host buffers and back): tests that path without a GPU."""
+
+
+@dataclass
+class PlanConfig:
+    """The planner: `python -m runner.plan plan.world=16` (README, "Choosing a grid")."""
+
+    world: int = 4
+    """Plan every factorisation pr × pc of this many ranks."""
+    strategies: list[str] = field(default_factory=lambda: ["data", "model", "grid", "domain",
+                                                           "auto"])
+    """The strategies compared (auto: per-layer layouts chosen by predicted step time)."""
+    slowdown: float = 1.0
+    """How much slower than the calibrated rates a rank computes on the target machine (1: a
+    core per rank; 2: two ranks per core)."""
+    alpha: Optional[float] = None  # noqa: UP045
+    """Seconds per message (null: the calibrated value, else a default)."""
+    beta: Optional[float] = None  # noqa: UP045
+    """Seconds per byte (null: likewise)."""
+    layers: bool = False
+    """Also print the per-layer breakdown."""
+    out: Optional[str] = None  # noqa: UP045
+    """Also write the plan as JSON to this file."""
+    calibrate: bool = False
+    """Measure this machine's α and β (and local work) instead of planning."""
+    calibrate_repeats: int = 20
+    """Repeats of each measured message size (fewer: a quicker, noisier calibration)."""
+
+
+@dataclass
+class ConfigSchema:
+    """The composed config. The plugin groups hold a registered `name` (or, for model,
+    dataset and optimizer, a user's class or function as `_target_`) and its own options."""
+
+    seed: int = 0
+    """Seeds the model's initial weights, the sample order and the synthetic datasets."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules every rank imports before building the run: where a user's own
+    `@register_model`/`@register_dataset`/`@register_optimizer`/`@register_strategy` live."""
+    objective: str = "val_loss"
+    """The summary value the run returns to a Hydra sweeper (Optuna): val_loss, val_accuracy,
+    final_loss, workers_val_loss, workers_val_accuracy, wall_time_s, median_step_time_s or
+    samples_per_s (the summary records its direction)."""
+    grid: GridConfig = field(default_factory=GridConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    model: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)
+    strategy: dict[str, Any] = field(default_factory=dict)
+    optimizer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """A config group selection: the registered `name` (or the dotted path of a user's class
+    or function, `target`) and the plugin's keyword options."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    target: Optional[str] = None  # noqa: UP045
+
+    def shown(self, group: str) -> str:
+        """How the user chose it: `model=cnn`, or `model._target_=my_pkg.nets.MyNet`."""
+        return f"{group}.{TARGET_KEY}={self.target}" if self.target else f"{group}={self.name}"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A parsed run: what every rank trains from."""
+
+    seed: int
+    grid: GridShape
+    trainer: TrainerConfig
+    model: Plugin
+    dataset: Plugin
+    strategy: Plugin
+    optimizer: Plugin
+    launcher: LauncherConfig
+    debug: DebugConfig
+    logger: str = "none"
+    comm: CommConfig = field(default_factory=CommConfig)
+    plugins: tuple[str, ...] = ()
+    objective: str = "val_loss"
+
+
+def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> Any:
+    """The dataclass `schema` filled from the mapping `value`: unknown keys and wrong types
+    are added to `problems` (the default then stands in, so checking can go on)."""
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        problems.append(f"{key}={value!r}: must be a mapping of {schema.__name__} keys")
+        return schema()
+    hints = _hints(schema)
+    unknown = sorted(k for k in value if k not in hints)
+    if unknown:
+        where = f"{key}: " if key else ""
+        problems.append(f"{where}unknown key(s) {', '.join(_join(key, k) for k in unknown)}; "
+                        f"valid: {', '.join(hints)}")
+    values = {}
+    for name, annotation in hints.items():
+        if name not in value or (not key and name in PLUGIN_GROUPS):  # see _plugin
+            continue
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            values[name] = _section(_join(key, name), annotation, value[name], problems)
+            continue
+        problem = type_problem(_join(key, name), value[name], annotation)
+        if problem:
+            problems.append(problem)
+        else:
+            values[name] = value[name]
+    return schema(**values)
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def _hints(schema: type[Any]) -> dict[str, Any]:
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def _plugin(key: str, node: Any, problems: list[str]) -> Plugin:
+    if isinstance(node, Mapping) and node.get(TARGET_KEY) is not None:
+        target = node[TARGET_KEY]
+        if key == "strategy" or "name" in node:
+            problems.append(f"{key}.{TARGET_KEY}={target}: " + (
+                "strategies are registered by name (list their module in `plugins`)"
+                if key == "strategy" else
+                f"give either {key}={node['name']} or {key}.{TARGET_KEY}, not both"))
+            return Plugin("")
+        if not isinstance(target, str) or not target.strip():
+            problems.append(f"{key}.{TARGET_KEY}={target!r}: must be a dotted path "
+                            f"(my_pkg.module.Name)")
+            return Plugin("")
+        return Plugin(target, {k: v for k, v in node.items() if k != TARGET_KEY}, target)
+    if not isinstance(node, Mapping) or not node.get("name"):
+        problems.append(f"{key}: missing (choose one with {key}=NAME)")
+        return Plugin("")
+    return Plugin(str(node["name"]), {k: v for k, v in node.items() if k != "name"})
+
+
+def plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The config as plain Python values, interpolations resolved; raises `ConfigError` for a
+    missing value (`???`) or an interpolation that does not resolve."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(dict(cfg))
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        targets = [k for k in missing if k.endswith(f".{TARGET_KEY}")]
+        if targets:  # GROUP=target without the class
+            raise ConfigError([f"{k}: missing ({k.split('.')[0]}=target takes your own class "
+                               f"or function: {k}=my_pkg.module.Name)" for k in targets])
+        if missing:
+            raise ConfigError([f"missing required value: {', '.join(missing)}"])
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except ConfigError:
+        raise
+    except Exception as exc:  # an interpolation that does not resolve: name its key
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise ConfigError([f"{where}cannot resolve {str(exc).splitlines()[0]}"]) from None
+    assert isinstance(container, dict)
+    return {str(k): v for k, v in container.items()}
+
+
+def parse_with_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[RunConfig, list[str]]:
+    """The typed run config, and every unknown key and wrong type (where a value is wrong, its
+    default stands in, so that later checks can go on and name their problems too)."""
+    from runner.core.grid import GridShape
+
+    values = plain(cfg)
+    values.pop("hydra", None)
+    problems: list[str] = []
+    schema: ConfigSchema = _section("", ConfigSchema, values, problems)
+    plugins = {key: _plugin(key, values.get(key), problems) for key in PLUGIN_GROUPS}
+    run = RunConfig(seed=schema.seed, grid=GridShape(schema.grid.pr, schema.grid.pc),
+                    trainer=schema.trainer, launcher=schema.launcher, debug=schema.debug,
+                    logger=schema.logger.name, comm=schema.comm, plugins=tuple(schema.plugins),
+                    objective=schema.objective, **plugins)
+    return run, problems
+
+
+def parse(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
+    """The typed run config, or `ConfigError` naming every unknown key and wrong type. No
+    plugin is imported: cross-field and plugin checks are `runner.cli.validation.validate`'s."""
+    run, problems = parse_with_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return run
+
+
+def parse_plan(cfg: DictConfig | Mapping[str, Any]) -> PlanConfig:
+    """The planner's section alone, typed (`ConfigError` as `parse`)."""
+    problems: list[str] = []
+    plan: PlanConfig = _section("plan", PlanConfig, plain(cfg).get("plan"), problems)
+    if not problems and plan.calibrate_repeats < 1:
+        problems.append(f"plan.calibrate_repeats={plan.calibrate_repeats}: must be >= 1")
+    if problems:
+        raise ConfigError(problems)
+    return plan
+
+
+def load_run_config(path: Path) -> RunConfig:
+    """A run directory's `config.yaml`, which the head validated before any rank started: the
+    ranks parse it and trust it."""
+    loaded = OmegaConf.load(path)
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError([f"{path}: not a mapping of config keys"])
+    return parse(loaded)
+
+
+BOOL_WORDS = ("true", "false", "1", "0")
+
+
+def bool_override_problems(overrides: list[str]) -> list[str]:
+    """`KEY=VALUE` overrides of the schema's true/false keys whose value is no such word:
+    Hydra's typed config turns any other integer into true (`debug.stage_host_tensors=2`)."""
+    problems = []
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if not sep or "." not in key:
+            continue
+        section, _, name = key.partition(".")
+        schema = _hints(ConfigSchema).get(section)
+        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+            continue
+        if _hints(schema).get(name) is bool and value.strip().lower() not in BOOL_WORDS:
+            problems.append(f"{key}={value}: must be true or false")
+    return problems

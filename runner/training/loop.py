@@ -1,0 +1,328 @@
+"""The training loop every rank runs (the same code at P = 1 and at P = 1000).
+
+`build_training` puts this rank's run together: the parts from `runner.training.assembly`, the
+strategy's parallel model, the start (fresh or resumed, `runner.training.resume`). `train` keeps
+only the order of things: step (`runner.training.step.train_step`), log, the stop protocol,
+checkpoint timing, evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from runner.checkpoint.store import CheckpointError, TrainingProgress, save_checkpoint
+from runner.config.machine import load_compute_rates, load_machine_costs
+from runner.config.schema import RunConfig
+from runner.core import CountedComm, ProcessGrid
+from runner.core.compute import oversubscription
+from runner.core.cost import CommOp, MachineCosts, loss_op
+from runner.core.placement import place_whole
+from runner.optim.sync import ReplicaOptimizer
+from runner.records.board import TensorBoardWriter
+from runner.records.console import ProgressReporter, make_console, summary_table
+from runner.records.logs import get_logger
+from runner.records.rundir import MetricsWriter, RunDir, git_commit, write_json
+from runner.training.assembly import RunParts, assemble, dtype_of
+from runner.training.devices import describe_device
+from runner.training.evaluation import validation
+from runner.training.interrupt import StopRequest
+from runner.training.precision import DynamicLossScale, Precision
+from runner.training.resume import Start, start_or_resume
+from runner.training.sampling import EpochSampler
+from runner.training.step import ReplicaFailure, StepFailure, train_step
+from runner.training.summary import (
+    StepHistory,
+    completed_summary,
+    interrupted_summary,
+    precision_summary,
+    sparse_line,
+)
+from runner.zoo.datasets import ClassificationData
+from strategies import ParallelModel
+from strategies.base import StepPrediction, predict_step
+
+__all__ = ["StepFailure", "Training", "build_training", "train"]
+
+
+@dataclass
+class Training:
+    """This rank's assembled run, and what the loop has recorded so far."""
+
+    run: RunConfig
+    run_dir: RunDir
+    grid: ProcessGrid
+    model: ParallelModel
+    optimizer: ReplicaOptimizer
+    data: ClassificationData
+    sampler: EpochSampler
+    start: Start
+    loss_comm: CountedComm  # over whose rows the logged loss is the mean, when replicas meet
+    predicted_ops: list[CommOp] | None  # a step's collectives (synchronous exchange only)
+    predicted_step: StepPrediction | None  # and its time: compute + communication
+    costs: MachineCosts
+    device: torch.device
+    precision: Precision
+    scaler: DynamicLossScale | None  # fp16's loss scale
+    targets_per_sample: int  # 1: a class per sample; T: a token id per position (next-token)
+    sinks: list[Any] = field(default_factory=list)  # metrics.jsonl, TensorBoard (rank 0)
+    run_info: dict[str, Any] = field(default_factory=dict)  # what each checkpoint records
+    history: StepHistory = field(default_factory=StepHistory)
+    last_checkpoint: Path | None = None
+    evaluation: dict[str, float] | None = None
+
+    @property
+    def time_s(self) -> float:
+        """Training time so far, before this start included."""
+        return self.start.time_s + self.history.total_s
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the next global batch: its inputs and its outputs' targets."""
+        rows, size = self.sampler.next_batch(), self.run.trainer.batch_size
+        x = self.data.train_x[rows[self.model.input_rows(size)]]
+        y = self.data.train_y[rows[self.model.output_rows(size)]]
+        # A no-op for a dataset already on the device; a user's lazily read one comes per batch.
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def log_step(self, step: int, loss: float, seconds: float, comm: Any,
+                 progress: ProgressReporter, replica_loss: bool = False) -> None:
+        """`replica_loss`: the loss is replica 0's own rows' (the replicas did not meet)."""
+        self.history.add(seconds, comm.nbytes, comm.seconds)
+        rate = self.run.trainer.batch_size / seconds
+        every, steps = self.run.trainer.log_every, self.run.trainer.steps
+        if step % every == 0 or step == steps or not math.isfinite(loss):
+            self.write({"step": step, "time_s": self.time_s, "loss": loss,
+                        "lr": self.optimizer.lr, "step_time_s": seconds,
+                        "comm_time_s": comm.seconds, "comm_bytes": comm.nbytes,
+                        "comm_share": comm.seconds / seconds, "samples_per_s": rate,
+                        **({"replica_loss": True} if replica_loss else {}),
+                        **({"tokens_per_s": rate * self.targets_per_sample}
+                           if self.targets_per_sample > 1 else {}),
+                        **sparse_line(self.model)})
+        progress.step(step, loss, rate)
+        if step % every == 0:
+            get_logger().info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss,
+                              seconds, comm.seconds, comm.nbytes)
+        if not math.isfinite(loss):
+            kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                    else "no checkpoint was written (trainer.checkpoint_every)")
+            message = (f"the loss is {loss} at step {step}: training stopped; {kept}. "
+                       f"Lower optimizer.lr, or check the data")
+            # Reduced over the world every rank stops here alike; over one replica, the others
+            # are elsewhere, and this rank's failure must end the job (an abort).
+            raise ReplicaFailure(message) if replica_loss else StepFailure(message)
+
+    def stop_request(self, requested: bool, meets: bool) -> bool:
+        """Whether this step carries a stop request. On a step where the replicas do not meet
+        (their loss is reduced over each replica alone), replicas of a synchronous optimizer
+        hold the request for the next step where they do, so that they all stop there
+        together; an asynchronous optimizer's replicas each act on it at once."""
+        return requested and (meets or self.optimizer.asynchronous)
+
+    def anyone_stopping(self, stopping: bool) -> bool:
+        """Collective over the world: asynchronous replicas each stop when they see the signal,
+        so they meet here (at checkpoint steps, the last step, or a stop)."""
+        flag = torch.tensor([int(stopping)], dtype=torch.int32)
+        self.grid.world.allreduce_(flag, label="stop")
+        return bool(flag.item())
+
+    def checkpoint(self, step: int) -> None:
+        progress = TrainingProgress(step, self.time_s, self.sampler.state(),
+                                    None if self.scaler is None else self.scaler.state())
+        try:
+            self.last_checkpoint = save_checkpoint(
+                self.run_dir.checkpoints, progress, self.model, self.optimizer, self.grid,
+                self.run_info, self.run.trainer.keep_checkpoints)
+        except CheckpointError as exc:
+            kept = (f"the latest complete one is {self.last_checkpoint}" if self.last_checkpoint
+                    else "there is no earlier checkpoint")
+            raise StepFailure(f"{exc}; {kept}") from None
+
+    def evaluate(self, step: int, at_end: bool, progress: ProgressReporter) -> None:
+        asynchronous = self.optimizer.asynchronous
+        if at_end and asynchronous:
+            self.grid.world.barrier()  # every worker's last exchange is in the centre
+        with self.precision.autocast():
+            count = self.run.trainer.eval_samples
+            val_x, val_y = ((self.data.val_x, self.data.val_y) if count is None else
+                            (self.data.val_x[:count], self.data.val_y[:count]))
+            result = validation(self.model, self.optimizer, val_x, val_y,
+                                everyone=at_end or not asynchronous)
+        if result is not None:
+            self.evaluation = result
+            get_logger().info("step %d val %s", step, json.dumps(result))
+            progress.evaluation(step, result["loss"], result["accuracy"],
+                                result.get("perplexity"))
+            self.write({"step": step, "split": "val", "time_s": self.time_s, **result})
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.model.refresh_copies()
+        self.optimizer.close()
+
+
+def load_data(run: RunConfig, parts: RunParts, device: torch.device,
+              precision: Precision) -> ClassificationData:
+    """The dataset, floating inputs in the run's dtype (the half type under bf16/fp16), on the
+    run's device when it is held in memory (a user's lazily read one moves batch by batch)."""
+    data: ClassificationData = parts.dataset.load()
+    if data.train_x.is_floating_point():  # token ids stay integers
+        dtype = precision.input_dtype(dtype_of(run))
+        data.train_x, data.val_x = data.train_x.to(dtype), data.val_x.to(dtype)
+    if device.type != "cpu":
+        for name in ("train_x", "train_y", "val_x", "val_y"):
+            value = getattr(data, name)
+            if isinstance(value, torch.Tensor):
+                setattr(data, name, value.to(device))
+    return data
+
+
+def compute_slowdown(grid: ProcessGrid) -> float:
+    """How much slower this rank computes than the calibrated rates say: ranks (and their
+    threads) sharing this node's cores."""
+    import os
+    import socket
+
+    hosts = grid.world.allgather_object(socket.gethostname())
+    local_ranks = hosts.count(hosts[grid.rank])
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    # Threads beyond the rates' own are not counted as speed: at the sizes a rank works on,
+    # dispatch and memory bound most operations, which more threads do not shorten.
+    return oversubscription(local_ranks * threads, cores)
+
+
+def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
+                   device: torch.device | None = None) -> Training:
+    """This rank's run on `device` (cpu when None), ready for its first step (fresh, or resumed
+    from a checkpoint)."""
+    torch.manual_seed(run.seed)  # every rank builds the same initial model
+    device = torch.device("cpu") if device is None else device
+    precision = Precision(run.trainer.precision, device.type)
+    costs = load_machine_costs()
+    rates = load_compute_rates()
+    parts = assemble(run, costs, rates=rates, slowdown=compute_slowdown(grid))
+    data = load_data(run, parts, device, precision)
+    dtype = dtype_of(run)
+    parts.model.to(device)  # initialised on the host: the same values on every device
+    place_whole(parts.model)  # every shard a strategy makes knows where it sits (checkpoints)
+    syncs = parts.optimizer_cls.syncs_gradients
+    # The planner models synchronous gradient exchange only: no prediction for other optimizers.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    with torch.random.fork_rng(devices=[]):  # what is priced leaves the run's draws alone
+        predicted = (parts.strategy.predict_ops(parts.model, parts.spec.input_shape,
+                                                grid.shape, run.trainer.batch_size)
+                     + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
+                     if syncs else None)
+        predicted_step = (predict_step(parts.strategy, parts.model, parts.spec.input_shape,
+                                       grid.shape, run.trainer.batch_size) if syncs else None)
+    model = parts.strategy.parallelize(parts.model, parts.spec.input_shape, grid,
+                                       sync_replica_gradients=syncs)
+    optimizer, start = start_or_resume(
+        run.trainer.resume, run.trainer.steps, run_dir, grid, model, parts.optimizer_cls,
+        lambda: parts.optimizer_cls(model, grid=grid, total_steps=run.trainer.steps,
+                                    **run.optimizer.options))
+    sampler = EpochSampler(parts.spec.train_size, run.trainer.batch_size, run.seed)
+    if start.sampler_state is not None:
+        sampler.load_state(start.sampler_state)
+    loss_comm = model.loss_comm
+    get_logger().info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)",
+                      grid, sum(p.numel() for p in model.parameters()), run.dataset.name,
+                      parts.spec.train_size, parts.spec.val_size)
+    scaler = precision.loss_scale()
+    if scaler is not None and start.loss_scale is not None:  # a checkpoint of an fp16 run
+        scaler.load_state(start.loss_scale)
+    training = Training(run, run_dir, grid, model, optimizer, data, sampler, start, loss_comm,
+                        predicted, predicted_step, costs, device, precision, scaler,
+                        math.prod(parts.spec.target_shape),
+                        last_checkpoint=start.checkpoint_path)
+    if grid.rank == 0:
+        training.sinks.append(MetricsWriter(
+            run_dir.metrics, continue_after=start.step if start.continues_here else None))
+        if run.logger == "tensorboard":
+            training.sinks.append(TensorBoardWriter(run_dir.path / "tensorboard", start.step))
+    training.run_info = {"config": OmegaConf.to_container(OmegaConf.load(run_dir.config)),
+                         "strategy": run.strategy.name, "optimizer": run.optimizer.name,
+                         "git_commit": git_commit() if grid.rank == 0 else None}
+    return training
+
+
+def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
+          device: torch.device | None = None) -> dict[str, Any]:
+    """Train `run` as this rank of `grid` on `device` (cpu when None); returns the summary
+    (rank 0 also writes it)."""
+    started = time.perf_counter()
+    grid.counter.isolate = run.debug.isolate_comm
+    # A file-size limit (ulimit -f) then fails the write with EFBIG, which is reported, instead
+    # of killing the rank without a word.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    t = build_training(run, run_dir, grid, device)
+    trainer = run.trainer
+    steps, every, eval_every = trainer.steps, trainer.checkpoint_every, trainer.eval_every
+    # per target: a class per sample, or (next-token) a token id per position
+    loss_scale = grid.size / (trainer.batch_size * t.targets_per_sample)
+    step, loss, stopped_by = t.start.step, float("nan"), None
+    title = f"{run.strategy.name} {grid.pr}x{grid.pc}"
+    pace = grid.counter.pace  # what the watchdog's deadlines derive from
+    with StopRequest() as stop, ProgressReporter(grid.rank == 0, steps, title) as progress:
+        for step in range(t.start.step + 1, steps + 1):
+            meets = t.optimizer.meets_replicas(step - 1)
+            # asynchronous replicas never wait for each other in a step: each step is a round
+            pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
+            began, before = time.perf_counter(), grid.counter.snapshot()
+            x, y = t.batch()
+            loss, stopping = train_step(t.model, t.optimizer, x, y, step, loss_scale,
+                                        t.loss_comm if meets else grid.model,
+                                        t.stop_request(stop.requested, meets), grid.rank,
+                                        run.debug, t.precision, t.scaler)
+            seconds = time.perf_counter() - began
+            t.log_step(step, loss, seconds, grid.counter.since(before), progress,
+                       replica_loss=not meets and grid.pc > 1)
+            at_end = step == steps
+            due = every is not None and step % every == 0 and not at_end
+            if stopping or due or at_end:
+                pace.begin("a stop check", step)  # asynchronous replicas meet here
+                if t.anyone_stopping(stopping or stop.requested):  # a held request too
+                    stopped_by = stop.signal_name or "a signal to another rank"
+                    break
+                if due:
+                    pace.begin("a checkpoint", step)
+                    t.checkpoint(step)
+            if at_end or (eval_every is not None and step % eval_every == 0):
+                pace.begin("evaluation", step)
+                t.evaluate(step, at_end, progress)
+        if stopped_by is not None or every:
+            pace.begin("a checkpoint", step)
+            t.checkpoint(step)
+    pace.begin("the end of training", step)
+    t.close()
+    if stopped_by is not None:
+        return interrupted_summary(run_dir, grid, step, stopped_by, t.last_checkpoint)
+    rates = grid.world.allgather_object(len(t.history.seconds) / t.history.total_s)
+    devices = grid.world.allgather_object(describe_device(t.device))
+    summary = completed_summary(run, run_dir, grid, t.model, t.history, loss, t.evaluation,
+                                rates, time.perf_counter() - started, t.predicted_ops, t.costs,
+                                t.start, t.last_checkpoint, t.predicted_step,
+                                t.targets_per_sample)
+    summary.update(logged_loss=t.optimizer.logged_loss() if grid.pc > 1 else "global batch",
+                   devices=devices, device_buffers=grid.devices.describe(grid.backend),
+                   precision=precision_summary(t.precision, t.scaler))
+    if grid.rank == 0:
+        write_json(run_dir.summary, summary)
+        make_console().print(summary_table(summary))
+    get_logger().info("done: final loss %.6f, wall %.2fs", loss, summary["wall_time_s"])
+    return summary

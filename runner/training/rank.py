@@ -1,0 +1,272 @@
+"""Being one rank of a training job: train, and make sure a failure ends the job.
+
+A rank reads the resolved `config.yaml` the head (or rank 0 of a job the user started) validated
+and wrote; it parses it and trusts it. A rank that fails prints its traceback, records the
+failure in `summary.json`, and aborts the whole MPI job: the other ranks never wait forever in a
+collective. A rank blocked in a collective for longer than its deadline (a peer hung) does the
+same from its watchdog thread: at most `trainer.comm_timeout_s`, and within training steps a few
+times the slowest step so far (`runner.core.pace`).
+
+The rank that times out is the one that waited: to name the one that did not arrive, each rank's
+watchdog records this rank's progress in `RUN_DIR/.ranks/progress-<rank>.json` about once a
+second, and reads the others' when it times out (no MPI traffic; the run directory is shared by
+the ranks already). Under the head, a failure is also reported in room the rank reserved in
+`.ranks/` at its start (`runner.training.supervisor.report_failure`): on a full disk `summary.json`
+cannot be written, and the head still names the rank, the file and the reason.
+
+In a job the user started (`mpiexec -n P python -m runner ...`), rank 0 composes the config and
+makes the run directory, then tells the others where it is (`announce_run_dir`/`follow_rank0`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.records.logs import setup_rank_logging
+from runner.records.rundir import RunDir, write_json
+from runner.training.interrupt import relay_stop_signal_from
+from runner.training.supervisor import (
+    RANKS_DIR,
+    report_failure,
+    reserve_failure_report,
+    stop_signal_path,
+    supervised,
+)
+
+if TYPE_CHECKING:
+    from runner.core import CommWatchdog, ProcessGrid
+    from runner.core.watchdog import CommProgress
+
+_announced = False
+ABORT_GRACE_S = 1.0
+
+
+def _set_threads(configured: int | None, mpi_comm: Any) -> None:
+    import torch
+
+    if configured is not None:
+        torch.set_num_threads(configured)
+    elif mpi_comm is not None:
+        from mpi4py import MPI
+
+        # Ranks on one node share its cores: oversubscribed threads only fight each other.
+        local_ranks = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
+
+
+def _write_failure(directory: RunDir, rank: int, failure: dict[str, Any]) -> None:
+    """The first failure recorded stays: a later one is usually a consequence of it. It is
+    reported to the head too, where `summary.json` cannot be written (a full disk)."""
+    if supervised():
+        report_failure(directory.path, rank, failure)
+    try:
+        if not directory.summary.exists():
+            write_json(directory.summary, {"status": "failed", **failure,
+                                           "run_dir": str(directory.path)})
+    except OSError:
+        pass
+
+
+# Errors of a write that found no room or no permission to grow: "cannot write FILE".
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def describe_error(exc: BaseException) -> str:
+    """The failure in one line, for `summary.json` and so the head's last line (the traceback
+    is in the rank's log): an `OSError` that names its file says the file and the system's
+    words, e.g. "cannot write /runs/a/metrics.jsonl: No space left on device (ENOSPC)"."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        target = str(exc.filename)
+        if exc.filename2 is not None:
+            target += f" -> {exc.filename2}"
+        code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else ""
+        if exc.errno in _WRITE_ERRNOS:
+            return f"cannot write {target}: {exc.strerror} ({code})"
+        return f"{target}: {exc.strerror} ({type(exc).__name__}{f', {code}' if code else ''})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _record_failure(directory: RunDir, rank: int, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc))
+    sys.stderr.write(f"\n[rank {rank}] failed:\n{text}")
+    sys.stderr.flush()
+    _write_failure(directory, rank, {"failed_rank": rank, "error": describe_error(exc)})
+
+
+# -- progress for the watchdogs: which rank did not arrive --------------------------------------
+
+def progress_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / RANKS_DIR / f"progress-{rank}.json"
+
+
+def _write_progress(path: Path, progress: CommProgress) -> None:
+    """Replaced by a rename (a reader sees a whole record), not synced: it only matters while
+    the job runs. A failed write (a full disk) leaves the last one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(progress.to_json()))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _read_progress(path: Path) -> CommProgress | None:
+    from runner.core.watchdog import CommProgress
+
+    try:
+        return CommProgress.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def group_members(grid: ProcessGrid, group: str) -> list[int]:
+    """The world ranks of this rank's group `group` (world rank = batch index × Pr + model
+    index: a model group is a block of consecutive ranks, a batch group a stride of Pr)."""
+    if group == "world":
+        return list(range(grid.size))
+    if group == "model":
+        return [grid.batch_index * grid.pr + m for m in range(grid.pr)]
+    if group == "batch":
+        return [b * grid.pr + grid.model_index for b in range(grid.pc)]
+    return [grid.rank]
+
+
+def _start_watchdog(timeout_s: float | None, grid: ProcessGrid, directory: RunDir,
+                    mpi_comm: Any) -> CommWatchdog | None:
+    """The watchdog of this rank's collectives (None: disabled, or nobody to wait for)."""
+    if timeout_s is None or mpi_comm is None or grid.size == 1:
+        return None
+    from runner.core import CommWatchdog
+
+    rank = grid.rank
+    mine = progress_path(directory.path, rank)
+    with contextlib.suppress(OSError):
+        mine.parent.mkdir(parents=True, exist_ok=True)
+
+    def peers(in_flight: tuple[str, str, int, str, float]) -> dict[int, CommProgress | None]:
+        return {r: _read_progress(progress_path(directory.path, r))
+                for r in group_members(grid, in_flight[1]) if r != rank}
+
+    def on_timeout(message: str, in_flight: tuple[str, str, int, str, float]) -> None:
+        op, group, size, label, _ = in_flight
+        deadline = watchdog.deadline
+        _write_failure(directory, rank, {"error": message, "timed_out": {
+            "rank": rank, "op": op, "label": label, "group": group, "group_size": size,
+            "timeout_s": timeout_s, "deadline_s": None if deadline is None else deadline.seconds,
+            "deadline": None if deadline is None else deadline.how,
+            "missing_ranks": [a.rank for a in watchdog.absent]}})
+        time.sleep(ABORT_GRACE_S)  # let the message through the launcher's pipes first
+        mpi_comm.Abort(1)  # from this thread: the main thread is blocked in the collective
+
+    watchdog = CommWatchdog(grid.counter, timeout_s, rank, on_timeout,
+                            setting="trainer.comm_timeout_s",
+                            publish=lambda progress: _write_progress(mine, progress),
+                            peers=peers, paced=True)
+    return watchdog.start()
+
+
+def _forget_progress(directory: RunDir, rank: int) -> None:
+    """This rank's progress record, gone (with `.ranks` when it is empty: a job the user
+    started has no head to remove it)."""
+    with contextlib.suppress(OSError):
+        progress_path(directory.path, rank).unlink(missing_ok=True)
+    if not supervised():
+        with contextlib.suppress(OSError):
+            (directory.path / RANKS_DIR).rmdir()
+
+
+def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
+    """Train as this rank. `mpi_comm=None` is the 1-process run inside the head."""
+    from runner.config.schema import load_run_config
+    from runner.core import Backend, ProcessGrid
+    from runner.core.torchdist import init_torch_distributed, shutdown_torch_distributed
+    from runner.training.devices import device_paths, place_rank
+    from runner.training.loop import train
+    from runner.training.step import StepFailure
+
+    rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
+    directory = RunDir(Path(run_dir))
+    log = setup_rank_logging(directory.rank_log(rank), rank)
+    if supervised():  # a job the head started: it reads `.ranks/` (and removes it)
+        relay_stop_signal_from(stop_signal_path(directory.path))
+        reserve_failure_report(directory.path, rank)
+    try:
+        run = load_run_config(directory.config)
+        _set_threads(run.trainer.threads, mpi_comm)
+        # An earlier run's record is not this rank's progress (the grid's set-up below is
+        # collective: no peer reads before every rank has removed its own).
+        _forget_progress(directory, rank)
+        placement = place_rank(run.trainer.device, mpi_comm)  # before any NCCL group
+        if run.comm.backend == "torch":  # collective over the job; nothing for one process
+            init_torch_distributed(mpi_comm, timeout_s=run.trainer.comm_timeout_s)
+        backend: Backend = "torch" if run.comm.backend == "torch" else "mpi"  # validated
+        grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm, backend=backend,
+                           devices=device_paths(run, placement, mpi_comm))
+        watchdog = _start_watchdog(run.trainer.comm_timeout_s, grid, directory, mpi_comm)
+        try:
+            train(run, directory, grid, placement.device)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+                _forget_progress(directory, rank)
+        # Not in a `finally`: its barrier would hold a rank that failed alone from its Abort.
+        shutdown_torch_distributed()  # every rank gets here; nothing under mpi
+        return 0
+    except StepFailure as exc:
+        # Every rank met it at the same step: one line, no traceback, and no rank has to
+        # abort the others.
+        log.error("%s", exc)
+        if rank == 0:
+            _write_failure(directory, rank, {"error": str(exc)})
+        if mpi_comm is None or mpi_comm.Get_size() == 1:
+            raise
+        shutdown_torch_distributed()  # every rank met it at the same step
+        return 1
+    except BaseException as exc:
+        log.exception("rank %d failed", rank)
+        _record_failure(directory, rank, exc)
+        if mpi_comm is None or mpi_comm.Get_size() == 1:
+            raise
+        # MPI_Abort tears down the launcher's output forwarding at once: give the traceback
+        # just written a moment to get through the pipes first.
+        time.sleep(ABORT_GRACE_S)
+        mpi_comm.Abort(1)
+        return 1  # not reached: Abort ends the process
+
+
+# -- inside a job the user started: rank 0 leads, the others follow --------------------------
+
+def announce_run_dir(run_dir: Path | None) -> None:
+    """Rank 0: tell the other ranks the run directory, or None when the run is refused."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.bcast(None if run_dir is None else str(run_dir), root=0)
+
+
+def lead_followers_on_exit() -> None:
+    """Rank 0: whatever ends this process before the announcement must release the others."""
+    atexit.register(announce_run_dir, None)
+
+
+def follow_rank0() -> int:
+    """Ranks 1..P-1: wait for rank 0's run directory, then train; exit 2 if rank 0 refused."""
+    from mpi4py import MPI
+
+    run_dir = MPI.COMM_WORLD.bcast(None, root=0)
+    if run_dir is None:
+        return 2
+    return run_rank(Path(run_dir), MPI.COMM_WORLD)

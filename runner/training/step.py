@@ -1,0 +1,99 @@
+"""One training step, the same on every rank for every strategy and optimizer.
+
+Rows: each rank is fed its batch group's rows and scores its own sub-shard of them (the row
+contract in `strategies/base.py`); its loss is (P/B) × the sum over its rows, so the mean over the
+P ranks is the global mean loss for any split of the rows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from runner.config.schema import DebugConfig
+from runner.core import CountedComm
+from runner.optim.sync import ReplicaOptimizer
+from runner.training.precision import DynamicLossScale, Precision
+from strategies import ParallelModel
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by `debug.fail_at_step` (tests of failure handling)."""
+
+
+class StepFailure(RuntimeError):
+    """A failure every rank meets at the same step (a non-finite loss, a checkpoint that could
+    not be written): the job ends without any rank having to abort the others."""
+
+
+class ReplicaFailure(RuntimeError):
+    """A failure one replica meets alone (a non-finite loss on a step where the replicas did
+    not meet): its rank ends the job for everyone (an abort)."""
+
+
+def inject_failure(mode: str, rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+    """`debug.fail_mode` on this rank at this step: what a test of failure handling needs."""
+    if mode == "raise":
+        raise InjectedFailure(f"injected failure on rank {rank} at step {step} "
+                              f"(debug.fail_at_step)")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "hang":  # outside any collective: the other ranks wait in their next one
+        while True:
+            time.sleep(3600)
+    if mode == "nan":
+        return loss * float("nan")
+    return loss
+
+
+def mean_loss(loss: torch.Tensor, comm: CountedComm, stop: bool,
+              overflow: bool | None = None) -> tuple[float, bool, bool]:
+    """The mean over the rows of the ranks of `comm` (the mean of their (P/B)-scaled sums: over
+    the world the global batch, over a model group that replica's rows), whether any of them
+    was asked to stop, and (fp16: `overflow` given) whether any of their gradients overflowed:
+    one all-reduce, so they all stop, or skip, at the same step."""
+    values = [loss.item(), float(stop)] + ([] if overflow is None else [float(overflow)])
+    buffer = torch.tensor(values, dtype=loss.dtype)  # host: control (and the logged loss)
+    comm.allreduce_(buffer, label="loss")
+    overflowed = overflow is not None and bool(buffer[2].item())
+    return buffer[0].item() / comm.size, bool(buffer[1].item()), overflowed
+
+
+def forward_backward_step(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
+                          loss_scale: float, step: int, rank: int, debug: DebugConfig,
+                          precision: Precision, scaler: DynamicLossScale | None = None
+                          ) -> torch.Tensor:
+    """Forward and loss (under the precision's autocast), backward (of the loss times fp16's
+    scale), and the gradient exchanges started during backward, completed. Returns the loss
+    (unscaled; float32 under autocast, whose cross-entropy is float32)."""
+    model.zero_grad()
+    with precision.autocast():
+        loss = model.score(model(x), y).loss_sum * loss_scale
+    if debug.fail_at_step == step and rank == debug.fail_on_rank:
+        loss = inject_failure(debug.fail_mode, rank, step, loss)
+    (loss if scaler is None else loss * scaler.scale).backward()
+    model.finish_gradient_sync()
+    return loss
+
+
+def train_step(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
+               y: torch.Tensor, step: int, loss_scale: float, loss_comm: CountedComm,
+               stop_requested: bool, rank: int, debug: DebugConfig,
+               precision: Precision, scaler: DynamicLossScale | None = None
+               ) -> tuple[float, bool]:
+    """Step `step` (1-based): the gradients, then one all-reduce over `loss_comm` for the mean
+    loss, whether any rank is stopping and (fp16) whether any rank's gradients overflowed, then
+    the replica optimizer's update (skipped by every rank on an overflow)."""
+    if debug.slow_rank == rank and debug.slow_seconds:  # a straggler on purpose
+        time.sleep(debug.slow_seconds)
+    loss = forward_backward_step(model, x, y, loss_scale, step, rank, debug, precision, scaler)
+    overflow = None if scaler is None else scaler.unscale(model.parameters())
+    mean, stopping, overflowed = mean_loss(loss, loss_comm, stop_requested, overflow)
+    if scaler is not None:
+        scaler.update(step, overflowed)
+    if not overflowed:
+        optimizer.step(step - 1)
+    return mean, stopping
