@@ -1,6 +1,6 @@
 """On a GPU, through the real command line: devices, staging, NCCL and mixed precision.
 
-Skipped where torch sees no GPU (CI, the 2-core development machine): the whole module is marked.
+Skipped where torch sees no GPU (CI, a CPU-only machine): the whole module is marked.
 On a GPU machine every run is small (the default 64→128→128→10 MLP on digits), so the module
 takes about a minute, most of it interpreters importing torch and initialising CUDA.
 
