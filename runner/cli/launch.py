@@ -42,9 +42,13 @@ class RunInterrupted(RuntimeError):
     continue."""
 
 
+def launcher_words(launcher: LauncherConfig) -> list[str]:
+    """The launcher command as words: `launcher.command`, else the bundled mpiexec."""
+    return launcher.argv or [bundled_mpiexec() or "mpiexec"]
+
+
 def mpi_command(launcher: LauncherConfig, nprocs: int, run_dir: Path) -> list[str]:
-    base = launcher.argv or [bundled_mpiexec() or "mpiexec"]
-    return [*base, launcher.nproc_flag, str(nprocs), *launcher.args,
+    return [*launcher_words(launcher), launcher.nproc_flag, str(nprocs), *launcher.args,
             sys.executable, "-m", "runner.cli.worker", str(run_dir)]
 
 
@@ -139,8 +143,7 @@ def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, An
         failed = {"status": "failed", "exit_code": code, **(result.failure or {}),
                   "run_dir": str(directory.path)}
         if "error" not in failed and not any(directory.logs.glob("rank*.log")):
-            launcher = shlex.join(mpi_command(run.launcher, run.grid.size, directory.path)[:1]
-                                  + list(run.launcher.args))
+            launcher = shlex.join([*launcher_words(run.launcher), *run.launcher.args])
             failed["error"] = (f"the launcher ({launcher}) exited with code {code} before any "
                                f"rank started (its own output, if any, is above): check "
                                f"launcher.command and launcher.args")

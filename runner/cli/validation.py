@@ -9,6 +9,7 @@ one line. The ranks do not repeat any of this: they trust the `config.yaml` the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,8 +69,6 @@ MAX_THREADS = 4096
 
 def _lr_problems(run: RunConfig) -> list[str]:
     """A learning rate the parameters' float type cannot hold: the first update overflows."""
-    import math
-
     import torch
 
     lr = run.optimizer.options.get("lr")

@@ -27,6 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.records.rundir_files import load_json
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -383,9 +385,8 @@ def earlier_records(run_dir: Path) -> list[str]:
         pass
     if directory.summary.is_file():
         summary: Any = None
-        with contextlib.suppress(OSError, ValueError, RecursionError):
-            if directory.summary.stat().st_size <= 1 << 20:
-                summary = json.loads(directory.summary.read_bytes())
+        with contextlib.suppress(OSError, ValueError):  # within bounds: it may be anyone's
+            summary = load_json(directory.summary)
         status = summary.get("status") if isinstance(summary, dict) else None
         found.append(f"summary.json ({status})" if isinstance(status, str) else "summary.json")
     for place in sorted(directory.path.glob("checkpoints*")):

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.records.rundir import write_json
+from runner.records.rundir import RunDir, write_json
 
 RANKS_DIR = ".ranks"  # the supervisors' records, inside the run directory
 STOP_SIGNAL_FILE = "stop-signal"  # the signal the head got, written before it forwards SIGTERM
@@ -210,8 +210,7 @@ def watched_head(value: str | None) -> tuple[int, str] | None:
 def _log_line(run_dir: Path, rank: int, message: str) -> None:
     """One line in the rank's log (its format) and on stderr, from the supervisor."""
     line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank{rank} ERROR {message}\n"
-    log = Path(run_dir) / "logs" / f"rank{rank}.log"
-    with contextlib.suppress(OSError), log.open("a") as file:
+    with contextlib.suppress(OSError), RunDir(Path(run_dir)).rank_log(rank).open("a") as file:
         file.write(line)
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(f"[rank {rank}] {message}\n")
