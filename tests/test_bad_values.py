@@ -417,3 +417,46 @@ def test_a_launcher_that_starts_no_rank_is_named_as_the_cause(
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert named in last and "before any rank started" in last, last
+
+
+def _declared_keys() -> list[tuple[str, dict[str, object]]]:
+    """(dotted key, field metadata) of every schema key that declares its choices or range."""
+    import dataclasses
+
+    from runner.config.schema import ConfigSchema
+
+    found: list[tuple[str, dict[str, object]]] = []
+    for section in dataclasses.fields(ConfigSchema):
+        schema = section.default_factory if section.default_factory is not dataclasses.MISSING \
+            else None
+        if isinstance(schema, type) and dataclasses.is_dataclass(schema):
+            found += [(f"{section.name}.{f.name}", dict(f.metadata))
+                      for f in dataclasses.fields(schema) if f.metadata]
+        elif section.metadata:
+            found.append((section.name, dict(section.metadata)))
+    return found
+
+
+def test_every_declared_choice_and_range_is_checked_by_the_parse() -> None:
+    """A value outside what a schema field declares is named by the parse itself (no key has
+    its own check elsewhere), and its default stands in for the later checks."""
+    from runner.config.schema import parse_with_problems
+    from runner.core.grid import GridShape
+
+    declared = _declared_keys()
+    assert len(declared) >= 20  # every choice key and every bounded number
+    for key, metadata in declared:
+        if "choices" in metadata:
+            bad: object = "no-such-choice"
+        elif "maximum" in metadata:
+            bad = metadata["maximum"] * 2  # type: ignore[operator]
+        else:
+            bad = metadata["minimum"] - 1  # type: ignore[operator]
+        section, _, name = key.rpartition(".")
+        config: dict[str, object] = ({section: {name: bad}} if section else {name: bad})
+        run, problems = parse_with_problems({**config, "model": {"name": "mlp"},
+                                             "dataset": {"name": "digits"},
+                                             "strategy": {"name": "data"},
+                                             "optimizer": {"name": "sgd"}})
+        assert len(problems) == 1 and problems[0].startswith(f"{key}="), (key, problems)
+        assert run.grid == GridShape(2, 2) or key.startswith("grid.")

@@ -19,6 +19,7 @@ import sys
 import textwrap
 import types
 import typing
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,20 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+def _declared_type(annotation: Any, declared: Mapping[str, Any]) -> str:
+    """The type with what the schema's field declares of its values: `fp32|bf16|fp16`,
+    `int>=1`, `float[1..3e+07]|null`."""
+    name = _type_name(annotation)
+    if "choices" in declared:
+        return "|".join(declared["choices"])
+    if "minimum" not in declared:
+        return name
+    base, null, _ = name.partition("|null")
+    low, high = declared["minimum"], declared.get("maximum")
+    bound = f"[{low:.15g}..{high:.15g}]" if high is not None else f">={low:.15g}"
+    return f"{base}{bound}{'|null' if null else ''}"
+
+
 def _field_docs() -> dict[tuple[str, str], str]:
     """(class, field) -> the docstring under the field in runner/config/schema.py, on one line."""
     source = Path(config_module.__file__ or "")
@@ -137,7 +152,8 @@ def engine_keys(only: str | None = None,
                 default = field.default_factory()
             else:
                 default = "???"
-            rows.append((f"{prefix}{field.name}", f"{_type_name(annotation)} = {_value(default)}",
+            shown_type = _declared_type(annotation, field.metadata)
+            rows.append((f"{prefix}{field.name}", f"{shown_type} = {_value(default)}",
                          docs.get((schema.__name__, field.name), "")))
 
     add(config_module.ConfigSchema, "")

@@ -17,14 +17,6 @@ from omegaconf import DictConfig
 
 from runner.config.options import option_problems, with_defaults
 from runner.config.schema import (
-    COMM_BACKENDS,
-    CUDA_AWARE,
-    DEVICES,
-    DTYPES,
-    FAILURE_MODES,
-    LOGGERS,
-    OBJECTIVES,
-    PRECISIONS,
     ConfigError,
     Plugin,
     RunConfig,
@@ -32,18 +24,12 @@ from runner.config.schema import (
 )
 from runner.core.registry import UnknownPluginError
 
-MIN_COMM_TIMEOUT_S = 1.0
-MAX_COMM_TIMEOUT_S = 365 * 86400.0
-MAX_SLOW_SECONDS = 86400.0
-
 
 def device_problems(run: RunConfig) -> list[str]:
     """trainer.device, trainer.precision and comm.cuda_aware; a GPU asked for where torch sees
     none is refused here, before any rank starts (the head runs where the ranks do)."""
     trainer, problems = run.trainer, []
-    if trainer.device not in DEVICES:
-        problems.append(f"trainer.device={trainer.device}: must be one of {', '.join(DEVICES)}")
-    elif trainer.device == "cuda":
+    if trainer.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
@@ -51,20 +37,11 @@ def device_problems(run: RunConfig) -> list[str]:
                    else "torch sees no GPU here")
             problems.append(f"trainer.device=cuda: {why} (torch {torch.__version__}); use "
                             f"trainer.device=cpu, or auto")
-    if trainer.precision not in PRECISIONS:
-        problems.append(f"trainer.precision={trainer.precision}: must be one of "
-                        f"{', '.join(PRECISIONS)}")
-    elif trainer.precision != "fp32" and trainer.dtype != "float32":
+    if trainer.precision != "fp32" and trainer.dtype != "float32":
         problems.append(f"trainer.precision={trainer.precision} with trainer.dtype="
                         f"{trainer.dtype}: mixed precision keeps float32 parameters; use "
                         f"trainer.dtype=float32")
-    if str(run.comm.cuda_aware).lower() not in CUDA_AWARE:
-        problems.append(f"comm.cuda_aware={run.comm.cuda_aware}: must be one of "
-                        f"{', '.join(CUDA_AWARE)}")
     return problems
-
-
-MAX_THREADS = 4096
 
 
 def _lr_problems(run: RunConfig) -> list[str]:
@@ -72,7 +49,7 @@ def _lr_problems(run: RunConfig) -> list[str]:
     import torch
 
     lr = run.optimizer.options.get("lr")
-    if run.trainer.dtype not in DTYPES or not isinstance(lr, (int, float)) or isinstance(
+    if not isinstance(lr, (int, float)) or isinstance(
             lr, bool) or not math.isfinite(lr):
         return []
     largest = torch.finfo(getattr(torch, run.trainer.dtype)).max
@@ -83,33 +60,11 @@ def _lr_problems(run: RunConfig) -> list[str]:
 
 
 def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
+    """What the schema's per-key declarations cannot say: how keys bear on each other and on
+    this machine (a key outside its declared choices or range was named by the parse, and its
+    default stands in here)."""
     problems: list[str] = []
     trainer, debug, grid = run.trainer, run.debug, run.grid
-
-    def at_least(key: str, value: int | None, minimum: int) -> None:
-        if value is not None and value < minimum:
-            problems.append(f"{key}={value}: must be >= {minimum}")
-
-    at_least("seed", run.seed, 0)
-    at_least("grid.pr", grid.pr, 1)
-    at_least("grid.pc", grid.pc, 1)
-    at_least("trainer.steps", trainer.steps, 1)
-    at_least("trainer.batch_size", trainer.batch_size, 1)
-    at_least("trainer.log_every", trainer.log_every, 1)
-    at_least("trainer.eval_every", trainer.eval_every, 1)
-    at_least("trainer.eval_samples", trainer.eval_samples, 1)
-    at_least("trainer.checkpoint_every", trainer.checkpoint_every, 1)
-    at_least("trainer.keep_checkpoints", trainer.keep_checkpoints, 1)
-    at_least("trainer.threads", trainer.threads, 1)
-    at_least("debug.fail_at_step", debug.fail_at_step, 1)
-    at_least("debug.fail_on_rank", debug.fail_on_rank, 0)
-    at_least("debug.slow_rank", debug.slow_rank, 0)
-    if trainer.dtype not in DTYPES:
-        problems.append(f"trainer.dtype={trainer.dtype}: must be one of {', '.join(DTYPES)}")
-    if trainer.threads is not None and trainer.threads > MAX_THREADS:
-        problems.append(f"trainer.threads={trainer.threads}: more torch threads per rank than "
-                        f"any node has cores (at most {MAX_THREADS}; null: the node's cores / "
-                        f"its ranks)")
     problems += _lr_problems(run)
     problems += device_problems(run)
     if trainer.resume is not None and not trainer.resume:
@@ -121,32 +76,10 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
             resolve_resume(trainer.resume, None)
         except CheckpointError as exc:
             problems.append(str(exc))
-    timeout = trainer.comm_timeout_s
-    if timeout is not None and not MIN_COMM_TIMEOUT_S <= timeout <= MAX_COMM_TIMEOUT_S:
-        # Below a second, any collective waits longer than that now and then; past a year it
-        # overflows the torch backend's own timeout: null is the way to wait for ever.
-        problems.append(f"trainer.comm_timeout_s={timeout:g}: must be null (wait for ever) or "
-                        f"from {MIN_COMM_TIMEOUT_S:g} to {MAX_COMM_TIMEOUT_S:.0f} seconds (a "
-                        f"year)")
-    if run.comm.backend not in COMM_BACKENDS:
-        problems.append(f"comm.backend={run.comm.backend}: must be one of "
-                        f"{', '.join(COMM_BACKENDS)}")
-    if run.objective not in OBJECTIVES:
-        problems.append(f"objective={run.objective}: must be one of {', '.join(OBJECTIVES)}")
-    if run.logger not in LOGGERS:
-        problems.append(f"logger={run.logger}: must be one of {', '.join(LOGGERS)}")
-    elif run.logger == "tensorboard":
+    if run.logger == "tensorboard":
         from runner.records.board import tensorboard_missing
 
         problems += filter(None, [tensorboard_missing()])
-    if debug.fail_mode not in FAILURE_MODES:
-        problems.append(f"debug.fail_mode={debug.fail_mode}: must be one of "
-                        f"{', '.join(FAILURE_MODES)}")
-    if debug.slow_seconds < 0:
-        problems.append(f"debug.slow_seconds must be a number >= 0, got {debug.slow_seconds}")
-    elif debug.slow_seconds > MAX_SLOW_SECONDS:  # a sleep that long overflows, or never ends
-        problems.append(f"debug.slow_seconds={debug.slow_seconds:g}: must be at most "
-                        f"{MAX_SLOW_SECONDS:g} (a day)")
     if debug.fail_at_step is not None and debug.fail_at_step > trainer.steps >= 1:
         problems.append(f"debug.fail_at_step={debug.fail_at_step} is past trainer.steps="
                         f"{trainer.steps}: that failure would never happen")

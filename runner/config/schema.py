@@ -42,8 +42,54 @@ OBJECTIVES = {"val_loss": "minimize", "val_accuracy": "maximize", "final_loss": 
               "samples_per_s": "maximize"}
 TARGET_KEY = "_target_"
 
+# The bounds of keys whose range is not a plain "at least".
+MIN_COMM_TIMEOUT_S = 1.0
+MAX_COMM_TIMEOUT_S = 365 * 86400.0
+MAX_SLOW_SECONDS = 86400.0
+MAX_THREADS = 4096
+
 # OmegaConf reads these annotations at run time: the typing spellings it understands
-# (`Optional[int]`, not `int | None`), hence the UP007 exemptions below.
+# (`Optional[int]`, not `int | None`), hence the UP007 exemptions below. It refuses `Literal`
+# in a structured config, so a choice key is a `str` whose choices sit in its field's metadata
+# (`one_of`), as a range sits in a number's (`at_least`, `within`): declared with the key, and
+# checked for every key alike by `_section`.
+
+
+def one_of(choices: tuple[str, ...], default: str, fold_case: bool = False) -> Any:
+    """A key that takes one of `choices` (`fold_case`: in any case, for true/false words, which
+    the command line hands over as booleans and OmegaConf turns into `True`/`False`)."""
+    return field(default=default, metadata={"choices": choices, "fold_case": fold_case})
+
+
+def at_least(minimum: float, default: Any) -> Any:
+    """A number key that must be at least `minimum` (null passes where the type allows it)."""
+    return field(default=default, metadata={"minimum": minimum})
+
+
+def within(minimum: float, maximum: float, default: Any, why: str) -> Any:
+    """A number key from `minimum` to `maximum`; `why` says where the bounds come from."""
+    return field(default=default, metadata={"minimum": minimum, "maximum": maximum, "why": why})
+
+
+def _number(value: float) -> str:
+    return f"{value:.15g}" if isinstance(value, float) else str(value)
+
+
+def declared_problem(key: str, value: Any, metadata: Mapping[str, Any]) -> str | None:
+    """`key=value: must be …` where a well-typed value is outside what its field declares."""
+    choices = metadata.get("choices")
+    if choices is not None and (str(value).lower() if metadata["fold_case"] else value
+                                ) not in choices:
+        return f"{key}={value}: must be one of {', '.join(choices)}"
+    if value is None or "minimum" not in metadata:
+        return None
+    low, high = metadata["minimum"], metadata.get("maximum")
+    if high is None and value < low:
+        return f"{key}={_number(value)}: must be >= {_number(low)}"
+    if high is not None and not low <= value <= high:
+        return (f"{key}={_number(value)}: must be from {_number(low)} to {_number(high)} "
+                f"({metadata['why']})")
+    return None
 
 
 class ConfigError(ValueError):
@@ -58,9 +104,9 @@ class ConfigError(ValueError):
 class GridConfig:
     """The process grid `pr × pc`."""
 
-    pr: int = 2
+    pr: int = at_least(1, 2)
     """Ranks that split the model (or each sample's domain): the size of a model group."""
-    pc: int = 2
+    pc: int = at_least(1, 2)
     """Ranks that split the batch: the number of batch replicas."""
 
 
@@ -68,36 +114,40 @@ class GridConfig:
 class TrainerConfig:
     """The training loop."""
 
-    steps: int = 300
+    steps: int = at_least(1, 300)
     """Training steps (global batches)."""
-    batch_size: int = 64
+    batch_size: int = at_least(1, 64)
     """The global batch: the same whatever the number of ranks."""
-    log_every: int = 1
+    log_every: int = at_least(1, 1)
     """A metrics.jsonl line every N steps."""
-    eval_every: Optional[int] = 100  # noqa: UP045
+    eval_every: Optional[int] = at_least(1, 100)  # noqa: UP045
     """Validation loss and accuracy every N steps (null: only at the end)."""
-    eval_samples: Optional[int] = None  # noqa: UP045
+    eval_samples: Optional[int] = at_least(1, None)  # noqa: UP045
     """Validate on the first N samples of the validation set (null: all of it)."""
-    checkpoint_every: Optional[int] = None  # noqa: UP045
+    checkpoint_every: Optional[int] = at_least(1, None)  # noqa: UP045
     """A sharded checkpoint every N steps, and at the end (null: none)."""
-    keep_checkpoints: Optional[int] = 3  # noqa: UP045
+    keep_checkpoints: Optional[int] = at_least(1, 3)  # noqa: UP045
     """The newest complete checkpoints kept (null: all)."""
     resume: Optional[str] = None  # noqa: UP045
     """null, auto (this run directory's latest checkpoint), or a checkpoint or run directory."""
-    comm_timeout_s: Optional[float] = 300.0  # noqa: UP045
+    comm_timeout_s: Optional[float] = within(  # noqa: UP045
+        MIN_COMM_TIMEOUT_S, MAX_COMM_TIMEOUT_S, 300.0,
+        "null waits for ever; under a second any collective waits longer now and then, past a "
+        "year the torch backend's own timeout overflows")
     """The most seconds a collective may wait before it ends the job (null: wait for ever; 1 s
     to a year). Inside training steps, once three have been timed, the deadline is shorter:
     max(30 s, 5 × the slowest step so far), so at the default a hung rank ends the job within
     a minute while no step has taken over 10 s. Start-up, the first steps, evaluation,
     checkpoints and the first step after each of these get this whole cap."""
-    threads: Optional[int] = None  # noqa: UP045
+    threads: Optional[int] = within(  # noqa: UP045
+        1, MAX_THREADS, None, "no node has more cores; null: the node's cores / its ranks")
     """torch threads per rank (null: the node's cores / its ranks)."""
-    dtype: str = "float32"
+    dtype: str = one_of(DTYPES, "float32")
     """float32, or float64 to check a strategy against one process beyond float32 rounding."""
-    device: str = "cpu"
+    device: str = one_of(DEVICES, "cpu")
     """cpu; cuda (rank r uses GPU `local rank % GPUs on its node`; model, batches and the whole
     step live there); auto (cuda where torch sees a GPU, else cpu)."""
-    precision: str = "fp32"
+    precision: str = one_of(PRECISIONS, "fp32")
     """fp32; bf16 or fp16: the forward and the loss under autocast (the parameters, their
     gradients and the optimizer stay float32), floating inputs stored in that dtype; fp16 with
     dynamic loss scaling (a step whose gradients overflow is skipped on every rank)."""
@@ -124,11 +174,11 @@ class LauncherConfig:
 class CommConfig:
     """How the ranks communicate."""
 
-    backend: str = "mpi"
+    backend: str = one_of(COMM_BACKENDS, "mpi")
     """mpi (mpi4py on host buffers), or torch (torch.distributed process groups over the same
     grid, gloo for CPU tensors, bootstrapped from the MPI job). The EASGD family's one-sided
     windows stay on MPI under both."""
-    cuda_aware: str = "auto"
+    cuda_aware: str = one_of(CUDA_AWARE, "auto", fold_case=True)
     """Under mpi with trainer.device=cuda: true hands GPU buffers to MPI as they are (an MPI
     built with CUDA support); false stages them through pinned host buffers; auto: true only
     when the MPI library says it was built with CUDA."""
@@ -138,7 +188,7 @@ class CommConfig:
 class LoggerConfig:
     """Where metrics go besides metrics.jsonl."""
 
-    name: str = "none"
+    name: str = one_of(LOGGERS, "none")
     """none, or tensorboard (event files under <run dir>/tensorboard/)."""
 
 
@@ -146,18 +196,18 @@ class LoggerConfig:
 class DebugConfig:
     """For tests and measurements: make one rank fail or straggle; time collectives alone."""
 
-    fail_at_step: Optional[int] = None  # noqa: UP045
+    fail_at_step: Optional[int] = at_least(1, None)  # noqa: UP045
     """Make rank `fail_on_rank` fail at this step (null: never)."""
-    fail_on_rank: int = 0
+    fail_on_rank: int = at_least(0, 0)
     """The rank that fails."""
-    fail_mode: str = "raise"
+    fail_mode: str = one_of(FAILURE_MODES, "raise")
     """raise (an exception), kill (SIGKILL itself), hang (sleep outside any collective, so the
     others wait in one), nan (its loss becomes NaN)."""
     isolate_comm: bool = False
     """Time each collective alone (a barrier first, no overlap), to check the α–β model."""
-    slow_rank: Optional[int] = None  # noqa: UP045
+    slow_rank: Optional[int] = at_least(0, None)  # noqa: UP045
     """This rank sleeps `slow_seconds` in every step: a straggler (null: none)."""
-    slow_seconds: float = 0.0
+    slow_seconds: float = within(0, MAX_SLOW_SECONDS, 0.0, "a day at most")
     """How long the straggler sleeps per step."""
     stage_host_tensors: bool = False
     """Send host tensors through the staging path that GPU tensors take under an MPI without
@@ -186,7 +236,7 @@ class PlanConfig:
     """Also write the plan as JSON to this file."""
     calibrate: bool = False
     """Measure this machine's α and β (and local work) instead of planning."""
-    calibrate_repeats: int = 20
+    calibrate_repeats: int = at_least(1, 20)
     """Repeats of each measured message size (fewer: a quicker, noisier calibration)."""
 
 
@@ -195,12 +245,12 @@ class ConfigSchema:
     """The composed config. The plugin groups hold a registered `name` (or, for model,
     dataset and optimizer, a user's class or function as `_target_`) and its own options."""
 
-    seed: int = 0
+    seed: int = at_least(0, 0)
     """Seeds the model's initial weights, the sample order and the synthetic datasets."""
     plugins: list[str] = field(default_factory=list)
     """Modules every rank imports before building the run: where a user's own
     `@register_model`/`@register_dataset`/`@register_optimizer`/`@register_strategy` live."""
-    objective: str = "val_loss"
+    objective: str = one_of(tuple(OBJECTIVES), "val_loss")
     """The summary value the run returns to a Hydra sweeper (Optuna): val_loss, val_accuracy,
     final_loss, workers_val_loss, workers_val_accuracy, wall_time_s, median_step_time_s or
     samples_per_s (the summary records its direction)."""
@@ -259,6 +309,7 @@ def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> An
         problems.append(f"{key}={value!r}: must be a mapping of {schema.__name__} keys")
         return schema()
     hints = _hints(schema)
+    metadata = {f.name: f.metadata for f in dataclasses.fields(schema)}
     unknown = sorted(k for k in value if k not in hints)
     if unknown:
         where = f"{key}: " if key else ""
@@ -271,7 +322,8 @@ def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> An
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             values[name] = _section(_join(key, name), annotation, value[name], problems)
             continue
-        problem = type_problem(_join(key, name), value[name], annotation)
+        problem = (type_problem(_join(key, name), value[name], annotation)
+                   or declared_problem(_join(key, name), value[name], metadata[name]))
         if problem:
             problems.append(problem)
         else:
@@ -364,8 +416,6 @@ def parse_plan(cfg: DictConfig | Mapping[str, Any]) -> PlanConfig:
     """The planner's section alone, typed (`ConfigError` as `parse`)."""
     problems: list[str] = []
     plan: PlanConfig = _section("plan", PlanConfig, plain(cfg).get("plan"), problems)
-    if not problems and plan.calibrate_repeats < 1:
-        problems.append(f"plan.calibrate_repeats={plan.calibrate_repeats}: must be >= 1")
     if problems:
         raise ConfigError(problems)
     return plan
