@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from runner.cli.preflight import memory_estimate
-from runner.cli.validation import validate
+from runner.cli.validation import validate, validate_parts
 from runner.config.schema import ConfigError
 from runner.training import assembly
 from strategies.probe import draw_plan, logits_of, probe, random_draws, sample_dtype
@@ -56,11 +56,11 @@ def test_every_strategy_accepts_or_refuses_by_name(model: str) -> None:
 @pytest.mark.parametrize("model", MODELS)
 def test_the_memory_estimate_and_the_plan_come_from_a_real_forward(model: str) -> None:
     config = corpus.run_config(model, "data", 1, 1)  # one process: what the head estimates
-    run = validate(OmegaConf.create(config))
-    spec = assembly.build_dataset(run.dataset, assembly.objective_of(run.model)).spec()
-    net = assembly.probe_model(run.model, spec)
-    parts = memory_estimate(run, spec, net)
-    assert parts["activations"] > 0 and parts["parameters"] > 0
+    run, parts = validate_parts(OmegaConf.create(config))
+    spec, net = parts.spec, parts.model
+    assert spec is not None and net is not None
+    needs = memory_estimate(run, parts)
+    assert needs["activations"] > 0 and needs["parameters"] > 0
     seen = probe(net, spec.input_shape)
     assert seen.output_shape[-1] in (spec.num_classes, 50)  # classes, or the vocabulary
     strategy = assembly.build_strategy(run.strategy, global_batch=8)

@@ -61,7 +61,7 @@ def precheck(args: list[str]) -> str | None:
     from omegaconf.errors import OmegaConfBaseException
 
     from runner.cli.preflight import machine_problems
-    from runner.cli.validation import validate
+    from runner.cli.validation import validate_parts
     from runner.config.schema import ConfigError, bool_override_problems
     from runner.records.rundir import RunDirInUse, earlier_records, lock_run_dir, set_aside_earlier
 
@@ -76,11 +76,12 @@ def precheck(args: list[str]) -> str | None:
     with open_dict(cfg):
         del cfg["hydra"]
     try:
-        run = validate(cfg, world_size=None if _mpi is None else _mpi.size)
+        run, parts = validate_parts(cfg, world_size=None if _mpi is None else _mpi.size)
     except ConfigError as exc:
         return str(exc)
     notes: list[str] = []
-    problems = machine_problems(run, run_dir, inside_mpi_job=_mpi is not None, notes=notes)
+    problems = machine_problems(run, parts, run_dir, inside_mpi_job=_mpi is not None,
+                                notes=notes)
     if problems:
         return "; ".join(problems)
     for note in notes:  # e.g. damaged checkpoints that trainer.resume=auto passes over

@@ -68,10 +68,10 @@ def _failure_message(size: int, code: int, summary: dict[str, Any], logs: Path) 
 
 def checked_run(cfg: DictConfig, run_dir: Path) -> RunConfig:
     """`cfg` validated, and the machine checked for it: `ConfigError` names every problem."""
-    from runner.cli.validation import validate
+    from runner.cli.validation import validate_parts
 
-    run = validate(cfg)
-    problems = machine_problems(run, run_dir)
+    run, parts = validate_parts(cfg)
+    problems = machine_problems(run, parts, run_dir)
     if problems:
         raise ConfigError(problems)
     return run

@@ -9,7 +9,7 @@ import dataclasses
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -18,6 +18,11 @@ from runner.config.schema import LauncherConfig, RunConfig
 from runner.records.rundir import earlier_records, held_by_live_run, run_dir_problem, unwritable
 from runner.training.mpienv import bundled_mpiexec
 from runner.zoo.datasets import DatasetSpec
+
+if TYPE_CHECKING:  # torch-heavy: imported when a run is checked
+    from runner.optim.sync import ReplicaOptimizer
+    from runner.training.assembly import CheckedParts
+    from strategies import Strategy
 
 MIN_FREE_BYTES = 16 << 20  # logs, metrics and the summary of any run
 
@@ -73,7 +78,7 @@ def ranks_on_this_machine(run: RunConfig, inside_mpi_job: bool) -> int | None:
     return run.grid.size if not run.launcher.argv else None
 
 
-def memory_estimate(run: RunConfig, spec: DatasetSpec, model: nn.Module) -> dict[str, int]:
+def memory_estimate(run: RunConfig, parts: CheckedParts) -> dict[str, int]:
     """Rank 0's bytes, by what holds them: the planner's parameter and activation counts for
     this strategy and grid, gradients (one copy), optimizer state, the dataset (every rank
     loads it whole) and the runtime. An estimate: allocator slack and temporaries are not in
@@ -82,9 +87,8 @@ def memory_estimate(run: RunConfig, spec: DatasetSpec, model: nn.Module) -> dict
 
     from runner.training import assembly
 
-    strategy = assembly.build_strategy(run.strategy)
+    spec, model, strategy, optimizer = _built(parts)
     params = strategy.predict_param_bytes(model, spec.input_shape, run.grid)
-    optimizer = assembly.optimizer_class(run.optimizer)
     # momentum/velocity, Adam's moments: the optimizer's own count; a centre variable: its
     # flat copy and the differences
     copies = (optimizer.state_copies(run.optimizer.options)
@@ -99,31 +103,28 @@ def memory_estimate(run: RunConfig, spec: DatasetSpec, model: nn.Module) -> dict
         "runtime": RUNTIME_BYTES}
 
 
-def memory_problem(run: RunConfig, spec: DatasetSpec, model: nn.Module,
-                   inside_mpi_job: bool) -> str | None:
+def memory_problem(run: RunConfig, parts: CheckedParts, inside_mpi_job: bool) -> str | None:
     """A run that cannot fit in this machine's memory, refused before its ranks allocate."""
     ranks, available = ranks_on_this_machine(run, inside_mpi_job), available_memory()
     if ranks is None or available is None:
         return None
-    parts = memory_estimate(run, spec, model)
-    per_rank = sum(parts.values())
+    needs = memory_estimate(run, parts)
+    per_rank = sum(needs.values())
     if per_rank * ranks <= available:
         return None
-    detail = ", ".join(f"{what} {size / GIB:.1f}" for what, size in parts.items())
-    largest = max(parts, key=lambda what: parts[what])
+    detail = ", ".join(f"{what} {size / GIB:.1f}" for what, size in needs.items())
+    largest = max(needs, key=lambda what: needs[what])
     return (f"the run needs about {per_rank * ranks / GIB:.1f} GiB on this machine ({ranks} "
             f"rank(s) x {per_rank / GIB:.1f} GiB: {detail}), {available / GIB:.1f} GiB are "
             f"available; the largest part is the {largest} (model={run.model.name}, "
             f"dataset={run.dataset.name}, trainer.batch_size={run.trainer.batch_size})")
 
 
-def checkpoint_space_needed(run: RunConfig, model: nn.Module) -> tuple[int, str]:
+def checkpoint_space_needed(run: RunConfig, parts: CheckedParts) -> tuple[int, str]:
     """Bytes the run directory needs, and what for."""
     if not run.trainer.checkpoint_every:
         return MIN_FREE_BYTES, "the run's logs"
-    from runner.training import assembly
-
-    optimizer = assembly.optimizer_class(run.optimizer)
+    _, model, _, optimizer = _built(parts)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     one = checkpoint_bytes(param_bytes, run.grid.pc, optimizer.per_replica,
                            optimizer.has_centre, optimizer.state_copies(run.optimizer.options))
@@ -155,27 +156,32 @@ def resume_problems(run: RunConfig, run_dir: Path, model: nn.Module,
     return []
 
 
-def machine_problems(run: RunConfig, run_dir: Path, inside_mpi_job: bool = False,
-                     notes: list[str] | None = None) -> list[str]:
-    """Every reason this machine cannot run `run` into `run_dir` (empty: go); what is worth
+def machine_problems(run: RunConfig, parts: CheckedParts, run_dir: Path,
+                     inside_mpi_job: bool = False, notes: list[str] | None = None) -> list[str]:
+    """Every reason this machine cannot run `run` into `run_dir` (empty: go), from the parts
+    validation built (`runner.cli.validation.validate_parts`: one plain model for every check
+    below, its parameter names, shapes and bytes and the planner's counts); what is worth
     saying but no problem goes to `notes`."""
-    from runner.training import assembly
-
     problems = [] if inside_mpi_job or run.grid.size == 1 else launcher_problems(run.launcher)
-    # One plain model for every check below: its parameter names, shapes and bytes, and the
-    # planner's counts (on the CPU when it is small, see assembly.probe_model).
-    spec = assembly.build_dataset(run.dataset, assembly.objective_of(run.model)).spec()
-    model = assembly.probe_model(run.model, spec, assembly.dtype_of(run))
-    memory = memory_problem(run, spec, model, inside_mpi_job)
+    memory = memory_problem(run, parts, inside_mpi_job)
     if memory:
         problems.append(memory)
-    problems += resume_problems(run, run_dir, model, notes if notes is not None else [])
+    problems += resume_problems(run, run_dir, _built(parts)[1],
+                                notes if notes is not None else [])
     problem = run_dir_problem(run_dir) or owner_problem(run, run_dir) or unwritable(run_dir)
     if problem:
         return [*problems, problem]
-    needed, what = checkpoint_space_needed(run, model)
+    needed, what = checkpoint_space_needed(run, parts)
     problem = space_problem(run_dir, needed, what)
     return [*problems, problem] if problem else problems
+
+
+def _built(parts: CheckedParts) -> tuple[DatasetSpec, nn.Module, Strategy,
+                                         type[ReplicaOptimizer]]:
+    """The parts a valid config always builds (validation refused it otherwise)."""
+    assert (parts.spec is not None and parts.model is not None and parts.strategy is not None
+            and parts.optimizer_cls is not None), "machine checks of a config that is not valid"
+    return parts.spec, parts.model, parts.strategy, parts.optimizer_cls
 
 
 # What a resume of a run may change: how long it trains, where and on what grid (checkpoints

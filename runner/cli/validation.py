@@ -1,28 +1,31 @@
 """Everything about a config that can be checked before any process starts, once per run.
 
-`validate()` parses the composed config (`runner.config.schema.parse`: unknown keys, wrong types)
-and then checks what the schema alone cannot: values in range, the grid against the MPI job, the
-plugins (known names, their options typed by their signatures, what each says of the others), and
-the model against the dataset on shapes alone. Every problem is named; the caller prints them on
-one line. The ranks do not repeat any of this: they trust the `config.yaml` the head wrote.
+The config flows one way: `validate_parts()` parses the composed config
+(`runner.config.schema.parse`: unknown keys, wrong types, values outside the choices and ranges
+each key declares), checks how keys bear on each other and on the MPI job, builds the run's parts
+as far as they build (`runner.training.assembly.check_parts`: known plugins, their options typed by
+their signatures, the model on the dataset's shapes) and then what each part says of the others.
+Every problem is named; the caller prints them on one line. The machine's checks
+(`runner.cli.preflight`) read the same parts. The ranks do not repeat any of this: they trust the
+`config.yaml` the head wrote.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from runner.config.options import option_problems, with_defaults
 from runner.config.schema import (
     ConfigError,
-    Plugin,
     RunConfig,
     parse_with_problems,
 )
-from runner.core.registry import UnknownPluginError
+
+if TYPE_CHECKING:  # the assembly imports torch: loaded when a config is checked, not for --help
+    from runner.training.assembly import CheckedParts
 
 
 def device_problems(run: RunConfig) -> list[str]:
@@ -97,99 +100,37 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     return problems
 
 
-def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
-    """Known names, options that fit the plugins' signatures, and what each plugin can say
-    about the others (the model on the dataset's shapes, the strategy on the model)."""
-    from runner.config.registry import (
-        DATASETS,
-        UserCodeError,
-        import_modules,
-        load_plugins,
-        resolve,
-    )
-    from runner.training import assembly
-    from strategies import STRATEGIES, Strategy
-
+def _cross_part_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) -> list[str]:
+    """What each built part says of the others: the strategy on the grid and the model, the
+    optimizer on the strategy, the batch on the data."""
     problems: list[str] = []
-    try:
-        import_modules(run.plugins)
-    except UserCodeError as exc:
-        problems.append(str(exc))
-    load_plugins()
-
-    def lookup(key: str, find: Callable[[Plugin], Any], plugin: Plugin) -> Any:
-        try:
-            return find(plugin)
-        except UnknownPluginError as exc:
-            problems.append(f"{plugin.shown(key)}: {exc}")
-        except UserCodeError as exc:
-            problems.append(f"{plugin.shown(key)}: {exc}")
-        return None
-
-    # the registered class, or the user's own function (what the options are arguments of)
-    dataset_cls = lookup("dataset", lambda p: resolve(DATASETS, p.name, p.target), run.dataset)
-    factory = lookup("model", assembly.model_factory, run.model)
-    optimizer_cls = lookup("optimizer", assembly.optimizer_class, run.optimizer)
-    strategy_cls = lookup("strategy", lambda p: STRATEGIES.get(p.name), run.strategy)
-
-    spec = meta_model = None
-    if dataset_cls is not None:
-        found = _options_problems("dataset", run.dataset, dataset_cls)
-        problems += found
-        if not found:
-            try:
-                dataset = assembly.build_dataset(run.dataset, assembly.objective_of(run.model))
-                spec = dataset.spec()
-                check = getattr(dataset, "check", None)  # a user's data: checked here, once
-                if check is not None:
-                    check()
-            except (TypeError, ValueError) as exc:
-                spec = None
-                problems.append(f"{run.dataset.shown('dataset')}: {exc}")
-    if factory is not None:
-        found = _options_problems("model", run.model, factory, assembly.MODEL_INPUTS)
-        problems += found
-        if not found and spec is not None:
-            meta_model = _check_model_shapes(run.model, spec, problems)
-    if optimizer_cls is not None:
-        found = _options_problems("optimizer", run.optimizer, optimizer_cls,
-                                  assembly.OPTIMIZER_INPUTS)
-        if not found:
-            options = with_defaults(optimizer_cls, run.optimizer.options,
-                                    assembly.OPTIMIZER_INPUTS)
-            found = optimizer_cls.check(**options)
-            if not found and grid_ok:
-                found = optimizer_cls.grid_problems(options, run.grid.pr, run.grid.pc)
-        problems += found
-    if strategy_cls is not None:
-        found = option_problems("strategy", strategy_cls, run.strategy.options,
-                                Strategy.CONTEXT_ARGUMENTS)
-        problems += found
-        if not found:
-            strategy = assembly.build_strategy(run.strategy,
-                                               global_batch=run.trainer.batch_size)
-            batch = run.trainer.batch_size
-            if grid_ok and batch >= 1:
-                problems += strategy.check(run.grid, batch)
-            if meta_model is not None and spec is not None and grid_ok:
-                found = strategy.check_model(meta_model, spec.input_shape, run.grid)
-                if not found and optimizer_cls is not None and optimizer_cls.syncs_gradients:
-                    found = _random_draw_problems(run, strategy, meta_model, spec.input_shape)
-                problems += found
-            if (optimizer_cls is not None and strategy.synchronous_only
-                    and not optimizer_cls.syncs_gradients):
-                problems.append(
-                    f"{run.optimizer.shown('optimizer')}: its replicas exchange by other means "
-                    f"than summed gradients, which strategy={run.strategy.name} needs (it lays "
-                    f"weights out over the whole grid); use a synchronous optimizer (sgd, adam, "
-                    f"...) or strategy=grid")
-            if (optimizer_cls is not None and not optimizer_cls.elementwise and grid_ok
-                    and strategy.splits_parameters(run.grid)):
-                problems.append(
-                    f"{run.optimizer.shown('optimizer')}: its update of a parameter depends on "
-                    f"the whole parameter, which strategy={run.strategy.name} splits over "
-                    f"grid.pr={run.grid.pr} ranks; use strategy=data (or grid.pr=1) or an "
-                    f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
+    strategy, optimizer_cls, spec = parts.strategy, parts.optimizer_cls, parts.spec
+    if optimizer_cls is not None and grid_ok:
+        problems += optimizer_cls.grid_problems(parts.optimizer_options, run.grid.pr,
+                                                run.grid.pc)
+    if strategy is not None:
+        batch = run.trainer.batch_size
+        if grid_ok and batch >= 1:
+            problems += strategy.check(run.grid, batch)
+        if parts.model is not None and spec is not None and grid_ok:
+            found = strategy.check_model(parts.model, spec.input_shape, run.grid)
+            if not found and optimizer_cls is not None and optimizer_cls.syncs_gradients:
+                found = _random_draw_problems(run, strategy, parts.model, spec.input_shape)
+            problems += found
+        if (optimizer_cls is not None and strategy.synchronous_only
+                and not optimizer_cls.syncs_gradients):
+            problems.append(
+                f"{run.optimizer.shown('optimizer')}: its replicas exchange by other means "
+                f"than summed gradients, which strategy={run.strategy.name} needs (it lays "
+                f"weights out over the whole grid); use a synchronous optimizer (sgd, adam, "
+                f"...) or strategy=grid")
+        if (optimizer_cls is not None and not optimizer_cls.elementwise and grid_ok
+                and strategy.splits_parameters(run.grid)):
+            problems.append(
+                f"{run.optimizer.shown('optimizer')}: its update of a parameter depends on "
+                f"the whole parameter, which strategy={run.strategy.name} splits over "
+                f"grid.pr={run.grid.pr} ranks; use strategy=data (or grid.pr=1) or an "
+                f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
     if spec is not None and run.trainer.batch_size > spec.train_size:
         problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
                         f"{spec.train_size} training samples of dataset={run.dataset.name}")
@@ -213,88 +154,27 @@ def _random_draw_problems(run: RunConfig, strategy: Any, model: Any,
             f"does (or set these rates to 0)"]
 
 
-def _options_problems(key: str, plugin: Plugin, factory: Any,
-                      reserved: tuple[str, ...] = ()) -> list[str]:
-    """`option_problems`, also for a user's callable whose signature cannot be read."""
-    label = plugin.shown(key) if plugin.target else key
-    try:
-        return option_problems(key, factory, plugin.options, reserved, label)
-    except (TypeError, ValueError):
-        return []  # no signature (a builtin): its own call will say what is wrong
-
-
-def _options_shown(plugin: Plugin) -> str:
-    return f"model options: {', '.join(f'{k}={v}' for k, v in plugin.options.items())}"
-
-
-def _check_model_shapes(plugin: Plugin, spec: Any, problems: list[str]) -> Any:
-    """Build the model (`assembly.probe_model`: on the CPU when small, on the meta device when
-    large) and push two samples through it. Returns it (for the strategy's own checks), or None
-    when it does not fit the dataset."""
-    import torch
-
-    from runner.training import assembly
-
-    try:
-        net = assembly.probe_model(plugin, spec)
-    except ValueError as exc:  # the dataset's inputs are not what the model reads
-        problems.append(f"{plugin.shown('model')}: {exc}")
-        return None
-    except Exception as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "negative dimension" in first:  # torch's words for a width below 0
-            problems.append(f"{plugin.shown('model')}: every width and channel count must be "
-                            f">= 1 ({_options_shown(plugin)})")
-        else:
-            problems.append(f"{plugin.shown('model')} cannot be built for the dataset's inputs "
-                            f"of shape {tuple(spec.input_shape)}: {first}")
-        return None
-    empty = [(name, tuple(p.shape)) for name, p in net.named_parameters() if p.numel() == 0]
-    if empty:
-        name, shape = empty[0]
-        layer = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
-        problems.append(f"{plugin.shown('model')}: {name} ({type(layer).__name__}) would have "
-                        f"shape {shape}: every width and channel count must be >= 1 "
-                        f"({_options_shown(plugin)})")
-        return None
-    dtype = torch.long if spec.vocab_size is not None else torch.float32
-    device = next((p.device for p in net.parameters()), torch.device("cpu"))
-    try:
-        with torch.no_grad():
-            out = net(torch.zeros(2, *spec.input_shape, dtype=dtype, device=device))
-    except Exception as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        problems.append(f"{plugin.shown('model')} does not fit the dataset's inputs of shape "
-                        f"{tuple(spec.input_shape)}: {first}")
-        return None
-    from strategies.probe import logits_of
-
-    try:
-        out = logits_of(out)
-    except TypeError as exc:
-        problems.append(f"{plugin.shown('model')}: {exc}")
-        return None
-    expected = (2, *spec.target_shape, spec.num_classes)
-    if tuple(out.shape) != expected:
-        what = (f"the dataset has {spec.num_classes} classes" if not spec.target_shape else
-                f"next-token targets need logits of shape {expected[1:]} (a score per "
-                f"position and token id)")
-        problems.append(f"{plugin.shown('model')} gives outputs of shape {tuple(out.shape[1:])}, "
-                        f"{what}")
-        return None
-    return net
-
-
-def validate(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None) -> RunConfig:
-    """The run `cfg` describes, or `ConfigError` naming every problem.
+def validate_parts(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None
+                   ) -> tuple[RunConfig, CheckedParts]:
+    """The run `cfg` describes and its parts as validation built them (for the machine's
+    checks, `runner.cli.preflight`, which then build nothing again), or `ConfigError` naming
+    every problem.
 
     `world_size` is the size of the MPI job the run will use when that is already fixed (the user
     started `mpiexec -n N python -m runner ...`): the grid must match it.
     """
+    from runner.training.assembly import check_parts
+
     run, problems = parse_with_problems(cfg)
     problems += _range_problems(run, world_size)
-    grid_ok = run.grid.pr >= 1 and run.grid.pc >= 1
-    problems += _plugin_problems(run, grid_ok)
+    parts = check_parts(run)
+    problems += parts.problems
+    problems += _cross_part_problems(run, parts, grid_ok=run.grid.pr >= 1 and run.grid.pc >= 1)
     if problems:
         raise ConfigError(problems)
-    return run
+    return run, parts
+
+
+def validate(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None) -> RunConfig:
+    """The run `cfg` describes, or `ConfigError` naming every problem (`validate_parts`)."""
+    return validate_parts(cfg, world_size)[0]

@@ -2,9 +2,10 @@
 
 dataset → its spec → the plain model (on the CPU, or on the meta device for checks and plans)
 → the strategy (given the machine's costs at construction) → the replica optimizer's class.
-Training (`runner.training.loop`), validation before any process starts (`runner.cli.validation`),
-the run-directory checks (`runner.cli.preflight`), the planner and the benchmarks all build through
-here, so a change to how a run is put together is made once.
+Training (`runner.training.loop`: `assemble`), validation before any process starts
+(`runner.cli.validation`: `check_parts`, which builds what it can and names why the rest does not,
+and hands its parts on to the machine's checks in `runner.cli.preflight`), the planner and the
+benchmarks all build through here, so a change to how a run is put together is made once.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from runner.config.options import option_problems, with_defaults
 from runner.config.registry import (
     DATASETS,
     MODELS,
@@ -32,12 +34,13 @@ from runner.config.registry import (
 from runner.config.schema import Plugin, RunConfig
 from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import DEFAULT_COSTS, MachineCosts
+from runner.core.registry import UnknownPluginError
 from runner.optim.sync import ReplicaOptimizer
 from runner.training.precision import HALF_TYPES
 from runner.zoo.datasets import DatasetSpec
 from runner.zoo.userdata import TargetDataset
 from strategies import STRATEGIES, Strategy
-from strategies.probe import reads_tokens
+from strategies.probe import logits_of, reads_tokens
 
 TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
 # What a model factory is given besides its config options (not options a user sets).
@@ -244,3 +247,142 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
                                    run.trainer.precision, rates, run.trainer.batch_size,
                                    slowdown),
                     optimizer_class(run.optimizer))
+
+
+# -- the parts as far as they build, and why the rest do not -----------------------------------
+
+
+@dataclass
+class CheckedParts:
+    """A run's parts as validation builds them before any process starts: each one that could
+    be built (the model is `probe_model`'s, on the CPU when small, else on the meta device),
+    and every reason one could not. The machine's checks (`runner.cli.preflight`) read the
+    same parts, so a config is built once on its way to the ranks."""
+
+    dataset: Any = None
+    spec: DatasetSpec | None = None
+    model: nn.Module | None = None
+    strategy: Strategy | None = None
+    optimizer_cls: type[ReplicaOptimizer] | None = None
+    optimizer_options: dict[str, Any] = field(default_factory=dict)  # with its defaults
+    problems: list[str] = field(default_factory=list)
+
+
+def check_parts(run: RunConfig) -> CheckedParts:
+    """Every part of `run` that builds, each plugin's options checked against its signature
+    first, the model pushed through two of the dataset's samples."""
+    parts = CheckedParts()
+    problems = parts.problems
+    try:
+        import_modules(run.plugins)
+    except UserCodeError as exc:
+        problems.append(str(exc))
+    load_plugins()
+
+    def lookup(key: str, find: Callable[[Plugin], Any], plugin: Plugin) -> Any:
+        try:
+            return find(plugin)
+        except (UnknownPluginError, UserCodeError) as exc:
+            problems.append(f"{plugin.shown(key)}: {exc}")
+        return None
+
+    # the registered class, or the user's own function (what the options are arguments of)
+    dataset_cls = lookup("dataset", lambda p: resolve(DATASETS, p.name, p.target), run.dataset)
+    factory = lookup("model", model_factory, run.model)
+    optimizer_cls = lookup("optimizer", optimizer_class, run.optimizer)
+    strategy_cls = lookup("strategy", lambda p: STRATEGIES.get(p.name), run.strategy)
+    if dataset_cls is not None and not _add(problems, _options_problems("dataset", run.dataset,
+                                                                        dataset_cls)):
+        try:
+            parts.dataset = build_dataset(run.dataset, objective_of(run.model))
+            parts.spec = parts.dataset.spec()
+            check = getattr(parts.dataset, "check", None)  # a user's data: checked here, once
+            if check is not None:
+                check()
+        except (TypeError, ValueError) as exc:
+            parts.spec = None
+            problems.append(f"{run.dataset.shown('dataset')}: {exc}")
+    if factory is not None and not _add(problems, _options_problems(
+            "model", run.model, factory, MODEL_INPUTS)) and parts.spec is not None:
+        parts.model = _model_on_samples(run.model, parts.spec, dtype_of(run), problems)
+    if optimizer_cls is not None and not _add(problems, _options_problems(
+            "optimizer", run.optimizer, optimizer_cls, OPTIMIZER_INPUTS)):
+        options = with_defaults(optimizer_cls, run.optimizer.options, OPTIMIZER_INPUTS)
+        if not _add(problems, optimizer_cls.check(**options)):
+            parts.optimizer_cls, parts.optimizer_options = optimizer_cls, options
+    if strategy_cls is not None and not _add(problems, option_problems(
+            "strategy", strategy_cls, run.strategy.options, Strategy.CONTEXT_ARGUMENTS)):
+        parts.strategy = build_strategy(run.strategy, global_batch=run.trainer.batch_size)
+    return parts
+
+
+def _add(problems: list[str], found: list[str]) -> bool:
+    """`found` added to `problems`; whether there were any."""
+    problems += found
+    return bool(found)
+
+
+def _options_problems(key: str, plugin: Plugin, factory: Any,
+                      reserved: tuple[str, ...] = ()) -> list[str]:
+    """`option_problems`, also for a user's callable whose signature cannot be read."""
+    label = plugin.shown(key) if plugin.target else key
+    try:
+        return option_problems(key, factory, plugin.options, reserved, label)
+    except (TypeError, ValueError):
+        return []  # no signature (a builtin): its own call will say what is wrong
+
+
+def _options_shown(plugin: Plugin) -> str:
+    return f"model options: {', '.join(f'{k}={v}' for k, v in plugin.options.items())}"
+
+
+def _model_on_samples(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype,
+                      problems: list[str]) -> nn.Module | None:
+    """The probe model (`probe_model`) with two samples pushed through it, or None (and the
+    reason in `problems`) when it cannot be built or does not fit the dataset."""
+    try:
+        net = probe_model(plugin, spec, dtype)
+    except ValueError as exc:  # the dataset's inputs are not what the model reads
+        problems.append(f"{plugin.shown('model')}: {exc}")
+        return None
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "negative dimension" in first:  # torch's words for a width below 0
+            problems.append(f"{plugin.shown('model')}: every width and channel count must be "
+                            f">= 1 ({_options_shown(plugin)})")
+        else:
+            problems.append(f"{plugin.shown('model')} cannot be built for the dataset's inputs "
+                            f"of shape {tuple(spec.input_shape)}: {first}")
+        return None
+    empty = [(name, tuple(p.shape)) for name, p in net.named_parameters() if p.numel() == 0]
+    if empty:
+        name, shape = empty[0]
+        layer = net.get_submodule(name.rpartition(".")[0]) if "." in name else net
+        problems.append(f"{plugin.shown('model')}: {name} ({type(layer).__name__}) would have "
+                        f"shape {shape}: every width and channel count must be >= 1 "
+                        f"({_options_shown(plugin)})")
+        return None
+    input_dtype = torch.long if spec.vocab_size is not None else dtype
+    device = next((p.device for p in net.parameters()), torch.device("cpu"))
+    try:
+        with torch.no_grad():
+            out = net(torch.zeros(2, *spec.input_shape, dtype=input_dtype, device=device))
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        problems.append(f"{plugin.shown('model')} does not fit the dataset's inputs of shape "
+                        f"{tuple(spec.input_shape)}: {first}")
+        return None
+    try:
+        out = logits_of(out)
+    except TypeError as exc:  # an output without a tensor of scores
+        problems.append(f"{plugin.shown('model')}: {exc}")
+        return None
+    expected = (2, *spec.target_shape, spec.num_classes)
+    if tuple(out.shape) != expected:
+        what = (f"the dataset has {spec.num_classes} classes" if not spec.target_shape else
+                f"next-token targets need logits of shape {expected[1:]} (a score per "
+                f"position and token id)")
+        problems.append(f"{plugin.shown('model')} gives outputs of shape {tuple(out.shape[1:])}, "
+                        f"{what}")
+        return None
+    return net
