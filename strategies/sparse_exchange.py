@@ -1,7 +1,7 @@
 """The gradient exchange of embedding tables whose gradients are row-sparse (`strategy.sparse`).
 
 An `nn.Embedding`/`nn.EmbeddingBag` built with `sparse=True` gets a gradient that holds only the
-rows its batch touched. Per table, after backward, one of (DESIGN.md, "Sparse exchange"):
+rows its batch touched. Per table, after backward, one of (docs/design.md, "Sparse exchange"):
 
 - `dense`: the rows scattered into a zero table and all-reduced (what a dense model would do);
 - `allgather`: every rank's (indices, rows) gathered by all, duplicates summed; the optimizer

@@ -1,4 +1,4 @@
-"""How a run gets its processes (DESIGN.md, "The way a run flows", step 3). No Hydra here.
+"""How a run gets its processes (docs/design.md, "The way a run flows", step 3). No Hydra here.
 
 - P = 1: train in this process (MPI is never initialised);
 - already inside an MPI job of size P (`mpiexec -n P python -m runner`, `srun`): rank 0 leads,

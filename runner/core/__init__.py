@@ -1,6 +1,6 @@
 """The distributed-tensor core: process grid, partitions, counted communication.
 
-Knows nothing of Hydra, configs, strategies or training (see DESIGN.md, "Layout").
+Knows nothing of Hydra, configs, strategies or training (see docs/design.md, "Layout").
 Communication goes through mpi4py or torch.distributed (`runner.core.torchdist`, imported only
 by a grid with backend "torch").
 """

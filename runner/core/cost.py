@@ -10,8 +10,8 @@ collective on p ranks with payload n (the `n` the counted communicator records):
     all-to-all-v (sparse), n = the bytes this rank sends     (p−1) α + β n
     point-to-point exchange of m messages, n bytes in all    m α + β n
 
-A group of one costs nothing. These are the formulas of DESIGN.md's "Planner"; the strategies
-predict which operations a step issues (`CommOp`), and this module prices them.
+A group of one costs nothing. These are the formulas of docs/design.md, "Planner"; the
+strategies predict which operations a step issues (`CommOp`), and this module prices them.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def loss_op(world_size: int, itemsize: int, overflow_flag: bool = False) -> list
         if world_size > 1 else []
 
 
-# -- the sparse exchange of an embedding table's gradient (DESIGN.md, "Sparse exchange") ----------
+# -- the sparse exchange of an embedding table's gradient (docs/design.md, "Sparse exchange") ---
 
 SparseMode = Literal["dense", "allgather", "sharded"]
 SPARSE_MODES: tuple[SparseMode, ...] = get_args(SparseMode)  # in this order: ties go to the first

@@ -1,6 +1,6 @@
 """The `Pr × Pc` process grid with named dimensions.
 
-`Pr` ranks split the model (or each sample's domain): DESIGN.md calls them the *row group*,
+`Pr` ranks split the model (or each sample's domain): docs/design.md calls them the *row group*,
 here `grid.model`. `Pc` ranks split the batch: the *column group*, here `grid.batch`.
 World rank = batch_index · Pr + model_index, so a model group is a block of consecutive ranks
 (the heavier model-parallel traffic stays between neighbours, usually on one node).

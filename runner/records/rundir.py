@@ -1,4 +1,4 @@
-"""The run directory: the contract other tools read (DESIGN.md, "Run directory").
+"""The run directory: the contract other tools read (docs/design.md, "Run directory").
 
     config.yaml        the fully resolved config the ranks ran
     metrics.jsonl      one JSON object per logged step

@@ -1,6 +1,6 @@
 """`python -m runner.report DIR`: figures and a report.md for a run or a multirun sweep.
 
-Reads only the run-directory contract (DESIGN.md, "Run directory"): `metrics.jsonl`,
+Reads only the run-directory contract (docs/design.md, "Run directory"): `metrics.jsonl`,
 `summary.json`, `config.yaml`, and a sweep's `sweep_summary.csv`, so it works on a run copied
 off a cluster, on one still going and on one that failed. No Hydra, no torch, no MPI, and no
 OmegaConf: a run's files are data, shown as written, and no interpolation in them (such as

@@ -1,4 +1,4 @@
-"""Reading the run-directory contract (DESIGN.md, "Run directory") for a report.
+"""Reading the run-directory contract (docs/design.md, "Run directory") for a report.
 
 Tolerant on purpose: a report is most wanted for a run that is still going or went wrong, so a
 missing `summary.json`, a half-written last line of `metrics.jsonl` or a sweep job without a run
@@ -41,7 +41,7 @@ from runner.records.rundir_files import (
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 SWEEP_CSV = "sweep_summary.csv"
-# the numbers of a metrics line (DESIGN.md); `step` aside, which a line cannot do without
+# the numbers of a metrics line (docs/design.md); `step` aside, which a line cannot do without
 METRIC_KEYS = ("time_s", "loss", "lr", "step_time_s", "comm_time_s", "comm_bytes", "comm_share",
                "samples_per_s", "accuracy", "workers_loss", "workers_accuracy")
 # past this a value is no measurement: scaled for a figure (ms, %) it would overflow to inf
