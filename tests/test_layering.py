@@ -41,6 +41,7 @@ ORDER: dict[str, list[set[str]]] = {
         {"summary"},
         {"resume"},
         {"step", "evaluation", "sampling"},
+        {"state"},
         {"interrupt"},
         {"assembly"},
         {"devices", "precision"},

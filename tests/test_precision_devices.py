@@ -6,17 +6,21 @@ what needs a GPU in tests/test_gpu.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from runner.cli.app import precheck
-from runner.config.schema import DebugConfig
-from runner.core import CommCounter, CountedComm, DevicePaths
+from runner.config.schema import parse
+from runner.core import CommCounter, CountedComm, DevicePaths, ProcessGrid
+from runner.core.cost import MachineCosts
 from runner.core.staging import StagedTransport
 from runner.core.torchdist import LocalTransport
-from runner.records.rundir import release_run_dirs
+from runner.records.rundir import RunDir, release_run_dirs
 from runner.training.precision import DynamicLossScale, Precision
+from runner.training.state import RunSetup, Start
 from runner.training.step import train_step
 from strategies.base import Score, cross_entropy_score
 
@@ -68,21 +72,37 @@ class _Recorder:
         self.steps.append(index)
 
 
-def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_taken() -> None:
+def one_process_setup(model: nn.Module, optimizer: _Recorder, loss_comm: CountedComm,
+                      precision: Precision, scaler: DynamicLossScale,
+                      run_dir: Path) -> RunSetup:
+    """A one-process run's setup around `model` and `optimizer`: one row per batch, so its loss
+    scale is 1."""
+    run = parse({"model": {"name": "mlp"}, "dataset": {"name": "digits"},
+                 "strategy": {"name": "data"}, "optimizer": {"name": "sgd"},
+                 "trainer": {"batch_size": 1}})
+    return RunSetup(
+        run=run, run_dir=RunDir(run_dir), grid=ProcessGrid(1, 1),
+        model=model, optimizer=optimizer,  # type: ignore[arg-type]
+        start=Start(), loss_comm=loss_comm, predicted_ops=None, predicted_step=None,
+        costs=MachineCosts(), device=torch.device("cpu"), precision=precision, scaler=scaler,
+        targets_per_sample=1)
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_taken(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = _NoExchange(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
     comm = CountedComm(None, CommCounter())
-    precision = Precision("fp16", "cpu")
     optimizer = _Recorder()
     # A scale beyond float16's range: the backward's half-precision gradients overflow.
     scaler = DynamicLossScale(scale=2.0 ** 40)
-    args = (x, y, 1, 1.0, comm, False, 0, DebugConfig(), precision, scaler)
-    loss, stopping = train_step(model, optimizer, *args)  # type: ignore[arg-type]
+    setup = one_process_setup(model, optimizer, comm, Precision("fp16", "cpu"), scaler, tmp_path)
+    assert setup.loss_scale == 1.0
+    loss, stopping = train_step(setup, x, y, 1, comm, False)
     assert optimizer.steps == [] and scaler.skipped_steps == 1 and not stopping
     assert torch.isfinite(torch.tensor(loss))
     scaler.scale = 2.0 ** 8
-    train_step(model, optimizer, *args)  # type: ignore[arg-type]
+    train_step(setup, x, y, 1, comm, False)
     assert optimizer.steps == [0] and scaler.skipped_steps == 1
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 

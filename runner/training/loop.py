@@ -1,9 +1,10 @@
 """The training loop every rank runs (the same code at P = 1 and at P = 1000).
 
 `build_training` puts this rank's run together: the parts from `runner.training.assembly`, the
-strategy's parallel model, the start (fresh or resumed, `runner.training.resume`). `train` keeps
-only the order of things: step (`runner.training.step.train_step`), log, the stop protocol,
-checkpoint timing, evaluation.
+strategy's parallel model, the start (fresh or resumed, `runner.training.resume`), as the setup
+and state the step and the summary read (`runner.training.state`). `train` keeps only the order
+of things: step (`runner.training.step.train_step`), log, the stop protocol, checkpoint timing,
+evaluation.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import math
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,11 +22,10 @@ from omegaconf import OmegaConf
 from runner.checkpoint.store import CheckpointError, TrainingProgress, save_checkpoint
 from runner.config.machine import load_compute_rates, load_machine_costs
 from runner.config.schema import RunConfig
-from runner.core import CountedComm, ProcessGrid
+from runner.core import ProcessGrid
 from runner.core.compute import oversubscription
-from runner.core.cost import CommOp, MachineCosts, loss_op
+from runner.core.cost import loss_op
 from runner.core.placement import place_whole
-from runner.optim.sync import ReplicaOptimizer
 from runner.records.board import TensorBoardWriter
 from runner.records.console import ProgressReporter, make_console, summary_table
 from runner.records.logs import get_logger
@@ -35,54 +34,33 @@ from runner.training.assembly import RunParts, assemble, dtype_of
 from runner.training.devices import describe_device
 from runner.training.evaluation import validation
 from runner.training.interrupt import StopRequest
-from runner.training.precision import DynamicLossScale, Precision
-from runner.training.resume import Start, start_or_resume
+from runner.training.precision import Precision
+from runner.training.resume import start_or_resume
 from runner.training.sampling import EpochSampler
+from runner.training.state import RunSetup, TrainingState
 from runner.training.step import ReplicaFailure, StepFailure, train_step
-from runner.training.summary import (
-    StepHistory,
-    completed_summary,
-    interrupted_summary,
-    precision_summary,
-    sparse_line,
-)
+from runner.training.summary import completed_summary, interrupted_summary, sparse_line
 from runner.zoo.datasets import ClassificationData
-from strategies import ParallelModel
-from strategies.base import StepPrediction, predict_step
+from strategies.base import predict_step
 
 __all__ = ["StepFailure", "Training", "build_training", "train"]
 
 
 @dataclass
-class Training:
-    """This rank's assembled run, and what the loop has recorded so far."""
+class Training(RunSetup):
+    """This rank's assembled run (its setup), what feeds it and records it, and the state the
+    loop moves forward."""
 
-    run: RunConfig
-    run_dir: RunDir
-    grid: ProcessGrid
-    model: ParallelModel
-    optimizer: ReplicaOptimizer
     data: ClassificationData
     sampler: EpochSampler
-    start: Start
-    loss_comm: CountedComm  # over whose rows the logged loss is the mean, when replicas meet
-    predicted_ops: list[CommOp] | None  # a step's collectives (synchronous exchange only)
-    predicted_step: StepPrediction | None  # and its time: compute + communication
-    costs: MachineCosts
-    device: torch.device
-    precision: Precision
-    scaler: DynamicLossScale | None  # fp16's loss scale
-    targets_per_sample: int  # 1: a class per sample; T: a token id per position (next-token)
+    state: TrainingState
     sinks: list[Any] = field(default_factory=list)  # metrics.jsonl, TensorBoard (rank 0)
     run_info: dict[str, Any] = field(default_factory=dict)  # what each checkpoint records
-    history: StepHistory = field(default_factory=StepHistory)
-    last_checkpoint: Path | None = None
-    evaluation: dict[str, float] | None = None
 
     @property
     def time_s(self) -> float:
         """Training time so far, before this start included."""
-        return self.start.time_s + self.history.total_s
+        return self.start.time_s + self.state.history.total_s
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch: its inputs and its outputs' targets."""
@@ -99,7 +77,7 @@ class Training:
     def log_step(self, step: int, loss: float, seconds: float, comm: Any,
                  progress: ProgressReporter, replica_loss: bool = False) -> None:
         """`replica_loss`: the loss is replica 0's own rows' (the replicas did not meet)."""
-        self.history.add(seconds, comm.nbytes, comm.seconds)
+        self.state.history.add(seconds, comm.nbytes, comm.seconds)
         rate = self.run.trainer.batch_size / seconds
         every, steps = self.run.trainer.log_every, self.run.trainer.steps
         if step % every == 0 or step == steps or not math.isfinite(loss):
@@ -116,7 +94,8 @@ class Training:
             get_logger().info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss,
                               seconds, comm.seconds, comm.nbytes)
         if not math.isfinite(loss):
-            kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+            last = self.state.last_checkpoint
+            kept = (f"the last good checkpoint is {last}" if last
                     else "no checkpoint was written (trainer.checkpoint_every)")
             message = (f"the loss is {loss} at step {step}: training stopped; {kept}. "
                        f"Lower optimizer.lr, or check the data")
@@ -142,11 +121,12 @@ class Training:
         progress = TrainingProgress(step, self.time_s, self.sampler.state(),
                                     None if self.scaler is None else self.scaler.state())
         try:
-            self.last_checkpoint = save_checkpoint(
+            self.state.last_checkpoint = save_checkpoint(
                 self.run_dir.checkpoints, progress, self.model, self.optimizer, self.grid,
                 self.run_info, self.run.trainer.keep_checkpoints)
         except CheckpointError as exc:
-            kept = (f"the latest complete one is {self.last_checkpoint}" if self.last_checkpoint
+            last = self.state.last_checkpoint
+            kept = (f"the latest complete one is {last}" if last
                     else "there is no earlier checkpoint")
             raise StepFailure(f"{exc}; {kept}") from None
 
@@ -161,7 +141,7 @@ class Training:
             result = validation(self.model, self.optimizer, val_x, val_y,
                                 everyone=at_end or not asynchronous)
         if result is not None:
-            self.evaluation = result
+            self.state.evaluation = result
             get_logger().info("step %d val %s", step, json.dumps(result))
             progress.evaluation(step, result["loss"], result["accuracy"],
                                 result.get("perplexity"))
@@ -246,10 +226,12 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     scaler = precision.loss_scale()
     if scaler is not None and start.loss_scale is not None:  # a checkpoint of an fp16 run
         scaler.load_state(start.loss_scale)
-    training = Training(run, run_dir, grid, model, optimizer, data, sampler, start, loss_comm,
-                        predicted, predicted_step, costs, device, precision, scaler,
-                        math.prod(parts.spec.target_shape),
-                        last_checkpoint=start.checkpoint_path)
+    training = Training(
+        run=run, run_dir=run_dir, grid=grid, model=model, optimizer=optimizer, start=start,
+        loss_comm=loss_comm, predicted_ops=predicted, predicted_step=predicted_step, costs=costs,
+        device=device, precision=precision, scaler=scaler,
+        targets_per_sample=math.prod(parts.spec.target_shape), data=data, sampler=sampler,
+        state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path))
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
             run_dir.metrics, continue_after=start.step if start.continues_here else None))
@@ -271,26 +253,23 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     # of killing the rank without a word.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     t = build_training(run, run_dir, grid, device)
-    trainer = run.trainer
+    state, trainer = t.state, run.trainer
     steps, every, eval_every = trainer.steps, trainer.checkpoint_every, trainer.eval_every
-    # per target: a class per sample, or (next-token) a token id per position
-    loss_scale = grid.size / (trainer.batch_size * t.targets_per_sample)
-    step, loss, stopped_by = t.start.step, float("nan"), None
+    stopped_by = None
     title = f"{run.strategy.name} {grid.pr}x{grid.pc}"
     pace = grid.counter.pace  # what the watchdog's deadlines derive from
     with StopRequest() as stop, ProgressReporter(grid.rank == 0, steps, title) as progress:
         for step in range(t.start.step + 1, steps + 1):
+            state.step = step
             meets = t.optimizer.meets_replicas(step - 1)
             # asynchronous replicas never wait for each other in a step: each step is a round
             pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
             began, before = time.perf_counter(), grid.counter.snapshot()
             x, y = t.batch()
-            loss, stopping = train_step(t.model, t.optimizer, x, y, step, loss_scale,
-                                        t.loss_comm if meets else grid.model,
-                                        t.stop_request(stop.requested, meets), grid.rank,
-                                        run.debug, t.precision, t.scaler)
+            state.loss, stopping = train_step(t, x, y, step, t.loss_comm if meets else grid.model,
+                                              t.stop_request(stop.requested, meets))
             seconds = time.perf_counter() - began
-            t.log_step(step, loss, seconds, grid.counter.since(before), progress,
+            t.log_step(step, state.loss, seconds, grid.counter.since(before), progress,
                        replica_loss=not meets and grid.pc > 1)
             at_end = step == steps
             due = every is not None and step % every == 0 and not at_end
@@ -306,23 +285,17 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                 pace.begin("evaluation", step)
                 t.evaluate(step, at_end, progress)
         if stopped_by is not None or every:
-            pace.begin("a checkpoint", step)
-            t.checkpoint(step)
-    pace.begin("the end of training", step)
+            pace.begin("a checkpoint", state.step)
+            t.checkpoint(state.step)
+    pace.begin("the end of training", state.step)
     t.close()
     if stopped_by is not None:
-        return interrupted_summary(run_dir, grid, step, stopped_by, t.last_checkpoint)
-    rates = grid.world.allgather_object(len(t.history.seconds) / t.history.total_s)
+        return interrupted_summary(t, state, stopped_by)
+    rates = grid.world.allgather_object(len(state.history.seconds) / state.history.total_s)
     devices = grid.world.allgather_object(describe_device(t.device))
-    summary = completed_summary(run, run_dir, grid, t.model, t.history, loss, t.evaluation,
-                                rates, time.perf_counter() - started, t.predicted_ops, t.costs,
-                                t.start, t.last_checkpoint, t.predicted_step,
-                                t.targets_per_sample)
-    summary.update(logged_loss=t.optimizer.logged_loss() if grid.pc > 1 else "global batch",
-                   devices=devices, device_buffers=grid.devices.describe(grid.backend),
-                   precision=precision_summary(t.precision, t.scaler))
+    summary = completed_summary(t, state, rates, devices, time.perf_counter() - started)
     if grid.rank == 0:
         write_json(run_dir.summary, summary)
         make_console().print(summary_table(summary))
-    get_logger().info("done: final loss %.6f, wall %.2fs", loss, summary["wall_time_s"])
+    get_logger().info("done: final loss %.6f, wall %.2fs", state.loss, summary["wall_time_s"])
     return summary

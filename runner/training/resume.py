@@ -16,9 +16,8 @@ a traceback per rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from runner.checkpoint.store import (
     Checkpoint,
@@ -36,26 +35,11 @@ from runner.optim.sync import ReplicaOptimizer
 from runner.records.console import make_console
 from runner.records.logs import get_logger
 from runner.records.rundir import RunDir
+from runner.training.state import Start
 from runner.training.step import StepFailure
 from strategies import ParallelModel
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Start:
-    """Where training starts: step 0, or a checkpoint's step with its time and sample order."""
-
-    step: int = 0
-    time_s: float = 0.0  # training time before this start (the metrics' time_s continues)
-    sampler_state: dict[str, Any] | None = None
-    checkpoint: Checkpoint | None = None
-    continues_here: bool = False  # from this run directory's own checkpoint: metrics continue
-    loss_scale: dict[str, Any] | None = None  # fp16's loss scale as the checkpoint left it
-
-    @property
-    def checkpoint_path(self) -> Path | None:
-        return self.checkpoint.path if self.checkpoint is not None else None
 
 
 def _on_every_rank(grid: ProcessGrid, action: Callable[[], T]) -> T:

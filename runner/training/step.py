@@ -13,11 +13,8 @@ import time
 
 import torch
 
-from runner.config.schema import DebugConfig
 from runner.core import CountedComm
-from runner.optim.sync import ReplicaOptimizer
-from runner.training.precision import DynamicLossScale, Precision
-from strategies import ParallelModel
+from runner.training.state import RunSetup
 
 
 class InjectedFailure(RuntimeError):
@@ -62,38 +59,35 @@ def mean_loss(loss: torch.Tensor, comm: CountedComm, stop: bool,
     return buffer[0].item() / comm.size, bool(buffer[1].item()), overflowed
 
 
-def forward_backward_step(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
-                          loss_scale: float, step: int, rank: int, debug: DebugConfig,
-                          precision: Precision, scaler: DynamicLossScale | None = None
-                          ) -> torch.Tensor:
+def forward_backward_step(setup: RunSetup, x: torch.Tensor, y: torch.Tensor,
+                          step: int) -> torch.Tensor:
     """Forward and loss (under the precision's autocast), backward (of the loss times fp16's
     scale), and the gradient exchanges started during backward, completed. Returns the loss
     (unscaled; float32 under autocast, whose cross-entropy is float32)."""
+    model, debug, scaler = setup.model, setup.debug, setup.scaler
     model.zero_grad()
-    with precision.autocast():
-        loss = model.score(model(x), y).loss_sum * loss_scale
-    if debug.fail_at_step == step and rank == debug.fail_on_rank:
-        loss = inject_failure(debug.fail_mode, rank, step, loss)
+    with setup.precision.autocast():
+        loss = model.score(model(x), y).loss_sum * setup.loss_scale
+    if debug.fail_at_step == step and setup.rank == debug.fail_on_rank:
+        loss = inject_failure(debug.fail_mode, setup.rank, step, loss)
     (loss if scaler is None else loss * scaler.scale).backward()
     model.finish_gradient_sync()
     return loss
 
 
-def train_step(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
-               y: torch.Tensor, step: int, loss_scale: float, loss_comm: CountedComm,
-               stop_requested: bool, rank: int, debug: DebugConfig,
-               precision: Precision, scaler: DynamicLossScale | None = None
-               ) -> tuple[float, bool]:
+def train_step(setup: RunSetup, x: torch.Tensor, y: torch.Tensor, step: int,
+               loss_comm: CountedComm, stop_requested: bool) -> tuple[float, bool]:
     """Step `step` (1-based): the gradients, then one all-reduce over `loss_comm` for the mean
     loss, whether any rank is stopping and (fp16) whether any rank's gradients overflowed, then
     the replica optimizer's update (skipped by every rank on an overflow)."""
-    if debug.slow_rank == rank and debug.slow_seconds:  # a straggler on purpose
+    debug, scaler = setup.debug, setup.scaler
+    if debug.slow_rank == setup.rank and debug.slow_seconds:  # a straggler on purpose
         time.sleep(debug.slow_seconds)
-    loss = forward_backward_step(model, x, y, loss_scale, step, rank, debug, precision, scaler)
-    overflow = None if scaler is None else scaler.unscale(model.parameters())
+    loss = forward_backward_step(setup, x, y, step)
+    overflow = None if scaler is None else scaler.unscale(setup.model.parameters())
     mean, stopping, overflowed = mean_loss(loss, loss_comm, stop_requested, overflow)
     if scaler is not None:
         scaler.update(step, overflowed)
     if not overflowed:
-        optimizer.step(step - 1)
+        setup.optimizer.step(step - 1)
     return mean, stopping

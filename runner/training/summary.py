@@ -1,41 +1,19 @@
-"""What a run leaves in its records: the per-step history, the metrics line, `summary.json`
+"""What a run leaves in its records: the metrics line's extras, `summary.json`
 (README, "Run directory": every key is part of the contract other tools read)."""
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from runner.checkpoint.store import resume_command
-from runner.config.schema import OBJECTIVES, RunConfig
-from runner.core import ProcessGrid
-from runner.core.cost import CommOp, MachineCosts, comm_seconds, step_bytes
+from runner.config.schema import OBJECTIVES
+from runner.core.cost import comm_seconds, step_bytes
 from runner.records.logs import get_logger
-from runner.records.rundir import RunDir, git_commit, versions, write_json
+from runner.records.rundir import git_commit, versions, write_json
 from runner.training.precision import DynamicLossScale, Precision
-from runner.training.resume import Start
+from runner.training.state import RunSetup, TrainingState
 from strategies import ParallelModel
-from strategies.base import StepPrediction
-
-
-@dataclass
-class StepHistory:
-    """Each step's wall time, and the bytes and seconds of the collectives rank 0 issued."""
-
-    seconds: list[float] = field(default_factory=list)
-    comm_bytes: list[int] = field(default_factory=list)
-    comm_seconds: list[float] = field(default_factory=list)
-
-    def add(self, seconds: float, comm_bytes: int, comm_seconds: float) -> None:
-        self.seconds.append(seconds)
-        self.comm_bytes.append(comm_bytes)
-        self.comm_seconds.append(comm_seconds)
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.seconds)
 
 
 def sparse_line(model: ParallelModel) -> dict[str, Any]:
@@ -47,30 +25,30 @@ def sparse_line(model: ParallelModel) -> dict[str, Any]:
                        for name, table in report.items()}}
 
 
-def interrupted_summary(run_dir: RunDir, grid: ProcessGrid, step: int, signal_name: str,
-                        checkpoint: Path | None) -> dict[str, Any]:
+def interrupted_summary(setup: RunSetup, state: TrainingState,
+                        signal_name: str) -> dict[str, Any]:
     """The summary of a run stopped by a signal after writing its checkpoint."""
-    command = resume_command(run_dir.path)
+    command = resume_command(setup.run_dir.path)
+    step, checkpoint = state.step, state.last_checkpoint
     message = (f"interrupted by {signal_name} after step {step}: checkpoint written to "
                f"{checkpoint}; to continue: {command}")
     summary = {"status": "interrupted", "step": step, "signal": signal_name,
                "checkpoint": str(checkpoint), "resume_command": command, "message": message,
-               "run_dir": str(run_dir.path)}
-    if grid.rank == 0:
-        write_json(run_dir.summary, summary)
+               "run_dir": str(setup.run_dir.path)}
+    if setup.rank == 0:
+        write_json(setup.run_dir.summary, summary)
     get_logger().info("%s", message)
     return summary
 
 
-def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
-                      model: ParallelModel, history: StepHistory, final_loss: float,
-                      evaluation: dict[str, float] | None, rates: list[float], wall: float,
-                      predicted_ops: list[CommOp] | None, costs: MachineCosts, start: Start,
-                      last_checkpoint: Path | None,
-                      predicted_step: StepPrediction | None = None,
-                      tokens: int = 1) -> dict[str, Any]:
-    """`summary.json` of a run that trained every step (`tokens`: targets per sample, the
-    sequence length of a language model)."""
+def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
+                      devices: list[str], wall: float) -> dict[str, Any]:
+    """`summary.json` of a run that trained every step: `rates` (steps per second) and
+    `devices` are every rank's, `wall` the seconds since the rank began."""
+    run, grid, model, costs = setup.run, setup.grid, setup.model, setup.costs
+    history, evaluation, start = state.history, state.evaluation, setup.start
+    predicted_ops, predicted_step = setup.predicted_ops, setup.predicted_step
+    tokens = setup.targets_per_sample  # a language model's sequence length; 1: a classifier
     median_step = statistics.median(history.seconds)
     summary: dict[str, Any] = {
         "status": "completed",
@@ -80,7 +58,7 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         "world_size": grid.size,
         "comm_backend": run.comm.backend,
         "steps": run.trainer.steps,
-        "final_loss": final_loss,
+        "final_loss": state.loss,
         "val_loss": evaluation["loss"] if evaluation else None,
         "val_accuracy": evaluation["accuracy"] if evaluation else None,
         # a language model's (next-token objective): exp(val_loss); None for a classifier
@@ -116,13 +94,18 @@ def completed_summary(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         "seed": run.seed,
         "versions": versions(),
         "git_commit": git_commit() if grid.rank == 0 else None,
-        "run_dir": str(run_dir.path),
+        "run_dir": str(setup.run_dir.path),
         "resumed_from": ({"checkpoint": str(start.checkpoint_path), "step": start.step}
                          if start.checkpoint is not None else None),
-        "checkpoint": str(last_checkpoint) if last_checkpoint is not None else None,
+        "checkpoint": (str(state.last_checkpoint) if state.last_checkpoint is not None
+                       else None),
     }
     summary["objective"] = {"name": run.objective, "direction": OBJECTIVES[run.objective],
                             "value": summary[run.objective]}
+    logged_loss = setup.optimizer.logged_loss() if grid.pc > 1 else "global batch"
+    summary.update(logged_loss=logged_loss, devices=devices,
+                   device_buffers=grid.devices.describe(grid.backend),
+                   precision=precision_summary(setup.precision, setup.scaler))
     return summary
 
 

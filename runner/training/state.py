@@ -1,0 +1,102 @@
+"""A rank's training state, read by the step and the summary alike: what is fixed once the run
+is built (`RunSetup`, with the `Start` it began from) and what the loop moves forward
+(`TrainingState`: the step, the loss, each step's record, the last checkpoint, the evaluation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.checkpoint.store import Checkpoint
+from runner.config.schema import DebugConfig, RunConfig
+from runner.core import CountedComm, ProcessGrid
+from runner.core.cost import CommOp, MachineCosts
+from runner.optim.sync import ReplicaOptimizer
+from runner.records.rundir import RunDir
+from runner.training.precision import DynamicLossScale, Precision
+from strategies import ParallelModel
+from strategies.base import StepPrediction
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where training starts: step 0, or a checkpoint's step with its time and sample order."""
+
+    step: int = 0
+    time_s: float = 0.0  # training time before this start (the metrics' time_s continues)
+    sampler_state: dict[str, Any] | None = None
+    checkpoint: Checkpoint | None = None
+    continues_here: bool = False  # from this run directory's own checkpoint: metrics continue
+    loss_scale: dict[str, Any] | None = None  # fp16's loss scale as the checkpoint left it
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.checkpoint.path if self.checkpoint is not None else None
+
+
+@dataclass
+class RunSetup:
+    """This rank's run as built: the same from its first step to its last."""
+
+    run: RunConfig
+    run_dir: RunDir
+    grid: ProcessGrid
+    model: ParallelModel
+    optimizer: ReplicaOptimizer
+    start: Start
+    loss_comm: CountedComm  # over whose rows the logged loss is the mean, when replicas meet
+    predicted_ops: list[CommOp] | None  # a step's collectives (synchronous exchange only)
+    predicted_step: StepPrediction | None  # and its time: compute + communication
+    costs: MachineCosts
+    device: torch.device
+    precision: Precision
+    scaler: DynamicLossScale | None  # fp16's loss scale
+    targets_per_sample: int  # 1: a class per sample; T: a token id per position (next-token)
+
+    @property
+    def rank(self) -> int:
+        return self.grid.rank
+
+    @property
+    def debug(self) -> DebugConfig:
+        return self.run.debug
+
+    @property
+    def loss_scale(self) -> float:
+        """What a rank's loss sum is multiplied by, P/B per target: the mean over the ranks is
+        then the global mean loss (a class per sample, or a token id per position)."""
+        return self.grid.size / (self.run.trainer.batch_size * self.targets_per_sample)
+
+
+@dataclass
+class StepHistory:
+    """Each step's wall time, and the bytes and seconds of the collectives rank 0 issued."""
+
+    seconds: list[float] = field(default_factory=list)
+    comm_bytes: list[int] = field(default_factory=list)
+    comm_seconds: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float, comm_bytes: int, comm_seconds: float) -> None:
+        self.seconds.append(seconds)
+        self.comm_bytes.append(comm_bytes)
+        self.comm_seconds.append(comm_seconds)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds)
+
+
+@dataclass
+class TrainingState:
+    """Where the loop is: the last step begun and its loss (the start's step and NaN before the
+    first), each step's record, the last checkpoint written (or resumed from), the last
+    evaluation."""
+
+    step: int = 0
+    loss: float = float("nan")
+    history: StepHistory = field(default_factory=StepHistory)
+    last_checkpoint: Path | None = None
+    evaluation: dict[str, float] | None = None
