@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from runner.checkpoint.store import (
-    Checkpoint,
-    CheckpointError,
+from runner.checkpoint.layout import CheckpointError
+from runner.checkpoint.read import Checkpoint
+from runner.checkpoint.resume import (
     ResumePlan,
     find_resume_checkpoint,
     load_centre,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.store import resume_command
+from runner.checkpoint.resume import resume_command
 from runner.config.schema import OBJECTIVES, RunConfig
 from runner.core import ProcessGrid
 from runner.core.cost import CommOp, MachineCosts, comm_seconds, step_bytes
