@@ -122,6 +122,8 @@ class ShardRecord:
 
 
 def tensor_placement(param: torch.Tensor) -> Placement:
+    """Where a parameter or buffer of the parallel model sits in the sequential model: what its
+    entries are keyed by."""
     place = placement_of(param)
     if place is None:
         raise CheckpointError("a parameter of the parallel model has no placement: the "
@@ -130,6 +132,7 @@ def tensor_placement(param: torch.Tensor) -> Placement:
 
 
 def model_placements(model: ParallelModel) -> list[Placement]:
+    """The placements of the model's parameters, in `parameters()` order."""
     return [tensor_placement(param) for param in model.parameters()]
 
 
