@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint.store import Checkpoint, CheckpointError, latest_checkpoint, verify_resume
+from runner.checkpoint.layout import CheckpointError, latest_checkpoint
+from runner.checkpoint.read import Checkpoint
+from runner.checkpoint.resume import verify_resume
 from runner.core.placement import Placement
 from tests.conftest import ROOT, TIMEOUT_S, assert_ok, read_metrics, read_summary, run_cli
 

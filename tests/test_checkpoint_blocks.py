@@ -23,15 +23,11 @@ import pytest
 import torch
 from torch import nn
 
-from runner.checkpoint.store import (
-    Checkpoint,
-    DamagedCheckpoint,
-    Entry,
-    TrainingProgress,
-    parameter_shapes,
-    save_checkpoint,
-    verify_resume,
-)
+from runner.checkpoint.format import Entry
+from runner.checkpoint.layout import DamagedCheckpoint
+from runner.checkpoint.read import Checkpoint
+from runner.checkpoint.resume import parameter_shapes, verify_resume
+from runner.checkpoint.write import TrainingProgress, save_checkpoint
 from runner.core import ProcessGrid
 from runner.core.partition import balanced_slice
 from runner.core.placement import Placement, place_block, place_rows, place_whole, placement_of

@@ -20,18 +20,16 @@ import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from runner.checkpoint.store import (
-    Checkpoint,
-    CheckpointError,
-    DamagedCheckpoint,
-    TrainingProgress,
+from runner.checkpoint.layout import CheckpointError, DamagedCheckpoint
+from runner.checkpoint.read import Checkpoint
+from runner.checkpoint.resume import (
     find_resume_checkpoint,
     hydra_quoted,
     parameter_shapes,
     resume_command,
-    save_checkpoint,
     verify_resume,
 )
+from runner.checkpoint.write import TrainingProgress, save_checkpoint
 from runner.cli.compose import compose
 from runner.cli.validation import validate
 from runner.config.schema import RunConfig

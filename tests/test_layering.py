@@ -46,6 +46,12 @@ ORDER: dict[str, list[set[str]]] = {
         {"assembly"},
         {"devices", "precision"},
     ],
+    "runner.checkpoint": [
+        {"resume"},
+        {"read", "write"},
+        {"format"},
+        {"layout", "space"},
+    ],
     "runner.config": [
         {"machine"},
         {"schema", "options", "registry"},

@@ -22,13 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.checkpoint.store import (
-    Checkpoint,
-    DamagedCheckpoint,
-    checkpoint_bytes,
-    parameter_shapes,
-    verify_resume,
-)
+from runner.checkpoint.layout import DamagedCheckpoint
+from runner.checkpoint.read import Checkpoint
+from runner.checkpoint.resume import parameter_shapes, verify_resume
+from runner.checkpoint.space import checkpoint_bytes
 from runner.config.options import option_problems, with_defaults
 from runner.config.registry import OPTIMIZERS, load_plugins
 from runner.optim.parameter_server import AsyncMSGD, AsyncSGD, HogwildSGD

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from runner.checkpoint.store import latest_checkpoint
+from runner.checkpoint.layout import latest_checkpoint
 from tests.conftest import MPIEXEC, ROOT, TIMEOUT_S, assert_ok, read_metrics, run_cli_together
 
 STEPS, HALF = 20, 10

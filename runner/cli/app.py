@@ -100,7 +100,7 @@ def precheck(args: list[str]) -> str | None:
 def _same_run_dir(args: list[str], run_dir: Path) -> list[str]:
     """`args` with the run directory `precheck` checked and locked: Hydra composes again, and
     a `${now:...}` in `hydra.run.dir` would otherwise name a directory seconds later."""
-    from runner.checkpoint.store import hydra_quoted
+    from runner.checkpoint.resume import hydra_quoted
 
     kept = [a for a in args if not a.lstrip("+").startswith("hydra.run.dir=")]
     return [*kept, f"hydra.run.dir={hydra_quoted(str(run_dir))}"]

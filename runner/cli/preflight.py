@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from runner.checkpoint.store import checkpoint_bytes, space_problem
+from runner.checkpoint.space import checkpoint_bytes, space_problem
 from runner.config.schema import LauncherConfig, RunConfig
 from runner.records.rundir import earlier_records, held_by_live_run, run_dir_problem, unwritable
 from runner.training.mpienv import bundled_mpiexec
@@ -142,7 +142,9 @@ def resume_problems(run: RunConfig, run_dir: Path, model: nn.Module,
     model's parameter names and shapes. What `auto` skipped goes to `notes`."""
     if run.trainer.resume is None:
         return []
-    from runner.checkpoint.store import Checkpoint, CheckpointError, verify_resume
+    from runner.checkpoint.layout import CheckpointError
+    from runner.checkpoint.read import Checkpoint
+    from runner.checkpoint.resume import verify_resume
 
     try:
         found, skipped = verify_resume(run.trainer.resume, Path(run_dir) / "checkpoints", model)
@@ -207,7 +209,7 @@ def owner_problem(run: RunConfig, run_dir: Path) -> str | None:
     if resume != "auto" and not _inside(Path(resume), Path(run_dir)):
         return (f"{held}, and trainer.resume={resume} is another run's checkpoint: resume it "
                 f"into a new hydra.run.dir")
-    from runner.checkpoint.store import latest_checkpoint
+    from runner.checkpoint.layout import latest_checkpoint
 
     if resume == "auto" and latest_checkpoint(Path(run_dir) / "checkpoints") is None:
         return (f"{held} and no checkpoint to continue it from: name a new hydra.run.dir")

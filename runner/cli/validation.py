@@ -73,7 +73,7 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     if trainer.resume is not None and not trainer.resume:
         problems.append("trainer.resume='': must be null, auto or a checkpoint path")
     elif trainer.resume not in (None, "auto"):
-        from runner.checkpoint.store import CheckpointError, resolve_resume
+        from runner.checkpoint.layout import CheckpointError, resolve_resume
 
         try:  # a path names a checkpoint directory, or a run directory with checkpoints
             resolve_resume(trainer.resume, None)

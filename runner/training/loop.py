@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from runner.checkpoint.store import CheckpointError, TrainingProgress, save_checkpoint
+from runner.checkpoint.layout import CheckpointError
+from runner.checkpoint.write import TrainingProgress, save_checkpoint
 from runner.config.machine import load_compute_rates, load_machine_costs
 from runner.config.schema import RunConfig
 from runner.core import ProcessGrid

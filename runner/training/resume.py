@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from runner.checkpoint.store import (
-    Checkpoint,
-    CheckpointError,
+from runner.checkpoint.layout import CheckpointError
+from runner.checkpoint.read import Checkpoint
+from runner.checkpoint.resume import (
     ResumePlan,
     find_resume_checkpoint,
     load_centre,

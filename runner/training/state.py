@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from runner.checkpoint.store import Checkpoint
+from runner.checkpoint.read import Checkpoint
 from runner.config.schema import DebugConfig, RunConfig
 from runner.core import CountedComm, ProcessGrid
 from runner.core.cost import CommOp, MachineCosts

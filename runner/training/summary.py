@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from runner.checkpoint.store import resume_command
+from runner.checkpoint.resume import resume_command
 from runner.config.schema import OBJECTIVES
 from runner.core.cost import comm_seconds, step_bytes
 from runner.records.logs import get_logger

@@ -28,7 +28,7 @@ from mpi4py import MPI
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.checkpoint.store import Checkpoint
+from runner.checkpoint.read import Checkpoint
 from runner.cli.validation import validate
 from runner.core import ProcessGrid
 from runner.optim.easgd import _flatten_into
