@@ -334,10 +334,10 @@ def test_a_gap_between_blocks_is_refused_naming_the_tensor(
         f"shards of 3.weight leave a gap at row 8, column 16 (another model or dataset?)")
     # a rank that reads it is refused too, in one line: whole, and the missing block alone
     whole_weight = shard_of(sources["3.weight"], whole, 0)
-    assert refusal(Checkpoint(blocks_copy).read_tensors, "model", None, [whole_weight]) == (
+    assert refusal(Checkpoint(blocks_copy).read_states, "model", None, [whole_weight], False) == (
         f"checkpoint {blocks_copy}: no model rows 0:16 of 3.weight (a different model?)")
     block = shard_of(sources["3.weight"], blocks, 3)
-    assert refusal(Checkpoint(blocks_copy).read_tensors, "model", None, [block]) == (
+    assert refusal(Checkpoint(blocks_copy).read_states, "model", None, [block], False) == (
         f"checkpoint {blocks_copy}: no model rows 8:16, columns 16:32 of 3.weight (a different "
         f"model?)")
 
@@ -406,7 +406,7 @@ def test_an_old_6_field_manifest_loads_and_the_same_entries_with_8_fields_read_t
                                                         8, 0, 64]
     assert verify_resume(str(checkpoint), checkpoint.parent, head_model) == (checkpoint, [])
     block = shard_of(sources["1.weight"], blocks, 3)
-    [got] = Checkpoint(checkpoint).read_tensors("model", None, [block])
+    [got] = Checkpoint(checkpoint).read_states("model", None, [block], optional=False)
     assert torch.equal(got, truth["model"]["1.weight"][16:32, 32:64])
 
 

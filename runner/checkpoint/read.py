@@ -334,15 +334,11 @@ class Checkpoint:
             place.view(out, shared).copy_(entry.place.view(stored, shared))
         return bool(found)
 
-    def read_tensors(self, kind: str, replica: int | None,
-                     like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """`kind`'s values for tensors shaped and placed like the parameters `like`."""
-        return [value for value in self.read_states(kind, replica, like, optional=False)
-                if value is not None]
-
     def read_states(self, kind: str, replica: int | None, like: Sequence[torch.Tensor],
                     optional: bool = True) -> list[torch.Tensor | None]:
-        """As `read_tensors`; `optional`: None for a parameter the optimizer kept no state for."""
+        """`kind`'s values for tensors shaped and placed like the parameters `like`;
+        `optional`: None for a parameter the optimizer kept no state for (else a parameter the
+        checkpoint lacks is refused)."""
         out: list[torch.Tensor | None] = []
         for param in like:
             value = torch.empty_like(param.detach())

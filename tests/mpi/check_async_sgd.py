@@ -252,8 +252,8 @@ def a_resumed_async_msgd_holds_the_checkpoint_s_server() -> None:
     for other in by_replica[1:]:  # saved at a step where the replicas meet: one V
         assert all((a is None and b is None) or torch.equal(a, b)
                    for a, b in zip(by_replica[0], other, strict=True))
-    for param, value in zip(params, saved.read_tensors("model", grid.batch_index, params),
-                            strict=True):
+    restored = saved.read_states("model", grid.batch_index, params, optional=False)
+    for param, value in zip(params, restored, strict=True):
         assert torch.equal(param.detach(), value), "the replica's own weights not restored"
     flat = torch.empty_like(server.pulled)
     windows = {"centre": server.centre(flat.clone()),
