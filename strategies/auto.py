@@ -21,16 +21,15 @@ the same predicted step time and uses the fastest.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from runner.core import GridShape, ProcessGrid
-from runner.core.compute import DEFAULT_RATES, ComputeRates
-from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
-from strategies.base import ParallelModel, Strategy
+from runner.core.cost import CommOp
+from strategies.base import DEFAULT_PRICING, ParallelModel, PricingContext, Strategy
 from strategies.buckets import predict_gradient_ops
 from strategies.layouts import (
     BATCH_ONLY,
@@ -189,14 +188,8 @@ class AutoLayout(Strategy):
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  overlap: bool = True, layouts: dict[str, str] | None = None, *,
-                 costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None,
-                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
-                 slowdown: float = 1.0) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
-                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
-                         slowdown=slowdown)
+                 pricing: PricingContext = DEFAULT_PRICING) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         self.overlap = overlap
         # config keys may come as ints (`layouts={3: 2d}`): layer names are strings
         self.pins = {str(k): str(v) for k, v in (layouts or {}).items()}
@@ -206,14 +199,16 @@ class AutoLayout(Strategy):
     def splits_parameters(self, grid: GridShape) -> bool:
         return grid.size > 1  # a 2-D layout splits weights over the batch group too
 
-    def pricing(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
-                global_batch: int) -> Pricing:
-        return Pricing(model, sample_shape, grid, global_batch, self.costs, self.rates,
-                       self.compute_dtype, self.bucket_caps, self.slowdown)
+    def plan_pricing(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
+                     global_batch: int) -> Pricing:
+        """What each step of a plan for `model` costs, at this strategy's pricing context."""
+        context = self.pricing
+        return Pricing(model, sample_shape, grid, global_batch, context.costs, context.rates,
+                       context.compute_dtype, self.bucket_caps, context.slowdown)
 
     def choose(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
                global_batch: int) -> Choice:
-        return choose_plan(model, self.pricing(model, sample_shape, grid, global_batch),
+        return choose_plan(model, self.plan_pricing(model, sample_shape, grid, global_batch),
                            self.pins)
 
     def _tree_choice(self, model: nn.Module, sample_shape: tuple[int, ...],
@@ -241,9 +236,9 @@ class AutoLayout(Strategy):
 
     def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape) -> bool:
-        if isinstance(model, nn.Sequential) or self.global_batch is None:
+        if isinstance(model, nn.Sequential) or self.pricing.global_batch is None:
             return grid.size == 1
-        chosen = self._tree_choice(model, sample_shape, grid, self.global_batch)
+        chosen = self._tree_choice(model, sample_shape, grid, self.pricing.global_batch)
         return chosen.reproduces_random_draws(model, sample_shape, grid)
 
     def _price(self, name: str, model: nn.Module, sample_shape: tuple[int, ...],
@@ -253,8 +248,7 @@ class AutoLayout(Strategy):
         reason then joins `refusals`)."""
         strategy = STRATEGIES.get(name)(
             self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
-            costs=self.costs, rows_touched=self.rows_touched, compute_dtype=self.compute_dtype,
-            rates=self.rates, global_batch=global_batch, slowdown=self.slowdown)
+            pricing=replace(self.pricing, global_batch=global_batch))
         why = strategy.check(grid, global_batch) or strategy.check_model(model, sample_shape, grid)
         if why:
             refusals.append(why[0])
@@ -267,31 +261,31 @@ class AutoLayout(Strategy):
             if self.pins:
                 return ["strategy.layouts pins layers of an nn.Sequential; this model is a "
                         f"{type(model).__name__} (auto picks one layout for all of it)"]
-            if self.global_batch is None:
+            if self.pricing.global_batch is None:
                 return []
             try:  # where grid.pr = 1 strategy=data is always a choice
-                self._tree_choice(model, sample_shape, grid, self.global_batch)
+                self._tree_choice(model, sample_shape, grid, self.pricing.global_batch)
             except ValueError as exc:
                 return [f"strategy=auto: {exc}"]
             return []
         problems = layout_problems(model, sample_shape, grid, self.pins)
-        if problems or self.global_batch is None:
+        if problems or self.pricing.global_batch is None:
             return problems
         try:
-            self.choose(model, sample_shape, grid, self.global_batch)
+            self.choose(model, sample_shape, grid, self.pricing.global_batch)
         except ValueError as exc:
             problems.append(f"strategy=auto: {exc}")
         return problems
 
     def _plan(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
               global_batch: int | None) -> tuple[LayerPlan, Pricing]:
-        batch = global_batch if global_batch is not None else self.global_batch
+        batch = global_batch if global_batch is not None else self.pricing.global_batch
         if batch is None:
             raise ValueError("strategy=auto needs the global batch size to choose layouts")
         # the planner asks for ops, bytes, compute and layouts of one plan in turn
         key = (repr(model), tuple(sample_shape), grid, batch, tuple(sorted(self.pins.items())))
         if key not in self._plans:
-            pricing = self.pricing(model, sample_shape, grid, batch)
+            pricing = self.plan_pricing(model, sample_shape, grid, batch)
             self._plans[key] = (choose_plan(model, pricing, self.pins).plan, pricing)
         return self._plans[key]
 
@@ -301,8 +295,9 @@ class AutoLayout(Strategy):
             raise ValueError("strategy=auto lays layers out over the whole grid: it trains with "
                              "synchronous optimizers only (a model group is no replica here)")
         if not isinstance(model, nn.Sequential):
-            assert self.global_batch is not None
-            chosen = self._tree_choice(model, sample_shape, grid.shape, self.global_batch)
+            batch = self.pricing.global_batch
+            assert batch is not None
+            chosen = self._tree_choice(model, sample_shape, grid.shape, batch)
             whole = chosen.parallelize(model, sample_shape, grid, sync_replica_gradients)
             whole.layouts = {"(whole model)": chosen.name}  # type: ignore[assignment]
             return whole
@@ -351,7 +346,7 @@ class AutoLayout(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
-        batch = self.global_batch or grid.size
+        batch = self.pricing.global_batch or grid.size
         if not isinstance(model, nn.Sequential):
             chosen = self._tree_choice(model, sample_shape, grid, batch)
             return chosen.predict_param_bytes(model, sample_shape, grid)

@@ -175,7 +175,7 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
         resolve,
     )
     from runner.training import assembly
-    from strategies import STRATEGIES, Strategy
+    from strategies import STRATEGIES, PricingContext, Strategy
 
     problems: list[str] = []
     try:
@@ -233,8 +233,8 @@ def _plugin_problems(run: RunConfig, grid_ok: bool) -> list[str]:
                                 Strategy.CONTEXT_ARGUMENTS)
         problems += found
         if not found:
-            strategy = assembly.build_strategy(run.strategy,
-                                               global_batch=run.trainer.batch_size)
+            strategy = assembly.build_strategy(
+                run.strategy, PricingContext(global_batch=run.trainer.batch_size))
             batch = run.trainer.batch_size
             if grid_ok and batch >= 1:
                 problems += strategy.check(run.grid, batch)
