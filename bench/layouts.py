@@ -44,7 +44,8 @@ def worker(pr: int, pc: int, features: int, batch: int, repeats: int) -> None:
     from runner.core.primitives import broadcast, sum_reduce
     from strategies import PricingContext
     from strategies.auto import AutoLayout
-    from strategies.layouts import LAYOUTS, PartialSumLinear, Redistribute
+    from strategies.layer_layouts import LAYOUTS, PartialSumLinear
+    from strategies.layouts import Redistribute
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

@@ -31,31 +31,45 @@ from runner.core import GridShape, ProcessGrid
 from runner.core.cost import CommOp
 from strategies.base import DEFAULT_PRICING, ParallelModel, PricingContext, Strategy
 from strategies.buckets import predict_gradient_ops
-from strategies.layouts import (
+from strategies.layer_layouts import (
     BATCH_ONLY,
     IMAGE_LAYOUTS,
     ROWS,
     SAMPLES,
     SPATIAL,
     TILES_HW,
+    LayerLayout,
+    TensorLayout,
+    layer_kind,
+    layouts_for,
+)
+from strategies.layouts import (
     LayerPlan,
     PlanCosts,
     Pricing,
     Step,
-    TensorLayout,
     build_layered_model,
-    layer_kind,
     layer_names,
     layout_problems,
-    layouts_for,
-    param_groups_of,
     passthrough_options,
+    step_param_groups,
 )
 from strategies.registry import STRATEGIES, register_strategy
 from strategies.sharded import layer_label
 from strategies.spatial import windowed_problem
 
 TREE_CHOICES = ("data", "grid", "model", "domain")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A way to run a layer: in a layer layout (None: as a layer without any, in the layout
+    its input is given) on input laid out as `takes`, giving `gives`."""
+
+    layout: LayerLayout | None
+    takes: TensorLayout
+    gives: TensorLayout
+    passthrough: str = "keep"  # how a layer without layer layouts is described (`Step`)
 
 
 @dataclass(frozen=True)
@@ -67,8 +81,8 @@ class Choice:
 
 
 def _options(layer: nn.Module, i: int, name: str, pricing: Pricing,
-             pins: Mapping[str, str]) -> list[tuple[str, TensorLayout, TensorLayout]]:
-    """(layout, input layout, output layout) for layer i."""
+             pins: Mapping[str, str]) -> list[Option]:
+    """The ways layer i can run."""
 
     def fits(layout: TensorLayout) -> bool:
         """A layout splitting the image in space needs a row (and column) on every rank of
@@ -83,13 +97,13 @@ def _options(layer: nn.Module, i: int, name: str, pricing: Pricing,
                 continue
             if layout.takes in SPATIAL and not (fits(layout.takes) and _windowed_ok(layer)):
                 continue
-            options.append((layout.name, layout.takes, layout.gives))
+            options.append(Option(layout, layout.takes, layout.gives))
         return options
     ndim = len(pricing.shapes[i]) + 1
     if ndim == len(pricing.shapes[i + 1]) + 1 and ndim in (2, 4):
-        return [("keep", t, t) for t in passthrough_options(layer, ndim) if fits(t)]
+        return [Option(None, t, t) for t in passthrough_options(layer, ndim) if fits(t)]
     # a layer that changes the rank of its tensor (Flatten): on whole samples
-    return [("batch", t, t) for t in BATCH_ONLY]
+    return [Option(None, t, t, "batch") for t in BATCH_ONLY]
 
 
 def _fits(pricing: Pricing, i: int, layout: TensorLayout) -> bool:
@@ -110,7 +124,7 @@ def choose_plan(model: nn.Sequential, pricing: Pricing,
     names = layer_names(model)
     layers = list(model)
     conversions: dict[tuple[int, TensorLayout, TensorLayout], float] = {}
-    costs_of: dict[tuple[int, str, TensorLayout], float] = {}
+    costs_of: dict[tuple[int, LayerLayout | None, TensorLayout], float] = {}
 
     def seconds(costs: PlanCosts) -> float:
         return costs.compute_s * pricing.slowdown + pricing.seconds(costs.ops)
@@ -126,15 +140,17 @@ def choose_plan(model: nn.Sequential, pricing: Pricing,
         options = _options(layer, i, names[i], pricing, pins)
         reached: dict[TensorLayout, tuple[float, tuple[Step, ...]]] = {}
         for state, (so_far, steps) in best.items():
-            for layout, takes, gives in options:
-                key = (i, layout, takes)
+            for option in options:
+                takes, gives = option.takes, option.gives
+                key = (i, option.layout, takes)
                 if key not in costs_of:
-                    costs_of[key] = seconds(pricing.layer(i, layout, takes))
+                    costs_of[key] = seconds(pricing.layer(i, option.layout, takes))
                 total = so_far + convert(i, state, takes) + costs_of[key]
                 if gives not in reached or total < reached[gives][0]:
                     # a layout laid out alike on this grid needs no conversion: none is built
                     before = state if pricing.differ(state, takes, i) else takes
-                    reached[gives] = (total, (*steps, Step(i, layout, before, takes, gives)))
+                    step = Step(i, option.layout, before, takes, gives, option.passthrough)
+                    reached[gives] = (total, (*steps, step))
         if not reached:
             raise ValueError(f"layer {names[i]} ({type(layer).__name__}) has no layout here")
         best = reached
@@ -158,8 +174,7 @@ def plan_ops(model: nn.Sequential, plan: LayerPlan, pricing: Pricing) -> list[Co
         ops += pricing.conversion(step.before, step.takes, step.index, label).ops
         costs = pricing.layer(step.index, step.layout, step.takes)
         ops += [op for op in costs.ops if op.op != "iallreduce"]  # buckets below instead
-        layout = step.layout if layer_kind(layer) is not None else "norm:" + step.takes.name
-        for group, items in param_groups_of(layer, layout, pricing.grid).items():
+        for group, items in step_param_groups(layer, step, pricing.grid).items():
             if items:
                 grads[group].append((label, items))
     ops += pricing.conversion(plan.final, SAMPLES, len(layers), "output").ops
@@ -202,9 +217,7 @@ class AutoLayout(Strategy):
     def plan_pricing(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
                      global_batch: int) -> Pricing:
         """What each step of a plan for `model` costs, at this strategy's pricing context."""
-        context = self.pricing
-        return Pricing(model, sample_shape, grid, global_batch, context.costs, context.rates,
-                       context.compute_dtype, self.bucket_caps, context.slowdown)
+        return Pricing(model, sample_shape, grid, global_batch, self.pricing, self.bucket_caps)
 
     def choose(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
                global_batch: int) -> Choice:
@@ -305,7 +318,7 @@ class AutoLayout(Strategy):
         # Every rank must build the same plan (a calibration file differing between hosts
         # would otherwise make them disagree): rank 0's layouts are pinned on all.
         names = layer_names(model)
-        mine = {names[s.index]: s.layout for s in plan.steps if layer_kind(model[s.index])}
+        mine = plan.layer_layouts(names)
         agreed = grid.world.allgather_object(mine)[0]
         if agreed != mine:
             saved, self.pins = self.pins, agreed
@@ -313,8 +326,7 @@ class AutoLayout(Strategy):
             self.pins = saved
         pmodel = build_layered_model(model, sample_shape, grid, plan, self.bucket_caps,
                                      self.overlap)
-        pmodel.layouts = {names[s.index]: s.layout for s in plan.steps
-                          if layer_kind(model[s.index]) is not None}
+        pmodel.layouts = plan.layer_layouts(names)
         return pmodel
 
     def describe_plan(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
@@ -324,9 +336,7 @@ class AutoLayout(Strategy):
             chosen = self._tree_choice(model, sample_shape, grid, global_batch)
             return {"(whole model)": chosen.name}
         plan, _ = self._plan(model, sample_shape, grid, global_batch)
-        names = layer_names(model)
-        return {names[s.index]: s.layout for s in plan.steps
-                if layer_kind(model[s.index]) is not None}
+        return plan.layer_layouts(layer_names(model))
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
@@ -355,8 +365,7 @@ class AutoLayout(Strategy):
         total = 0
         for step in plan.steps:
             layer = layers[step.index]
-            layout = step.layout if layer_kind(layer) is not None else "norm:" + step.takes.name
-            total += sum(n for items in param_groups_of(layer, layout, grid).values()
+            total += sum(n for items in step_param_groups(layer, step, grid).values()
                          for n, _ in items)
         return total
 
