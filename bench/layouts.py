@@ -42,8 +42,10 @@ def worker(pr: int, pc: int, features: int, batch: int, repeats: int) -> None:
 
     from runner.core import Partition, ProcessGrid
     from runner.core.primitives import broadcast, sum_reduce
+    from strategies import PricingContext
     from strategies.auto import AutoLayout
-    from strategies.layouts import LAYOUTS, PartialSumLinear, Redistribute
+    from strategies.layer_layouts import LAYOUTS, PartialSumLinear
+    from strategies.layouts import Redistribute
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -57,7 +59,8 @@ def worker(pr: int, pc: int, features: int, batch: int, repeats: int) -> None:
     def run_layout(name: str):
         """(module, its input piece, gradient exchanges) of gridrun's layout `name`."""
         layout = LAYOUTS["linear", name]
-        strategy = AutoLayout(layouts={"0": name}, global_batch=batch)
+        strategy = AutoLayout(layouts={"0": name},
+                              pricing=PricingContext(global_batch=batch))
         pmodel = strategy.parallelize(nn.Sequential(linear), (features,), grid)
         part = layout.takes.partition((batch, features), (pc, pr))
         box = part.box((c, r))

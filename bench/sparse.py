@@ -122,13 +122,14 @@ def run_mode(mode: str, initial_table: Any, batches: list[tuple[Any, Any]], grid
     import torch.nn.functional as F
     from mpi4py import MPI
 
+    from strategies import PricingContext
     from strategies.data import DataParallel
 
     # what the runner gives a strategy from the dataset: the rows a rank's batch touches (here
     # exactly round(d · vocab)), from which `auto` decides per table whether to shard it
     bags, rows = len(batches[0][1]), int(torch.unique(batches[0][0]).numel())
-    strategy = DataParallel(sparse=mode, costs=calibration, rows_touched=lambda _: float(rows),
-                            global_batch=bags * grid.size)
+    strategy = DataParallel(sparse=mode, pricing=PricingContext(
+        calibration, rows_touched=lambda _: float(rows), global_batch=bags * grid.size))
     pmodel = strategy.parallelize(build_model(initial_table), (IDS_PER_BAG,), grid)
     optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
     comm = grid.world.mpi_comm

@@ -63,7 +63,7 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
     from runner.core import ProcessGrid
     from runner.core.compute import oversubscription
     from runner.core.cost import step_bytes
-    from strategies import STRATEGIES
+    from strategies import STRATEGIES, PricingContext
     from strategies.base import predict_step
 
     torch.set_num_threads(1)
@@ -80,8 +80,8 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
 
     contenders = {}
     for label, name, options, pr, pc in layouts(size):
-        strategy = STRATEGIES.get(name)(**options, costs=costs, rates=rates,
-                                        global_batch=BATCH, slowdown=slowdown)
+        strategy = STRATEGIES.get(name)(**options, pricing=PricingContext(
+            costs, rates=rates, global_batch=BATCH, slowdown=slowdown))
         grid = ProcessGrid(pr, pc, comm if size > 1 else None)
         plain = build_gpt()
         predicted = predict_step(strategy, plain, (CONTEXT,), grid.shape, BATCH)

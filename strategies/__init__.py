@@ -8,7 +8,7 @@ from strategies import data as _data  # noqa: F401  (registers "data")
 from strategies import domain as _domain  # noqa: F401  (registers "domain")
 from strategies import grid as _grid  # noqa: F401  (registers "grid")
 from strategies import model as _model  # noqa: F401  (registers "model")
-from strategies.base import ParallelModel, Strategy
+from strategies.base import ParallelModel, PricingContext, Strategy
 from strategies.registry import STRATEGIES, register_strategy
 
-__all__ = ["STRATEGIES", "ParallelModel", "Strategy", "register_strategy"]
+__all__ = ["STRATEGIES", "ParallelModel", "PricingContext", "Strategy", "register_strategy"]

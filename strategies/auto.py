@@ -21,42 +21,55 @@ the same predicted step time and uses the fastest.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from runner.core import GridShape, ProcessGrid
-from runner.core.compute import DEFAULT_RATES, ComputeRates
-from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
-from strategies.base import ParallelModel, Strategy
+from runner.core.cost import CommOp
+from strategies.base import DEFAULT_PRICING, ParallelModel, PricingContext, Strategy
 from strategies.buckets import predict_gradient_ops
-from strategies.layouts import (
+from strategies.layer_layouts import (
     BATCH_ONLY,
     IMAGE_LAYOUTS,
     ROWS,
     SAMPLES,
     SPATIAL,
     TILES_HW,
+    LayerLayout,
+    TensorLayout,
+    layer_kind,
+    layouts_for,
+)
+from strategies.layouts import (
     LayerPlan,
     PlanCosts,
     Pricing,
     Step,
-    TensorLayout,
     build_layered_model,
-    layer_kind,
     layer_names,
     layout_problems,
-    layouts_for,
-    param_groups_of,
     passthrough_options,
+    step_param_groups,
 )
 from strategies.registry import STRATEGIES, register_strategy
 from strategies.sharded import layer_label
 from strategies.spatial import windowed_problem
 
 TREE_CHOICES = ("data", "grid", "model", "domain")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A way to run a layer: in a layer layout (None: as a layer without any, in the layout
+    its input is given) on input laid out as `takes`, giving `gives`."""
+
+    layout: LayerLayout | None
+    takes: TensorLayout
+    gives: TensorLayout
+    passthrough: str = "keep"  # how a layer without layer layouts is described (`Step`)
 
 
 @dataclass(frozen=True)
@@ -68,8 +81,8 @@ class Choice:
 
 
 def _options(layer: nn.Module, i: int, name: str, pricing: Pricing,
-             pins: Mapping[str, str]) -> list[tuple[str, TensorLayout, TensorLayout]]:
-    """(layout, input layout, output layout) for layer i."""
+             pins: Mapping[str, str]) -> list[Option]:
+    """The ways layer i can run."""
 
     def fits(layout: TensorLayout) -> bool:
         """A layout splitting the image in space needs a row (and column) on every rank of
@@ -84,13 +97,13 @@ def _options(layer: nn.Module, i: int, name: str, pricing: Pricing,
                 continue
             if layout.takes in SPATIAL and not (fits(layout.takes) and _windowed_ok(layer)):
                 continue
-            options.append((layout.name, layout.takes, layout.gives))
+            options.append(Option(layout, layout.takes, layout.gives))
         return options
     ndim = len(pricing.shapes[i]) + 1
     if ndim == len(pricing.shapes[i + 1]) + 1 and ndim in (2, 4):
-        return [("keep", t, t) for t in passthrough_options(layer, ndim) if fits(t)]
+        return [Option(None, t, t) for t in passthrough_options(layer, ndim) if fits(t)]
     # a layer that changes the rank of its tensor (Flatten): on whole samples
-    return [("batch", t, t) for t in BATCH_ONLY]
+    return [Option(None, t, t, "batch") for t in BATCH_ONLY]
 
 
 def _fits(pricing: Pricing, i: int, layout: TensorLayout) -> bool:
@@ -111,7 +124,7 @@ def choose_plan(model: nn.Sequential, pricing: Pricing,
     names = layer_names(model)
     layers = list(model)
     conversions: dict[tuple[int, TensorLayout, TensorLayout], float] = {}
-    costs_of: dict[tuple[int, str, TensorLayout], float] = {}
+    costs_of: dict[tuple[int, LayerLayout | None, TensorLayout], float] = {}
 
     def seconds(costs: PlanCosts) -> float:
         return costs.compute_s * pricing.slowdown + pricing.seconds(costs.ops)
@@ -127,15 +140,17 @@ def choose_plan(model: nn.Sequential, pricing: Pricing,
         options = _options(layer, i, names[i], pricing, pins)
         reached: dict[TensorLayout, tuple[float, tuple[Step, ...]]] = {}
         for state, (so_far, steps) in best.items():
-            for layout, takes, gives in options:
-                key = (i, layout, takes)
+            for option in options:
+                takes, gives = option.takes, option.gives
+                key = (i, option.layout, takes)
                 if key not in costs_of:
-                    costs_of[key] = seconds(pricing.layer(i, layout, takes))
+                    costs_of[key] = seconds(pricing.layer(i, option.layout, takes))
                 total = so_far + convert(i, state, takes) + costs_of[key]
                 if gives not in reached or total < reached[gives][0]:
                     # a layout laid out alike on this grid needs no conversion: none is built
                     before = state if pricing.differ(state, takes, i) else takes
-                    reached[gives] = (total, (*steps, Step(i, layout, before, takes, gives)))
+                    step = Step(i, option.layout, before, takes, gives, option.passthrough)
+                    reached[gives] = (total, (*steps, step))
         if not reached:
             raise ValueError(f"layer {names[i]} ({type(layer).__name__}) has no layout here")
         best = reached
@@ -159,8 +174,7 @@ def plan_ops(model: nn.Sequential, plan: LayerPlan, pricing: Pricing) -> list[Co
         ops += pricing.conversion(step.before, step.takes, step.index, label).ops
         costs = pricing.layer(step.index, step.layout, step.takes)
         ops += [op for op in costs.ops if op.op != "iallreduce"]  # buckets below instead
-        layout = step.layout if layer_kind(layer) is not None else "norm:" + step.takes.name
-        for group, items in param_groups_of(layer, layout, pricing.grid).items():
+        for group, items in step_param_groups(layer, step, pricing.grid).items():
             if items:
                 grads[group].append((label, items))
     ops += pricing.conversion(plan.final, SAMPLES, len(layers), "output").ops
@@ -189,14 +203,8 @@ class AutoLayout(Strategy):
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  overlap: bool = True, layouts: dict[str, str] | None = None, *,
-                 costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None,
-                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
-                 slowdown: float = 1.0) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
-                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
-                         slowdown=slowdown)
+                 pricing: PricingContext = DEFAULT_PRICING) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         self.overlap = overlap
         # config keys may come as ints (`layouts={3: 2d}`): layer names are strings
         self.pins = {str(k): str(v) for k, v in (layouts or {}).items()}
@@ -206,14 +214,14 @@ class AutoLayout(Strategy):
     def splits_parameters(self, grid: GridShape) -> bool:
         return grid.size > 1  # a 2-D layout splits weights over the batch group too
 
-    def pricing(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
-                global_batch: int) -> Pricing:
-        return Pricing(model, sample_shape, grid, global_batch, self.costs, self.rates,
-                       self.compute_dtype, self.bucket_caps, self.slowdown)
+    def plan_pricing(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
+                     global_batch: int) -> Pricing:
+        """What each step of a plan for `model` costs, at this strategy's pricing context."""
+        return Pricing(model, sample_shape, grid, global_batch, self.pricing, self.bucket_caps)
 
     def choose(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
                global_batch: int) -> Choice:
-        return choose_plan(model, self.pricing(model, sample_shape, grid, global_batch),
+        return choose_plan(model, self.plan_pricing(model, sample_shape, grid, global_batch),
                            self.pins)
 
     def _tree_choice(self, model: nn.Module, sample_shape: tuple[int, ...],
@@ -241,9 +249,9 @@ class AutoLayout(Strategy):
 
     def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape) -> bool:
-        if isinstance(model, nn.Sequential) or self.global_batch is None:
+        if isinstance(model, nn.Sequential) or self.pricing.global_batch is None:
             return grid.size == 1
-        chosen = self._tree_choice(model, sample_shape, grid, self.global_batch)
+        chosen = self._tree_choice(model, sample_shape, grid, self.pricing.global_batch)
         return chosen.reproduces_random_draws(model, sample_shape, grid)
 
     def _price(self, name: str, model: nn.Module, sample_shape: tuple[int, ...],
@@ -253,8 +261,7 @@ class AutoLayout(Strategy):
         reason then joins `refusals`)."""
         strategy = STRATEGIES.get(name)(
             self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
-            costs=self.costs, rows_touched=self.rows_touched, compute_dtype=self.compute_dtype,
-            rates=self.rates, global_batch=global_batch, slowdown=self.slowdown)
+            pricing=replace(self.pricing, global_batch=global_batch))
         why = strategy.check(grid, global_batch) or strategy.check_model(model, sample_shape, grid)
         if why:
             refusals.append(why[0])
@@ -267,31 +274,31 @@ class AutoLayout(Strategy):
             if self.pins:
                 return ["strategy.layouts pins layers of an nn.Sequential; this model is a "
                         f"{type(model).__name__} (auto picks one layout for all of it)"]
-            if self.global_batch is None:
+            if self.pricing.global_batch is None:
                 return []
             try:  # where grid.pr = 1 strategy=data is always a choice
-                self._tree_choice(model, sample_shape, grid, self.global_batch)
+                self._tree_choice(model, sample_shape, grid, self.pricing.global_batch)
             except ValueError as exc:
                 return [f"strategy=auto: {exc}"]
             return []
         problems = layout_problems(model, sample_shape, grid, self.pins)
-        if problems or self.global_batch is None:
+        if problems or self.pricing.global_batch is None:
             return problems
         try:
-            self.choose(model, sample_shape, grid, self.global_batch)
+            self.choose(model, sample_shape, grid, self.pricing.global_batch)
         except ValueError as exc:
             problems.append(f"strategy=auto: {exc}")
         return problems
 
     def _plan(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
               global_batch: int | None) -> tuple[LayerPlan, Pricing]:
-        batch = global_batch if global_batch is not None else self.global_batch
+        batch = global_batch if global_batch is not None else self.pricing.global_batch
         if batch is None:
             raise ValueError("strategy=auto needs the global batch size to choose layouts")
         # the planner asks for ops, bytes, compute and layouts of one plan in turn
         key = (repr(model), tuple(sample_shape), grid, batch, tuple(sorted(self.pins.items())))
         if key not in self._plans:
-            pricing = self.pricing(model, sample_shape, grid, batch)
+            pricing = self.plan_pricing(model, sample_shape, grid, batch)
             self._plans[key] = (choose_plan(model, pricing, self.pins).plan, pricing)
         return self._plans[key]
 
@@ -301,8 +308,9 @@ class AutoLayout(Strategy):
             raise ValueError("strategy=auto lays layers out over the whole grid: it trains with "
                              "synchronous optimizers only (a model group is no replica here)")
         if not isinstance(model, nn.Sequential):
-            assert self.global_batch is not None
-            chosen = self._tree_choice(model, sample_shape, grid.shape, self.global_batch)
+            batch = self.pricing.global_batch
+            assert batch is not None
+            chosen = self._tree_choice(model, sample_shape, grid.shape, batch)
             whole = chosen.parallelize(model, sample_shape, grid, sync_replica_gradients)
             whole.layouts = {"(whole model)": chosen.name}  # type: ignore[assignment]
             return whole
@@ -310,7 +318,7 @@ class AutoLayout(Strategy):
         # Every rank must build the same plan (a calibration file differing between hosts
         # would otherwise make them disagree): rank 0's layouts are pinned on all.
         names = layer_names(model)
-        mine = {names[s.index]: s.layout for s in plan.steps if layer_kind(model[s.index])}
+        mine = plan.layer_layouts(names)
         agreed = grid.world.allgather_object(mine)[0]
         if agreed != mine:
             saved, self.pins = self.pins, agreed
@@ -318,8 +326,7 @@ class AutoLayout(Strategy):
             self.pins = saved
         pmodel = build_layered_model(model, sample_shape, grid, plan, self.bucket_caps,
                                      self.overlap)
-        pmodel.layouts = {names[s.index]: s.layout for s in plan.steps
-                          if layer_kind(model[s.index]) is not None}
+        pmodel.layouts = plan.layer_layouts(names)
         return pmodel
 
     def describe_plan(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
@@ -329,9 +336,7 @@ class AutoLayout(Strategy):
             chosen = self._tree_choice(model, sample_shape, grid, global_batch)
             return {"(whole model)": chosen.name}
         plan, _ = self._plan(model, sample_shape, grid, global_batch)
-        names = layer_names(model)
-        return {names[s.index]: s.layout for s in plan.steps
-                if layer_kind(model[s.index]) is not None}
+        return plan.layer_layouts(layer_names(model))
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
@@ -351,7 +356,7 @@ class AutoLayout(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
-        batch = self.global_batch or grid.size
+        batch = self.pricing.global_batch or grid.size
         if not isinstance(model, nn.Sequential):
             chosen = self._tree_choice(model, sample_shape, grid, batch)
             return chosen.predict_param_bytes(model, sample_shape, grid)
@@ -360,8 +365,7 @@ class AutoLayout(Strategy):
         total = 0
         for step in plan.steps:
             layer = layers[step.index]
-            layout = step.layout if layer_kind(layer) is not None else "norm:" + step.takes.name
-            total += sum(n for items in param_groups_of(layer, layout, grid).values()
+            total += sum(n for items in step_param_groups(layer, step, grid).values()
                          for n, _ in items)
         return total
 

@@ -79,6 +79,31 @@ def cross_entropy_score(output: torch.Tensor, targets: torch.Tensor,
     return Score(loss, flat.numel(), right)
 
 
+@dataclass(frozen=True)
+class PricingContext:
+    """What the runner knows of the machine and the data, for the choices a strategy makes
+    from the cost model and for its predicted step times (never a config option)."""
+
+    # the machine's α–β costs
+    costs: MachineCosts = DEFAULT_COSTS
+    # the expected number of distinct rows of an embedding table a given number of samples
+    # touches (None: no token data)
+    rows_touched: Callable[[int], float] | None = None
+    # trainer.precision's autocast type (None: fp32): the dtype of the activations the
+    # strategy moves (`strategies.sharded.output_itemsizes`)
+    compute_dtype: torch.dtype | None = None
+    # this machine's compute rates
+    rates: ComputeRates = DEFAULT_RATES
+    # the global batch (a layout chosen by time depends on it; None: not known)
+    global_batch: int | None = None
+    # how much slower a rank computes than the rates say (ranks sharing cores:
+    # `runner.core.compute.oversubscription`)
+    slowdown: float = 1.0
+
+
+DEFAULT_PRICING = PricingContext()
+
+
 class ParallelModel(nn.Module):
     """This rank's part of the model, and the gradient exchanges that make its steps agree."""
 
@@ -172,32 +197,14 @@ class Strategy:
     synchronous_only: ClassVar[bool] = False
 
     # Keyword arguments the runner passes itself (never config options).
-    CONTEXT_ARGUMENTS: ClassVar[tuple[str, ...]] = ("costs", "rows_touched", "compute_dtype",
-                                                    "rates", "global_batch", "slowdown")
+    CONTEXT_ARGUMENTS: ClassVar[tuple[str, ...]] = ("pricing",)
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0, *,
-                 costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None,
-                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
-                 slowdown: float = 1.0) -> None:
+                 pricing: PricingContext = DEFAULT_PRICING) -> None:
         # Gradient buckets: the first one small so the first all-reduce starts early.
         self.bucket_cap_bytes = int(bucket_cap_mb * MB)
         self.first_bucket_bytes = int(first_bucket_mb * MB)
-        # What the runner knows of the machine and the data, for choices made from the cost
-        # model: the machine's costs (an immutable value), and the expected number of distinct
-        # rows of an embedding table a given number of samples touches (None: no token data).
-        self.costs = costs
-        self.rows_touched = rows_touched
-        # trainer.precision's autocast type (None: fp32): the dtype of the activations the
-        # strategy moves, for its predictions (`strategies.sharded.output_itemsizes`).
-        self.compute_dtype = compute_dtype
-        # For predicted step times: this machine's compute rates, the global batch (a layout
-        # chosen by time depends on it), and how much slower a rank computes than the rates
-        # say (ranks sharing cores: `runner.core.compute.oversubscription`).
-        self.rates = rates
-        self.global_batch = global_batch
-        self.slowdown = slowdown
+        self.pricing = pricing
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         """Every reason this strategy cannot run `global_batch` samples on `grid` (empty: fine)."""
@@ -266,7 +273,7 @@ class Strategy:
         default every layer's work shared evenly by the P ranks (each works on its piece of
         the rows, features or height); a strategy that knows its local shapes says better."""
         rows = -(-global_batch // grid.size)  # rank 0 holds the largest piece
-        return sum(layer_seconds(layer, (rows, *shape), self.rates, input_grad=grad)
+        return sum(layer_seconds(layer, (rows, *shape), self.pricing.rates, input_grad=grad)
                    for layer, shape, grad in leaf_inputs(model, sample_shape)[0])
 
     def predict_step_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
@@ -301,8 +308,9 @@ def predict_step(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, 
                  grid: GridShape, global_batch: int) -> StepPrediction:
     ops = strategy.predict_ops(model, sample_shape, grid, global_batch)
     ops += loss_op(grid.size, 4)
-    comm = comm_seconds(ops, strategy.costs)
-    rates = strategy.rates
+    context = strategy.pricing
+    comm = comm_seconds(ops, context.costs)
+    rates = context.rates
     compute = strategy.predict_compute_seconds(model, sample_shape, grid, global_batch)
     # the loss on rank 0's output rows (the row contract: the largest piece over all P)
     rows = Partition(Partition(global_batch, grid.pc).sizes[0], grid.pr).sizes[0]
@@ -312,8 +320,8 @@ def predict_step(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, 
         UPDATE_PASSES * strategy.predict_param_bytes(model, sample_shape, grid))
         + UPDATE_CALLS * tensors * rates.dispatch)
     compute = ((compute + loss_seconds(rows, classes, rates) + update + rates.step_overhead)
-               * strategy.slowdown)
-    wait = wait_seconds(ops, strategy.costs, strategy.slowdown)
+               * context.slowdown)
+    wait = wait_seconds(ops, context.costs, context.slowdown)
     return StepPrediction(compute, comm, wait, compute + comm + wait)
 
 

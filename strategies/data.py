@@ -15,11 +15,8 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.compute import DEFAULT_RATES, ComputeRates
 from runner.core.cost import (
-    DEFAULT_COSTS,
     CommOp,
-    MachineCosts,
     SparseMode,
     choose_partitions,
     choose_sparse_mode,
@@ -28,7 +25,13 @@ from runner.core.cost import (
     sparse_exchange_ops,
 )
 from runner.core.sparse import NodeRoutes
-from strategies.base import ParallelModel, Strategy, gradient_exchange
+from strategies.base import (
+    DEFAULT_PRICING,
+    ParallelModel,
+    PricingContext,
+    Strategy,
+    gradient_exchange,
+)
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import (
     batch_norm_ops,
@@ -104,14 +107,8 @@ class DataParallel(Strategy):
                  sparse: SparseChoice = "auto", batch_norm: str = "global",
                  sparse_hot_rows: int = DEFAULT_HOT_ROWS, sparse_partitions: int | str = "auto",
                  ranks_per_node: int | str = "auto", *,
-                 costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None,
-                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
-                 slowdown: float = 1.0) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
-                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
-                         slowdown=slowdown)
+                 pricing: PricingContext = DEFAULT_PRICING) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         self.sparse = sparse
         # the most rows of a table replicated on every rank under the owners-only exchange
         self.sparse_hot_rows = sparse_hot_rows
@@ -212,7 +209,7 @@ class DataParallel(Strategy):
                           if name in owners_only and nodes is not None
                           and self.node_push_pays(module.weight, grid.size, nodes)}
                 pmodel.reducers.append(SparseGradientExchange(
-                    tables, grid.world, 1.0 / grid.size, self.sparse, self.costs,
+                    tables, grid.world, 1.0 / grid.size, self.sparse, self.pricing.costs,
                     owners_only=owners_only, parts=parts, hot_rows=self.sparse_hot_rows,
                     node_routes=routes))
         return pmodel
@@ -244,21 +241,24 @@ class DataParallel(Strategy):
         num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
         direct, through = node_push_seconds(p, per_node, row_bytes,
                                             self._expected_rows(num_rows, p),
-                                            self._node_rows(num_rows, p, per_node), self.costs)
+                                            self._node_rows(num_rows, p, per_node),
+                                            self.pricing.costs)
         return through < direct
 
     def _node_rows(self, num_rows: int, p: int, per_node: int) -> float | None:
         """The distinct rows a node's batch is expected to touch (None: no model of the data)."""
-        if self.rows_touched is None or self.global_batch is None:
+        touched, batch = self.pricing.rows_touched, self.pricing.global_batch
+        if touched is None or batch is None:
             return None
-        return min(num_rows, self.rows_touched(self.global_batch // p * per_node))
+        return min(num_rows, touched(batch // p * per_node))
 
     def _expected_rows(self, num_rows: int, p: int) -> float:
         """The rows of a table a rank's batch is expected to touch (all, without a model of
         the data)."""
-        if self.rows_touched is None or self.global_batch is None:
+        touched, batch = self.pricing.rows_touched, self.pricing.global_batch
+        if touched is None or batch is None:
             return num_rows
-        return min(num_rows, self.rows_touched(self.global_batch // p))
+        return min(num_rows, touched(batch // p))
 
     def _table_mode(self, weight: torch.Tensor, p: int) -> SparseChoice:
         """How a table is exchanged for the whole run: `sharded` (owners-only storage) when
@@ -271,7 +271,7 @@ class DataParallel(Strategy):
             return "auto"
         num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
         rows = self._expected_rows(num_rows, p)
-        best = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs)
+        best = choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.pricing.costs)
         return "sharded" if best == "sharded" else "auto"
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
@@ -296,7 +296,7 @@ class DataParallel(Strategy):
             return min(self.sparse_partitions, p)
         num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
         return choose_partitions(p, num_rows, row_bytes, self._expected_rows(num_rows, p),
-                                 self.costs)
+                                 self.pricing.costs)
 
     def table_rows_per_rank(self, weight: torch.Tensor, p: int) -> int:
         """Rows of a sparse table that rank 0 holds as parameters: the whole table, or under
@@ -313,8 +313,8 @@ class DataParallel(Strategy):
         without it every row is assumed touched). `auto` predicts the mode the cost model
         (communication and local work) would choose for that many rows."""
         num_rows, row_bytes = weight.shape[0], weight[0].numel() * weight.element_size()
-        rows = (num_rows if self.rows_touched is None
-                else min(num_rows, self.rows_touched(samples_per_rank)))
+        rows = (num_rows if self.pricing.rows_touched is None
+                else min(num_rows, self.pricing.rows_touched(samples_per_rank)))
         if self._table_mode(weight, p) == "sharded":
             hot = min(self.sparse_hot_rows, num_rows)
             node_ranks, node_rows = 1, 0.0
@@ -328,8 +328,8 @@ class DataParallel(Strategy):
                                        rows * p, label=name, hot_rows=hot,
                                        parts=self.table_parts(weight, p),
                                        node_ranks=node_ranks, node_rows=node_rows)
-        mode: SparseMode = (choose_sparse_mode(p, num_rows, row_bytes, [rows] * p, self.costs,
-                                               PER_STEP_MODES)
+        mode: SparseMode = (choose_sparse_mode(p, num_rows, row_bytes, [rows] * p,
+                                               self.pricing.costs, PER_STEP_MODES)
                             if self.sparse == "auto" else self.sparse)
         return sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, rows, rows * p,
                                    label=name, counts_first=self.sparse == "auto")
@@ -348,7 +348,7 @@ class DataParallel(Strategy):
                                 grid: GridShape, global_batch: int) -> float:
         if isinstance(model, GPT):  # attention's products and passes, as tensor parallelism's
             return tp_compute_seconds(model, sample_shape, grid, global_batch, "pairing",
-                                      self.rates)
+                                      self.pricing.rates)
         return super().predict_compute_seconds(model, sample_shape, grid, global_batch)
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
@@ -356,8 +356,8 @@ class DataParallel(Strategy):
         if isinstance(model, GPT):
             rows = Partition(global_batch, grid.size).sizes[0]
             return (activation_elements(model, rows, sample_shape[0])
-                    * activation_itemsize([model], self.compute_dtype))
+                    * activation_itemsize([model], self.pricing.compute_dtype))
         rows = Partition(global_batch, grid.size).sizes[0]
         # every leaf's output, from one forward of the model itself (`strategies.probe`)
         return (rows * probe(model, sample_shape).activation_elements
-                * activation_itemsize([model], self.compute_dtype))
+                * activation_itemsize([model], self.pricing.compute_dtype))

@@ -21,17 +21,23 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
-from runner.core.compute import DEFAULT_RATES, ComputeRates
-from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
+from runner.core.cost import CommOp
 from runner.core.halo import HaloPlan
 from runner.core.primitives import all_gather
-from strategies.base import ParallelModel, Strategy, predict_step, split_model_exchanges
+from strategies.base import (
+    DEFAULT_PRICING,
+    ParallelModel,
+    PricingContext,
+    Strategy,
+    predict_step,
+    split_model_exchanges,
+)
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
@@ -102,14 +108,8 @@ def spatial_end(layers: Sequence[nn.Module]) -> int:
 class DomainParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  overlap: bool = True, kv_exchange: str = "auto", *,
-                 costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None,
-                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
-                 slowdown: float = 1.0) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
-                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
-                         slowdown=slowdown)
+                 pricing: PricingContext = DEFAULT_PRICING) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         self.overlap = overlap
         self.kv_exchange = kv_exchange
         self._exchanges: dict[tuple[object, ...], str] = {}  # auto's choices
@@ -124,7 +124,7 @@ class DomainParallel(Strategy):
                           grid: GridShape) -> str:
         """The key/value exchange a GPT's split sequence uses on `grid` (auto: chosen from the
         cost model, for the strategy's global batch, one row a group when unknown)."""
-        if self.kv_exchange == "auto" and self.global_batch and grid.pr > 1:
+        if self.kv_exchange == "auto" and self.pricing.global_batch and grid.pr > 1:
             # the least predicted step time: the ring computes only the blocks a rank's
             # queries see, the all-gather has fewer latencies. Chosen once per model shape
             # and grid: predictions and parallelize ask again and again.
@@ -135,12 +135,14 @@ class DomainParallel(Strategy):
                     fixed = copy.copy(self)
                     fixed.kv_exchange = choice
                     times[choice] = predict_step(fixed, model, sample_shape, grid,
-                                                 self.global_batch).total_s
+                                                 self.pricing.global_batch).total_s
                 self._exchanges[key] = min(times, key=lambda choice: times[choice])
             return self._exchanges[key]
-        rows = Partition(self.global_batch, grid.pc).sizes[0] if self.global_batch else 1
+        batch = self.pricing.global_batch
+        rows = Partition(batch, grid.pc).sizes[0] if batch else 1
         return choose_kv_exchange(self.kv_exchange, model, int(sample_shape[0]), grid, rows,
-                                  activation_itemsize([model], self.compute_dtype), self.costs)
+                                  activation_itemsize([model], self.pricing.compute_dtype),
+                                  self.pricing.costs)
 
     def splits_parameters(self, grid: GridShape) -> bool:
         return False  # the model group splits each sample's domain; weights stay whole
@@ -226,18 +228,18 @@ class DomainParallel(Strategy):
             rows = Partition(global_batch, grid.pc).sizes[0]
             return sequence_ops(model, sample_shape, grid, rows,
                                 self.sequence_exchange(model, sample_shape, grid),
-                                activation_itemsize([model], self.compute_dtype),
+                                activation_itemsize([model], self.pricing.compute_dtype),
                                 self.bucket_caps)
         if not isinstance(model, nn.Sequential):
             return predict_tree_ops(model, sample_shape, grid, global_batch, "domain",
                                     self.bucket_caps,
-                                    activation_itemsize([model], self.compute_dtype),
+                                    activation_itemsize([model], self.pricing.compute_dtype),
                                     activation_itemsize([model]))
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
         rows = Partition(global_batch, grid.pc).sizes[0]
-        itemsizes = output_itemsizes(layers, self.compute_dtype)
+        itemsizes = output_itemsizes(layers, self.pricing.compute_dtype)
         ops: list[CommOp] = []
         if grid.pr > 1:
             inputs = [tuple(sample_shape), *shapes[:end]]
@@ -264,7 +266,7 @@ class DomainParallel(Strategy):
         ops += batch_norm_ops(model[:end], "world", grid.size, stats)
         ops += body_norm_ops(layers, steps, grid.pr, grid.pc, stats)
         return (ops + activation_ops(layers, steps, sample_shape, rows, grid.pr,
-                                     self.compute_dtype)
+                                     self.pricing.compute_dtype)
                 + predict_gradient_ops(rank0_param_items(layers, steps, grid.pr), "batch",
                                        grid.pc, *self.bucket_caps)
                 + predict_gradient_ops(whole_param_items(layers[:end]), "world", grid.size,
@@ -286,10 +288,10 @@ class DomainParallel(Strategy):
             return sequence_activation_elements(
                 model, int(sample_shape[0]), grid, rows,
                 self.sequence_exchange(model, sample_shape, grid)) * activation_itemsize(
-                [model], self.compute_dtype)
+                [model], self.pricing.compute_dtype)
         if not isinstance(model, nn.Sequential):
             return tree_activation_bytes(model, sample_shape, grid, global_batch, "domain",
-                                         activation_itemsize([model], self.compute_dtype))
+                                         activation_itemsize([model], self.pricing.compute_dtype))
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
@@ -302,7 +304,7 @@ class DomainParallel(Strategy):
             elements += rows * math.prod(shapes[end - 1])
         elements += body_activation_elements(layers, plan_layers(layers, end, grid.pr),
                                              sample_shape, rows, grid.pr)
-        return elements * activation_itemsize(layers, self.compute_dtype)
+        return elements * activation_itemsize(layers, self.pricing.compute_dtype)
 
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:
@@ -311,5 +313,5 @@ class DomainParallel(Strategy):
             return sequence_compute_seconds(model, int(sample_shape[0]), grid,
                                             Partition(global_batch, grid.pc).sizes[0],
                                             self.sequence_exchange(model, sample_shape, grid),
-                                            self.rates)
+                                            self.pricing.rates)
         return super().predict_compute_seconds(model, sample_shape, grid, global_batch)

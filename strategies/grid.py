@@ -16,16 +16,19 @@ vocabulary, heads and MLP features over the model group, in the layout `strategy
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
-from runner.core.compute import DEFAULT_RATES, ComputeRates
-from runner.core.cost import DEFAULT_COSTS, CommOp, MachineCosts
+from runner.core.cost import CommOp
 from runner.core.primitives import all_gather
-from strategies.base import ParallelModel, Strategy, split_model_exchanges
+from strategies.base import (
+    DEFAULT_PRICING,
+    ParallelModel,
+    PricingContext,
+    Strategy,
+    split_model_exchanges,
+)
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
@@ -157,14 +160,8 @@ class GridParallel(Strategy):
     tree_mode: Mode = "grid"  # model: every Linear and Conv2d split
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 tp_layout: str = "auto", *, costs: MachineCosts = DEFAULT_COSTS,
-                 rows_touched: Callable[[int], float] | None = None,
-                 compute_dtype: torch.dtype | None = None,
-                 rates: ComputeRates = DEFAULT_RATES, global_batch: int | None = None,
-                 slowdown: float = 1.0) -> None:
-        super().__init__(bucket_cap_mb, first_bucket_mb, costs=costs, rows_touched=rows_touched,
-                         compute_dtype=compute_dtype, rates=rates, global_batch=global_batch,
-                         slowdown=slowdown)
+                 tp_layout: str = "auto", *, pricing: PricingContext = DEFAULT_PRICING) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         # A GPT's tensor-parallel layout: pairing (Megatron), gather, or auto (the cheaper
         # predicted step, chosen once per model shape, grid and batch).
         self.tp_layout = tp_layout
@@ -180,7 +177,7 @@ class GridParallel(Strategy):
                global_batch: int | None) -> Layout:
         """The GPT's tensor-parallel layout on `grid` (`auto`: priced for the strategy's
         global batch where it knows one)."""
-        batch = self.global_batch if self.global_batch is not None else global_batch
+        batch = self.pricing.global_batch if self.pricing.global_batch is not None else global_batch
         key = (repr(model), next(model.parameters()).dtype, tuple(sample_shape), grid, batch,
                self.tp_layout)
         if key not in self._layouts:
@@ -224,20 +221,20 @@ class GridParallel(Strategy):
         if (gpt := as_gpt(model)) is not None:
             return predict_tp_ops(gpt, sample_shape, grid, global_batch,
                                   self.layout(gpt, sample_shape, grid, global_batch),
-                                  self.bucket_caps, self.compute_dtype)
+                                  self.bucket_caps, self.pricing.compute_dtype)
         if not isinstance(model, nn.Sequential):
             return predict_tree_ops(model, sample_shape, grid, global_batch,
                                     self.tree_mode, self.bucket_caps,
-                                    activation_itemsize([model], self.compute_dtype),
+                                    activation_itemsize([model], self.pricing.compute_dtype),
                                     activation_itemsize([model]))
         return predict_grid_ops(model, self.split(model), sample_shape, grid, global_batch,
-                                self.bucket_caps, self.compute_dtype)
+                                self.bucket_caps, self.pricing.compute_dtype)
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
         if (gpt := as_gpt(model)) is not None:
             return tp_param_bytes(gpt, grid.pr,
-                                  self.layout(gpt, sample_shape, grid, self.global_batch))
+                                  self.layout(gpt, sample_shape, grid, self.pricing.global_batch))
         if not isinstance(model, nn.Sequential):
             return tree_param_bytes(model, sample_shape, self.tree_mode, grid.pr)
         return split_param_bytes(list(model), self.split(model), grid.pr)
@@ -247,11 +244,11 @@ class GridParallel(Strategy):
         if (gpt := as_gpt(model)) is not None:
             return tp_activation_bytes(gpt, sample_shape, grid, global_batch,
                                        self.layout(gpt, sample_shape, grid, global_batch),
-                                       activation_itemsize([gpt], self.compute_dtype))
+                                       activation_itemsize([gpt], self.pricing.compute_dtype))
         if not isinstance(model, nn.Sequential):
             return tree_activation_bytes(model, sample_shape, grid, global_batch,
                                          self.tree_mode,
-                                         activation_itemsize([model], self.compute_dtype))
+                                         activation_itemsize([model], self.pricing.compute_dtype))
         layers, split = list(model), self.split(model)
         rows = Partition(global_batch, grid.pc).sizes[0]
         prefix_sizes = feature_sizes(layers[:split], sample_shape) if split else []
@@ -263,12 +260,12 @@ class GridParallel(Strategy):
             elements += rows * sum(prefix_sizes)
         elements += body_activation_elements(layers, plan_layers(layers, split, grid.pr),
                                              sample_shape, rows, grid.pr)
-        return elements * activation_itemsize(layers, self.compute_dtype)
+        return elements * activation_itemsize(layers, self.pricing.compute_dtype)
 
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:
         if (gpt := as_gpt(model)) is not None:
             return tp_compute_seconds(gpt, sample_shape, grid, global_batch,
                                       self.layout(gpt, sample_shape, grid, global_batch),
-                                      self.rates)
+                                      self.pricing.rates)
         return super().predict_compute_seconds(model, sample_shape, grid, global_batch)

@@ -3,42 +3,12 @@ the activations moved between layouts by the core's general redistribution.
 
 The integrated-parallelism paper prices each layer on its own; the linear-algebraic approach
 (DistDL) partitions a layer's weight in two dimensions. Here every Linear and Conv2d gets one
-of several layouts, each a rule that says how the layer's input must be laid out over the
-grid, how its output comes out, which communication it does inside, and over which ranks its
-weights' gradients are summed. Between two layers whose layouts disagree the activation is
-redistributed (`runner.core.cartesian.redistribute`, whose adjoint is its backward), inside the
-model group or the batch group when the other grid dimension is laid out alike on both sides.
-
-Activation layouts (`TensorLayout`) over grid dims C (the batch group's index, `Pc` of them)
-and R (the model group's, `Pr`); a tensor dim split over (C, R) is split over C first, then
-each piece over R (the row contract of `strategies.base`):
-
-    rows     batch over C; replicated over R        the model's input
-    samples  batch over (C, R)                       batch-parallel; the model's output
-    split    batch over C, features over R           a column-parallel (Megatron) output
-    slab     batch over C, height over R             domain parallelism (images)
-    tiles_hw whole batch, height over R, width over C   domain parallelism in two dims
-    cols     whole batch, features over C            the input of a 2-D layer
-    cols_t   whole batch, features over R            the input of a transposed 2-D layer
-    tiles    whole batch, features over (R, C)       the output of a 2-D layer
-    tiles_t  whole batch, features over (C, R)       the output of a transposed 2-D layer
-
-Layer layouts (`LAYOUTS`):
-
-    Linear  batch    samples → samples  W whole, gradient summed over all P
-            row      rows → split       W's rows over R (today's `grid` layout)
-            col      split → split      W's columns over R; partial outputs reduce-scattered
-                                        over R by features (Megatron's row-parallel)
-            col_rows split → samples    the same, reduce-scattered by rows
-            2d       cols → tiles       W[rows over R, columns over C]: no gradient exchange;
-                                        partials reduce-scattered over C (DistDL's layout,
-                                        with reduce-scatter where DistDL sum-reduces to a root)
-            2d_t     cols_t → tiles_t   W[rows over C, columns over R], partials over R
-    Conv2d  batch    samples → samples
-            filters  rows → split       output channels over R, batch over C (the paper's
-                                        integrated convolution)
-            domain   slab → slab        height over R with halo exchange, batch over C
-            domain_hw tiles_hw → tiles_hw  height over R, width over C, halos in both
+of several layouts (`strategies.layer_layouts`: the activation layouts and the layer layouts),
+each a rule that says how the layer's input must be laid out over the grid, how its output
+comes out, which communication it does inside, and over which ranks its weights' gradients
+are summed. Between two layers whose layouts disagree the activation is redistributed
+(`runner.core.cartesian.redistribute`, whose adjoint is its backward), inside the model group
+or the batch group when the other grid dimension is laid out alike on both sides.
 
 Other layers keep the layout they are given where they can (activations anywhere; pooling
 anywhere, with halos on slabs; BatchNorm where no rank holds a replica: statistics over the
@@ -57,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
@@ -68,12 +37,33 @@ from runner.core.cartesian import (
     redistribute_send_bytes,
 )
 from runner.core.comm import GridGroup
-from runner.core.compute import ComputeRates, layer_seconds
-from runner.core.cost import CommOp, MachineCosts, comm_seconds, wait_seconds
-from runner.core.halo import HaloPlan
-from runner.core.placement import place_block, place_rows
-from runner.core.primitives import reduce_scatter
-from strategies.base import ParallelModel, gradient_exchange
+from runner.core.compute import layer_seconds
+from runner.core.cost import CommOp, comm_seconds, wait_seconds
+from strategies.base import ParallelModel, PricingContext, gradient_exchange
+from strategies.layer_layouts import (
+    BATCH_ONLY,
+    FLAT_LAYOUTS,
+    IMAGE_LAYOUTS,
+    NORM_LAYOUTS,
+    ROWS,
+    SAMPLES,
+    SPATIAL,
+    SPLIT,
+    TILES_HW,
+    C,
+    HeldParams,
+    LayerLayout,
+    ParamGroups,
+    R,
+    TensorLayout,
+    add_param,
+    empty_groups,
+    layer_kind,
+    layout_named,
+    layouts_for,
+    spatial_halo_ops,
+    spatial_module,
+)
 from strategies.norm import (
     BATCH_NORMS,
     DistributedBatchNorm,
@@ -82,86 +72,19 @@ from strategies.norm import (
 )
 from strategies.sharded import (
     CHANNEL_LOCAL,
-    ShardedConv2d,
-    ShardedLinear,
     activation_itemsize,
     layer_label,
     output_itemsizes,
     output_shapes,
 )
-from strategies.spatial import (
-    WINDOWED,
-    SpatialWindowed,
-    SpatialWindowed2D,
-    height_window,
-    width_window,
-    windowed_problem,
-)
-
-C, R = 0, 1  # grid dims: a rank's coordinates are (batch_index, model_index)
-GroupName = Literal["world", "model", "batch", "self"]
-
-# -- activation layouts ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """Which grid dims split an activation's batch (dim 0), features or channels (dim 1) and,
-    for images, height (dim 2); grid dims in none of them hold replicas."""
-
-    name: str
-    batch: tuple[int, ...] = ()
-    features: tuple[int, ...] = ()
-    height: tuple[int, ...] = ()
-    width: tuple[int, ...] = ()
-
-    def splits(self, ndim: int) -> tuple[tuple[int, ...], ...]:
-        if ndim < 4 and (self.height or self.width):
-            raise ValueError(f"layout {self.name} splits an image, the tensor has {ndim} dims")
-        return ((self.batch, self.features, self.height, self.width) + ((),) * ndim)[:ndim]
-
-    def partition(self, shape: Sequence[int], grid: tuple[int, int]) -> CartesianPartition:
-        """The global tensor of `shape` (batch first) over a grid of sizes (Pc, Pr)."""
-        return CartesianPartition(tuple(shape), grid, self.splits(len(shape)))
-
-    def position(self, grid_dim: int) -> tuple[int, int] | None:
-        """(tensor dim, depth) at which `grid_dim` splits, None where it is a replica dim."""
-        for tensor_dim, dims in enumerate((self.batch, self.features, self.height,
-                                           self.width)):
-            if grid_dim in dims:
-                return tensor_dim, dims.index(grid_dim)
-        return None
-
-    @property
-    def replicated(self) -> bool:
-        return any(self.position(d) is None for d in (C, R))
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-ROWS = TensorLayout("rows", batch=(C,))
-SAMPLES = TensorLayout("samples", batch=(C, R))
-SPLIT = TensorLayout("split", batch=(C,), features=(R,))
-SLAB = TensorLayout("slab", batch=(C,), height=(R,))
-COLS = TensorLayout("cols", features=(C,))
-COLS_T = TensorLayout("cols_t", features=(R,))
-TILES = TensorLayout("tiles", features=(R, C))
-TILES_T = TensorLayout("tiles_t", features=(C, R))
-TILES_HW = TensorLayout("tiles_hw", height=(R,), width=(C,))
-FLAT_LAYOUTS = (ROWS, SAMPLES, SPLIT, COLS, COLS_T, TILES, TILES_T)
-IMAGE_LAYOUTS = (ROWS, SAMPLES, SPLIT, SLAB, TILES_HW)
-SPATIAL = (SLAB, TILES_HW)  # an image split in space: windows need halos
-BATCH_ONLY = (ROWS, SAMPLES)
-# BatchNorm needs every rank to hold distinct data of its channels (a replica would hold a
-# partial gradient of the weights that no exchange sums): the layouts without replicas.
-NORM_LAYOUTS = (SAMPLES, SPLIT, SLAB, TILES_HW)
-
+from strategies.spatial import WINDOWED, windowed_problem
 
 # A communication operator of the core (a torch.autograd.Function in Python) costs about this
 # many framework dispatches forward and backward together, besides its data: 60 µs measured for
 # a redistribution that moves nothing, at 2.4 µs a dispatch.
 OPERATOR_CALLS = 25
+
+# -- conversions between activation layouts ---------------------------------------------------
 
 
 def needs_conversion(src: TensorLayout, dst: TensorLayout, shape: Sequence[int],
@@ -203,54 +126,6 @@ def group_partitions(src: TensorLayout, dst: TensorLayout, shape: Sequence[int],
     return group, a, b
 
 
-# -- layer layouts ------------------------------------------------------------------------------
-
-LayerKind = Literal["linear", "conv"]
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    """A layout of a Linear or Conv2d: the input it needs and the output it gives."""
-
-    name: str
-    kind: LayerKind
-    takes: TensorLayout
-    gives: TensorLayout
-    summary: str
-
-
-LAYOUTS: dict[tuple[LayerKind, str], LayerLayout] = {
-    (layout.kind, layout.name): layout for layout in (
-        LayerLayout("batch", "linear", SAMPLES, SAMPLES, "batch-parallel, W whole"),
-        LayerLayout("row", "linear", ROWS, SPLIT, "W's rows over Pr (1.5-D)"),
-        LayerLayout("col", "linear", SPLIT, SPLIT, "W's columns over Pr, reduce-scatter"),
-        LayerLayout("col_rows", "linear", SPLIT, SAMPLES,
-                    "W's columns over Pr, reduce-scatter by rows"),
-        LayerLayout("2d", "linear", COLS, TILES, "W in 2-D: rows over Pr, columns over Pc"),
-        LayerLayout("2d_t", "linear", COLS_T, TILES_T,
-                    "W in 2-D: rows over Pc, columns over Pr"),
-        LayerLayout("batch", "conv", SAMPLES, SAMPLES, "batch-parallel, filters whole"),
-        LayerLayout("filters", "conv", ROWS, SPLIT, "filters over Pr, batch over Pc"),
-        LayerLayout("domain", "conv", SLAB, SLAB, "height over Pr (halos), batch over Pc"),
-        LayerLayout("domain_hw", "conv", TILES_HW, TILES_HW,
-                    "height over Pr, width over Pc (halos in both), whole batch"),
-    )}
-LAYOUT_NAMES = sorted({name for _, name in LAYOUTS})
-
-
-def layer_kind(layer: nn.Module) -> LayerKind | None:
-    if isinstance(layer, nn.Linear):
-        return "linear"
-    if isinstance(layer, nn.Conv2d) and layer.groups == 1:
-        return "conv"
-    return None
-
-
-def layouts_for(layer: nn.Module) -> list[LayerLayout]:
-    kind = layer_kind(layer)
-    return [layout for (k, _), layout in LAYOUTS.items() if k == kind]
-
-
 def layer_names(model: nn.Sequential) -> list[str]:
     """Each layer's name in the model (its key in the Sequential: "0", "1", ... or the names
     an OrderedDict gave)."""
@@ -262,14 +137,23 @@ def layer_names(model: nn.Sequential) -> list[str]:
 
 @dataclass(frozen=True)
 class Step:
-    """Layer `index` run in `layout` (a LayerLayout's name for Linear/Conv2d, else "keep" or
-    "batch"), its input first redistributed from `before` to `takes` when they differ."""
+    """Layer `index` run in `layout` (a Linear's or Conv2d's; None for a layer without layer
+    layouts, run in the layout its input is given), its input first redistributed from
+    `before` to `takes` when they differ."""
 
     index: int
-    layout: str
+    layout: LayerLayout | None
     before: TensorLayout
     takes: TensorLayout
     gives: TensorLayout
+    # how a layer without layer layouts is described: "keep" (as it is given its input) or
+    # "batch" (whole samples: it changes the rank of its tensor)
+    passthrough: str = "keep"
+
+    @property
+    def name(self) -> str:
+        """The layout's name as the plan and the summary show it."""
+        return self.layout.name if self.layout is not None else self.passthrough
 
 
 @dataclass(frozen=True)
@@ -278,7 +162,11 @@ class LayerPlan:
     final: TensorLayout  # the last layer's output layout, redistributed to `samples` at the end
 
     def describe(self, names: Sequence[str]) -> list[str]:
-        return [f"{names[s.index]}: {s.layout} ({s.takes}→{s.gives})" for s in self.steps]
+        return [f"{names[s.index]}: {s.name} ({s.takes}→{s.gives})" for s in self.steps]
+
+    def layer_layouts(self, names: Sequence[str]) -> dict[str, str]:
+        """Layer name → its layer layout's name, for the layers that have one."""
+        return {names[s.index]: s.layout.name for s in self.steps if s.layout is not None}
 
 
 def passthrough_options(layer: nn.Module, ndim: int) -> tuple[TensorLayout, ...]:
@@ -290,6 +178,27 @@ def passthrough_options(layer: nn.Module, ndim: int) -> tuple[TensorLayout, ...]
             return IMAGE_LAYOUTS if windowed_problem(layer) is None else (ROWS, SAMPLES, SPLIT)
         return IMAGE_LAYOUTS if ndim == 4 else FLAT_LAYOUTS
     return BATCH_ONLY  # Flatten, Dropout, anything else without parameters: whole samples
+
+
+def passthrough_param_groups(layer: nn.Module, takes: TensorLayout, grid: GridShape
+                             ) -> ParamGroups:
+    """A layer without layer layouts, its input laid out as `takes`: its parameters (a
+    BatchNorm's, the only such layer with any) by gradient group, as `param_groups` gives a
+    layout's: on split channels a tile summed over the batch group, else whole over all."""
+    groups = empty_groups()
+    for name, param in layer.named_parameters():
+        if takes == SPLIT:
+            add_param(groups, layer, "batch", name, Partition(param.numel(), grid.pr).sizes[0])
+        else:
+            add_param(groups, layer, "world", name, param.numel())
+    return groups
+
+
+def step_param_groups(layer: nn.Module, step: Step, grid: GridShape) -> ParamGroups:
+    """Rank 0's parameters of `layer` run as `step`, by gradient group."""
+    if step.layout is not None:
+        return step.layout.param_groups(layer, grid)
+    return passthrough_param_groups(layer, step.takes, grid)
 
 
 def layout_problems(model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
@@ -319,9 +228,11 @@ def layout_problems(model: nn.Sequential, sample_shape: Sequence[int], grid: Gri
         elif layer_kind(layer) is None and any(True for _ in layer.parameters()):
             problems.append(f"{label} has parameters and no layout (Linear, Conv2d and "
                             f"BatchNorm have)")
-        elif isinstance(layer, nn.Conv2d) and pins.get(names[i]) in ("domain", "domain_hw"):
+        elif (isinstance(layer, nn.Conv2d)
+              and (spatial := layout_named(layer, pins.get(names[i], ""))) is not None
+              and spatial.takes in SPATIAL):
             problem = windowed_problem(layer)
-            pinned = f"strategy.layouts.{names[i]}={pins[names[i]]}"
+            pinned = f"strategy.layouts.{names[i]}={spatial.name}"
             height = min(shapes[i][1], shapes[i + 1][1])
             width = min(shapes[i][2], shapes[i + 1][2])
             if problem is not None:
@@ -329,7 +240,7 @@ def layout_problems(model: nn.Sequential, sample_shape: Sequence[int], grid: Gri
             elif height < grid.pr:
                 problems.append(f"{label}: {pinned} splits height {height} over "
                                 f"grid.pr={grid.pr}: every rank needs a row")
-            elif pins[names[i]] == "domain_hw" and width < grid.pc:
+            elif spatial.takes == TILES_HW and width < grid.pc:
                 problems.append(f"{label}: {pinned} splits width {width} over "
                                 f"grid.pc={grid.pc}: every rank needs a column")
     return problems
@@ -348,19 +259,18 @@ class PlanCosts:
 
 class Pricing:
     """Prices steps of a plan for one model, grid and batch: communication from the α–β model
-    (`costs`), compute from this machine's rates (`rates`)."""
+    (`costs`), compute from this machine's rates (`rates`), both from the strategy's pricing
+    context."""
 
     def __init__(self, model: nn.Sequential, sample_shape: Sequence[int], grid: GridShape,
-                 batch: int, costs: MachineCosts, rates: ComputeRates,
-                 compute_dtype: torch.dtype | None, bucket_caps: tuple[int, int],
-                 slowdown: float = 1.0) -> None:
+                 batch: int, context: PricingContext, bucket_caps: tuple[int, int]) -> None:
         self.layers = list(model)
-        self.slowdown = slowdown
+        self.slowdown = context.slowdown
         self.grid_sizes = (grid.pc, grid.pr)
         self.grid, self.batch = grid, batch
-        self.costs, self.rates, self.caps = costs, rates, bucket_caps
+        self.costs, self.rates, self.caps = context.costs, context.rates, bucket_caps
         self.shapes = [tuple(sample_shape), *output_shapes(self.layers, sample_shape)]
-        self.itemsizes = output_itemsizes(self.layers, compute_dtype)
+        self.itemsizes = output_itemsizes(self.layers, context.compute_dtype)
         self.stats_itemsize = activation_itemsize(self.layers)
         # the activation before layer i has a gradient exactly when a layer before it has
         # parameters: only then do its conversions run backward
@@ -409,50 +319,42 @@ class Pricing:
                            + OPERATOR_CALLS * self.rates.dispatch)
         return costs
 
-    def layer(self, i: int, layout: str, takes: TensorLayout) -> PlanCosts:
-        """Layer i in `layout` on input laid out as `takes`: its own communication, its
-        gradient exchange, its compute."""
+    def layer(self, i: int, layout: LayerLayout | None, takes: TensorLayout) -> PlanCosts:
+        """Layer i in `layout` (None: a layer without layer layouts) on input laid out as
+        `takes`: its own communication, its gradient exchange, its compute."""
         layer, grid = self.layers[i], self.grid
         label = layer_label(i, layer)
         local_in = self.local_shape(takes, i)
         costs = PlanCosts()
         input_grad = self.grad_before[i]
-        itemsize = self.itemsizes[i + 1]
-        kind = layer_kind(layer)
-        if kind is not None and partial_sum_ops(layer, layout, grid, local_in, 1, label):
-            costs.compute_s += OPERATOR_CALLS * self.rates.dispatch  # the reduce-scatter's
-        if kind is not None:
-            built = local_layer(layer, layout, grid)
-            costs.compute_s += layer_seconds(built, local_in, self.rates, input_grad=input_grad)
-            costs.ops += partial_sum_ops(layer, layout, grid, local_in, itemsize, label)
-            costs.ops += self.gradient_ops(layer, layout, label)
-            if layout == "domain":
-                costs.ops += halo_ops(layer, grid, local_in, self.shapes[i][1],
-                                      self.itemsizes[i], label, input_grad)
-            elif layout == "domain_hw":
-                costs.ops += halo_ops_2d(layer, grid, local_in, self.shapes[i],
+        if layout is not None:
+            partial_sums = layout.partial_sum_ops(layer, grid, local_in, self.itemsizes[i + 1],
+                                                  label)
+            if partial_sums:
+                costs.compute_s += OPERATOR_CALLS * self.rates.dispatch  # the reduce-scatter's
+            costs.compute_s += layer_seconds(layout.local_layer(layer, grid), local_in,
+                                             self.rates, input_grad=input_grad)
+            costs.ops += partial_sums
+            costs.ops += self.gradient_ops(layout.param_groups(layer, grid), label)
+            costs.ops += layout.halo_ops(layer, grid, local_in, self.shapes[i],
                                          self.itemsizes[i], label, input_grad)
             return costs
         costs.compute_s = layer_seconds(layer, local_in, self.rates, input_grad=input_grad)
-        if isinstance(layer, WINDOWED) and takes == SLAB:
-            costs.ops += halo_ops(layer, grid, local_in, self.shapes[i][1], self.itemsizes[i],
-                                  label, input_grad)
-        elif isinstance(layer, WINDOWED) and takes == TILES_HW:
-            costs.ops += halo_ops_2d(layer, grid, local_in, self.shapes[i],
-                                     self.itemsizes[i], label, input_grad)
+        if isinstance(layer, WINDOWED):
+            costs.ops += spatial_halo_ops(layer, takes, grid, local_in, self.shapes[i],
+                                          self.itemsizes[i], label, input_grad)
         if isinstance(layer, BATCH_NORMS):
             group, size = norm_group(takes, grid)
             channels = self.local_shape(takes, i)[1]
             costs.ops += batch_norm_comm_ops(group, size, channels, self.stats_itemsize,
                                              f"bn:{i}")
-            costs.ops += self.gradient_ops(layer, "norm:" + takes.name, label)
+            costs.ops += self.gradient_ops(passthrough_param_groups(layer, takes, grid), label)
         return costs
 
-    def gradient_ops(self, layer: nn.Module, layout: str, label: str) -> list[CommOp]:
-        """The layer's gradient all-reduces alone (the plan's buckets merge them; this prices
-        them for the choice)."""
+    def gradient_ops(self, groups: ParamGroups, label: str) -> list[CommOp]:
+        """A layer's gradient all-reduces alone, its parameters by group as given (the plan's
+        buckets merge them; this prices them for the choice)."""
         ops: list[CommOp] = []
-        groups = param_groups_of(layer, layout, self.grid)
         shared: tuple[tuple[Literal["world", "batch"], int], ...] = (
             ("world", self.grid.size), ("batch", self.grid.pc))
         for group, size in shared:
@@ -467,150 +369,6 @@ def norm_group(layout: TensorLayout, grid: GridShape) -> tuple[GridGroup, int]:
     if layout == SPLIT:
         return "batch", grid.pc
     return "world", grid.size
-
-
-def local_layer(layer: nn.Module, layout: str, grid: GridShape) -> nn.Module:
-    """A stand-in on the meta device with the shapes rank 0 computes with (for pricing)."""
-    if isinstance(layer, nn.Linear):
-        out_f, in_f = layer.out_features, layer.in_features
-        if layout == "row":
-            out_f = Partition(out_f, grid.pr).sizes[0]
-        elif layout in ("col", "col_rows"):
-            in_f = Partition(in_f, grid.pr).sizes[0]
-        elif layout == "2d":
-            out_f, in_f = Partition(out_f, grid.pr).sizes[0], Partition(in_f, grid.pc).sizes[0]
-        elif layout == "2d_t":
-            out_f, in_f = Partition(out_f, grid.pc).sizes[0], Partition(in_f, grid.pr).sizes[0]
-        return nn.Linear(in_f, out_f, bias=layer.bias is not None, device="meta")
-    assert isinstance(layer, nn.Conv2d)
-    if layout != "filters":
-        return layer
-    return nn.Conv2d(layer.in_channels, Partition(layer.out_channels, grid.pr).sizes[0],
-                     layer.kernel_size, layer.stride, layer.padding, layer.dilation,  # type: ignore[arg-type]
-                     bias=layer.bias is not None, device="meta")
-
-
-def partial_sum_ops(layer: nn.Module, layout: str, grid: GridShape,
-                    local_in: tuple[int, ...], itemsize: int, label: str) -> list[CommOp]:
-    """A layout whose local products are partial sums: the reduce-scatter forward and the
-    all-gather of the gradient backward, each moving the whole partial output."""
-    if not isinstance(layer, nn.Linear) or layout not in ("col", "col_rows", "2d", "2d_t"):
-        return []
-    group: GridGroup = "batch" if layout == "2d" else "model"
-    size = grid.pc if layout == "2d" else grid.pr
-    if size == 1:
-        return []
-    out_f = layer.out_features
-    if layout == "2d":
-        out_f = Partition(out_f, grid.pr).sizes[0]
-    elif layout == "2d_t":
-        out_f = Partition(out_f, grid.pc).sizes[0]
-    n = local_in[0] * out_f * itemsize
-    return [CommOp("reduce_scatter", group, size, n, label),
-            CommOp("allgather", group, size, n, label)]
-
-
-def halo_ops(layer: nn.Module, grid: GridShape, local_in: tuple[int, ...], height: int,
-             itemsize: int, label: str, input_grad: bool) -> list[CommOp]:
-    """A windowed layer on height slabs: the halo rows forward and their gradients back (only
-    when its input has a gradient), as `strategies.domain` predicts them."""
-    if grid.pr == 1:
-        return []
-    assert isinstance(layer, WINDOWED)
-    rows, channels, _, width = local_in
-    plan = HaloPlan(height, height_window(layer), grid.pr, 0)
-    row_bytes = rows * channels * width * itemsize
-    received = [piece for piece in plan.pieces if piece[0] != 0]
-    if not (plan.sends or received):
-        return []
-    messages = max(len(plan.sends), len(received))
-    ops = [CommOp("exchange", "model", grid.pr, plan.send_rows * row_bytes, label, messages)]
-    if input_grad:
-        ops.append(CommOp("exchange", "model", grid.pr, plan.recv_rows * row_bytes, label,
-                          messages))
-    return ops
-
-
-def halo_ops_2d(layer: nn.Module, grid: GridShape, local_in: tuple[int, ...],
-                sample: Sequence[int], itemsize: int, label: str, input_grad: bool
-                ) -> list[CommOp]:
-    """A windowed layer on tiles (`SpatialWindowed2D`): the halo rows over the model group,
-    then the halo columns of the row-extended tile over the batch group; back again for the
-    gradients when the input has one."""
-    assert isinstance(layer, WINDOWED)
-    rows, channels, _, width = local_in
-    hp = HaloPlan(sample[1], height_window(layer), grid.pr, 0)
-    wp = HaloPlan(sample[2], width_window(layer), grid.pc, 0)
-    extended = (hp.window_rows[1] - hp.window_rows[0]) + hp.pad_before + hp.pad_after
-    ops: list[CommOp] = []
-    exchanges: tuple[tuple[GridGroup, int, HaloPlan, int], ...] = (
-        ("model", grid.pr, hp, rows * channels * width * itemsize),
-        ("batch", grid.pc, wp, rows * channels * extended * itemsize))
-    for group, size, plan, line_bytes in exchanges:
-        received = [piece for piece in plan.pieces if piece[0] != 0]
-        if size == 1 or not (plan.sends or received):
-            continue
-        messages = max(len(plan.sends), len(received))
-        ops.append(CommOp("exchange", group, size, plan.send_rows * line_bytes, label,
-                          messages))
-        if input_grad:
-            ops.append(CommOp("exchange", group, size, plan.recv_rows * line_bytes, label,
-                              messages))
-    return ops
-
-
-def param_groups_of(layer: nn.Module, layout: str, grid: GridShape
-                    ) -> dict[GroupName, list[tuple[int, torch.dtype]]]:
-    """(bytes, dtype) of each of rank 0's parameters of `layer` in `layout`, by the group its
-    gradient is summed over: every rank (whole weights), the batch group (split over the model
-    group), none (a 2-D block only this rank holds)."""
-    groups: dict[GroupName, list[tuple[int, torch.dtype]]] = {"world": [], "batch": [],
-                                                              "self": []}
-    params = dict(layer.named_parameters())
-
-    def add(group: GroupName, name: str, elements: int) -> None:
-        if name in params:
-            groups[group].append((elements * params[name].element_size(),
-                                  params[name].dtype))
-
-    if layout.startswith("norm:"):
-        split = layout == "norm:split"
-        for name, p in params.items():
-            add("batch" if split else "world", name,
-                Partition(p.numel(), grid.pr).sizes[0] if split else p.numel())
-        return groups
-    if isinstance(layer, nn.Linear):
-        out_f, in_f = layer.out_features, layer.in_features
-        if layout == "batch":
-            add("world", "weight", out_f * in_f)
-            add("world", "bias", out_f)
-        elif layout == "row":
-            rows = Partition(out_f, grid.pr).sizes[0]
-            add("batch", "weight", rows * in_f)
-            add("batch", "bias", rows)
-        elif layout in ("col", "col_rows"):
-            add("batch", "weight", out_f * Partition(in_f, grid.pr).sizes[0])
-            if layout == "col":
-                add("batch", "bias", Partition(out_f, grid.pr).sizes[0])
-            else:
-                add("world", "bias", out_f)
-        else:  # 2d, 2d_t: a block and a tile of the bias that only this rank holds
-            outer, inner = (grid.pr, grid.pc) if layout == "2d" else (grid.pc, grid.pr)
-            rows = Partition(out_f, outer).sizes[0]
-            add("self", "weight", rows * Partition(in_f, inner).sizes[0])
-            add("self", "bias", Partition(rows, inner).sizes[0])
-        return groups
-    assert isinstance(layer, nn.Conv2d)
-    per_filter = layer.weight.numel() // layer.out_channels
-    if layout == "filters":
-        filters = Partition(layer.out_channels, grid.pr).sizes[0]
-        add("batch", "weight", filters * per_filter)
-        add("batch", "bias", filters)
-    else:
-        add("world", "weight", layer.weight.numel())
-        add("world", "bias", layer.out_channels)
-    return groups
-
 
 # -- the model a plan builds --------------------------------------------------------------------
 
@@ -652,33 +410,6 @@ class Redistribute(nn.Module):
         return redistribute(x, self.comm, parts[0], parts[1], label=self.label)
 
 
-class PartialSumLinear(nn.Module):
-    """A block of a Linear's weight, W[out_rows, in_cols], whose products are partial sums over
-    `comm` (the ranks holding the other columns): reduce-scattered by features (`dim` 1: this
-    rank's tile of `out_rows`, and its tile of the bias) or by rows (`dim` 0: this rank's rows,
-    the whole bias, `out_rows` then being every output)."""
-
-    def __init__(self, linear: nn.Linear, out_rows: slice, in_cols: slice, comm: CountedComm,
-                 dim: int, label: str) -> None:
-        super().__init__()
-        self.comm, self.dim, self.label = comm, dim, label
-        self.weight = nn.Parameter(linear.weight.detach()[out_rows, in_cols].clone())
-        place_block(self.weight, linear.weight, out_rows, in_cols)
-        self.out_part = Partition(out_rows.stop - out_rows.start, comm.size)
-        self.bias: nn.Parameter | None = None
-        if linear.bias is not None:
-            tile = (self.out_part.slice(comm.rank) if dim == 1 else slice(0, self.out_part.total))
-            rows = slice(out_rows.start + tile.start, out_rows.start + tile.stop)
-            self.bias = nn.Parameter(linear.bias.detach()[rows].clone())
-            place_rows(self.bias, linear.bias, rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
-        part = self.out_part if self.dim == 1 else Partition(x.shape[0], self.comm.size)
-        y = reduce_scatter(partial, self.comm, self.dim, part, label=self.label)
-        return y if self.bias is None else y + self.bias
-
-
 class LayeredModel(ParallelModel):
     """The layers of a `LayerPlan` and the conversions between them; ends on this rank's rows."""
 
@@ -703,14 +434,16 @@ def build_layered_model(model: nn.Sequential, sample_shape: tuple[int, ...], gri
     shapes = [tuple(sample_shape), *output_shapes(layers, sample_shape)]
     rows = BatchRows()
     modules: list[nn.Module] = []
-    groups: dict[GroupName, list[nn.Parameter]] = {"world": [], "batch": [], "self": []}
-    r, c = grid.model_index, grid.batch_index
+    groups: HeldParams = {"world": [], "batch": [], "self": []}
     for step in plan.steps:
         i, layer = step.index, layers[step.index]
         label = layer_label(i, layer)
         if step.before != step.takes:  # (a no-op on this grid is never planned: see below)
             modules.append(Redistribute(step.before, step.takes, shapes[i], grid, rows, label))
-        built, held = _build_layer(layer, step, grid, shapes[i], overlap, label, r, c)
+        if step.layout is not None:
+            built, held = step.layout.build(layer, grid, shapes[i], overlap, label)
+        else:
+            built, held = _build_passthrough(layer, step, grid, shapes[i], overlap)
         modules.append(built)
         for group, params in held.items():
             groups[group] += params
@@ -725,49 +458,18 @@ def build_layered_model(model: nn.Sequential, sample_shape: tuple[int, ...], gri
     return pmodel
 
 
-def _build_layer(layer: nn.Module, step: Step, grid: ProcessGrid, in_shape: tuple[int, ...],
-                 overlap: bool, label: str, r: int, c: int
-                 ) -> tuple[nn.Module, dict[GroupName, list[nn.Parameter]]]:
-    """This rank's module for `step` and its parameters by gradient group."""
-    layout = step.layout
-    if isinstance(layer, nn.Linear):
-        out_f, in_f = layer.out_features, layer.in_features
-        if layout == "batch":
-            return layer, {"world": list(layer.parameters())}
-        if layout == "row":
-            built: nn.Module = ShardedLinear(layer, Partition(out_f, grid.pr), r)
-            return built, {"batch": list(built.parameters())}
-        if layout in ("col", "col_rows"):
-            cols = Partition(in_f, grid.pr).slice(r)
-            dim = 1 if layout == "col" else 0
-            block = PartialSumLinear(layer, slice(0, out_f), cols, grid.model, dim, label)
-            # the bias: a tile of the outputs over the model group (by features), or whole
-            # and added on every rank's own rows (by rows)
-            bias = [] if block.bias is None else [block.bias]
-            if dim == 1:
-                return block, {"batch": [block.weight, *bias]}
-            return block, {"batch": [block.weight], "world": bias}
-        if layout == "2d":
-            block = PartialSumLinear(layer, Partition(out_f, grid.pr).slice(r),
-                                     Partition(in_f, grid.pc).slice(c), grid.batch, 1, label)
-        else:  # 2d_t
-            block = PartialSumLinear(layer, Partition(out_f, grid.pc).slice(c),
-                                     Partition(in_f, grid.pr).slice(r), grid.model, 1, label)
-        return block, {"self": list(block.parameters())}
-    if isinstance(layer, nn.Conv2d) and layout == "filters":
-        built = ShardedConv2d(layer, Partition(layer.out_channels, grid.pr), r)
-        return built, {"batch": list(built.parameters())}
-    if isinstance(layer, WINDOWED) and step.takes == SLAB and grid.pr > 1:
-        windowed: nn.Module = SpatialWindowed(layer, grid.model, in_shape[1], overlap)
-        return windowed, {"world": list(layer.parameters())}
-    if isinstance(layer, WINDOWED) and step.takes == TILES_HW and grid.size > 1:
-        windowed = SpatialWindowed2D(layer, grid.model, grid.batch, in_shape[1], in_shape[2])
-        return windowed, {"world": list(layer.parameters())}
+def _build_passthrough(layer: nn.Module, step: Step, grid: ProcessGrid,
+                       in_shape: tuple[int, ...], overlap: bool) -> tuple[nn.Module, HeldParams]:
+    """This rank's module for a layer without layer layouts, and its parameters by gradient
+    group."""
     if isinstance(layer, BATCH_NORMS):
         if step.takes == SPLIT:
-            channels = Partition(layer.num_features, grid.pr).slice(r)
+            channels = Partition(layer.num_features, grid.pr).slice(grid.model_index)
             norm = DistributedBatchNorm(layer, grid.batch, f"bn:{step.index}", channels)
             return norm, {"batch": list(norm.parameters())}
         norm = DistributedBatchNorm(layer, grid.world, f"bn:{step.index}")
         return norm, {"world": list(norm.parameters())}
+    if isinstance(layer, WINDOWED):
+        return (spatial_module(layer, step.takes, grid, in_shape, overlap),
+                {"world": list(layer.parameters())})
     return layer, {"world": list(layer.parameters())}

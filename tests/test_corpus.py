@@ -18,6 +18,7 @@ from runner.cli.preflight import memory_estimate
 from runner.cli.validation import validate, validate_parts
 from runner.config.schema import ConfigError
 from runner.training import assembly
+from strategies import PricingContext
 from strategies.probe import draw_plan, logits_of, probe, random_draws, sample_dtype
 from tests import corpus_models as corpus
 from tests.conftest import assert_ok, run_cli_together, train_losses
@@ -63,7 +64,7 @@ def test_the_memory_estimate_and_the_plan_come_from_a_real_forward(model: str) -
     assert needs["activations"] > 0 and needs["parameters"] > 0
     seen = probe(net, spec.input_shape)
     assert seen.output_shape[-1] in (spec.num_classes, 50)  # classes, or the vocabulary
-    strategy = assembly.build_strategy(run.strategy, global_batch=8)
+    strategy = assembly.build_strategy(run.strategy, PricingContext(global_batch=8))
     assert strategy.predict_step_seconds(net, spec.input_shape, run.grid, 8) > 0
 
 

@@ -13,11 +13,13 @@ from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.comm import CommCounter
 from runner.core.cost import MachineCosts
 from runner.core.primitives import ring_shift, ring_shift_op
+from strategies import PricingContext
 from strategies.domain import DomainParallel
 from strategies.sequence import RingAttention, SequenceParallelGPT, choose_kv_exchange
 from strategies.transformer import GPT
 
 LENGTH, BATCH = 256, 8
+AT_BATCH = PricingContext(global_batch=BATCH)  # the strategies price steps of BATCH samples
 
 
 def meta_gpt(sparse: bool = False) -> GPT:
@@ -28,7 +30,7 @@ def meta_gpt(sparse: bool = False) -> GPT:
 
 @pytest.mark.parametrize("mode", ["allgather", "ring"])
 def test_activation_bytes_per_rank_fall_as_one_over_pr(mode: str) -> None:
-    model, strategy = meta_gpt(), DomainParallel(kv_exchange=mode, global_batch=BATCH)
+    model, strategy = meta_gpt(), DomainParallel(kv_exchange=mode, pricing=AT_BATCH)
     one = strategy.predict_activation_bytes(model, (LENGTH,), GridShape(1, 1), BATCH)
     for pr in (2, 4, 8):
         split = strategy.predict_activation_bytes(model, (LENGTH,), GridShape(pr, 1), BATCH)
@@ -37,7 +39,7 @@ def test_activation_bytes_per_rank_fall_as_one_over_pr(mode: str) -> None:
 
 
 def test_compute_falls_with_the_split() -> None:
-    model, strategy = meta_gpt(), DomainParallel(kv_exchange="allgather", global_batch=BATCH)
+    model, strategy = meta_gpt(), DomainParallel(kv_exchange="allgather", pricing=AT_BATCH)
     one = strategy.predict_compute_seconds(model, (LENGTH,), GridShape(1, 1), BATCH)
     four = strategy.predict_compute_seconds(model, (LENGTH,), GridShape(4, 1), BATCH)
     assert 0.2 < four / one < 0.35
@@ -46,7 +48,7 @@ def test_compute_falls_with_the_split() -> None:
 def test_auto_picks_allgather_where_latency_dominates() -> None:
     model = meta_gpt()
     for pr in (2, 4, 8):  # same bytes; ⌈log₂ pr⌉ latencies against pr − 1 (a tie at 2 and 3)
-        strategy = DomainParallel(kv_exchange="auto", global_batch=BATCH)
+        strategy = DomainParallel(kv_exchange="auto", pricing=AT_BATCH)
         assert strategy.sequence_exchange(model, (LENGTH,), GridShape(pr, 2)) == "allgather"
         assert DomainParallel(kv_exchange="ring").sequence_exchange(
             model, (LENGTH,), GridShape(pr, 2)) == "ring"

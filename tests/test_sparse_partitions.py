@@ -20,6 +20,7 @@ from runner.core.cost import (
     sparse_exchange_ops,
 )
 from runner.core.sparse import BlockRows
+from strategies import PricingContext
 from strategies.data import DataParallel
 
 COSTS = MachineCosts(alpha=5e-6, beta=2.5e-10, table_pass=1e-10, sparse_row=1.5e-9)
@@ -82,9 +83,9 @@ def test_blocks_and_the_rows_a_rank_holds() -> None:
 @pytest.mark.parametrize("parts,expected", [(4, 250 + 64), (3, 334 + 64), ("auto", None)])
 def test_the_planner_s_rows_per_rank(parts: int | str, expected: int | None) -> None:
     table = nn.EmbeddingBag(1000, 16, sparse=True)
-    strategy = DataParallel(sparse="sharded", sparse_partitions=parts, costs=COSTS,
-                            sparse_hot_rows=64,
-                            rows_touched=lambda samples: 40.0, global_batch=64)
+    strategy = DataParallel(sparse="sharded", sparse_partitions=parts, sparse_hot_rows=64,
+                            pricing=PricingContext(COSTS, rows_touched=lambda samples: 40.0,
+                                                   global_batch=64))
     if expected is None:  # auto: the cost model's K for 40 rows a rank
         expected = -(-1000 // choose_partitions(4, 1000, 64, 40.0, COSTS)) + 64
     assert strategy.table_rows_per_rank(table.weight, 4) == expected
@@ -125,8 +126,8 @@ def test_a_node_s_sums_pay_when_its_ranks_share_rows_or_messages_are_dear() -> N
 def test_the_strategy_sums_inside_nodes_only_where_it_pays() -> None:
     table = nn.EmbeddingBag(1_000_000, 64, sparse=True)
     # a rank's 16 samples touch 2000 rows, a node's 64 only 3200 (not 8000): rows shared
-    shared = DataParallel(sparse="sharded", ranks_per_node=4, costs=NETWORK, global_batch=128,
-                          rows_touched=lambda samples: 1600.0 + 25 * samples)
+    shared = DataParallel(sparse="sharded", ranks_per_node=4, pricing=PricingContext(
+        NETWORK, rows_touched=lambda samples: 1600.0 + 25 * samples, global_batch=128))
     two_nodes = [rank // 4 for rank in range(8)]
     assert shared.node_push_pays(table.weight, 8, two_nodes)
     assert not shared.node_push_pays(table.weight, 8, [0] * 8)  # one node: nothing across
@@ -137,5 +138,6 @@ def test_the_strategy_sums_inside_nodes_only_where_it_pays() -> None:
         "t push node counts", "t push counts", "t pull counts"]
     across = next(o for o in ops if o.layer == "t push rows")
     assert across.nbytes == round(3200 * 1 / 8 * 256)  # the delegate's share of the node's
-    alone = DataParallel(sparse="sharded", ranks_per_node=4, costs=NETWORK)  # no model of rows
+    alone = DataParallel(sparse="sharded", ranks_per_node=4,
+                         pricing=PricingContext(NETWORK))  # no model of rows
     assert not alone.node_push_pays(table.weight, 8, two_nodes)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from runner.core import GridShape, ProcessGrid
 from runner.core.cost import DEFAULT_COSTS, comm_seconds, step_bytes
 from runner.core.placement import place_whole
-from strategies import STRATEGIES
+from strategies import STRATEGIES, PricingContext
 from strategies.tensor_parallel import activation_ops, tp_param_bytes
 from strategies.transformer import GPT
 
@@ -43,10 +43,11 @@ def test_pairing_moves_less_than_gather_per_block() -> None:
 def test_auto_layout_is_the_cheaper_predicted_step() -> None:
     model = gpt2_small()
     grid = GridShape(4, 2)
-    times = {layout: STRATEGIES.get("grid")(tp_layout=layout, global_batch=16)
+    at_16 = PricingContext(global_batch=16)
+    times = {layout: STRATEGIES.get("grid")(tp_layout=layout, pricing=at_16)
              .predict_step_seconds(model, (1024,), grid, 16) for layout in ("pairing", "gather")}
     assert times["pairing"] < times["gather"]
-    auto = STRATEGIES.get("grid")(global_batch=16)
+    auto = STRATEGIES.get("grid")(pricing=at_16)
     assert auto.predict_ops(model, (1024,), grid, 16) == \
         STRATEGIES.get("grid")(tp_layout="pairing").predict_ops(model, (1024,), grid, 16)
 

@@ -15,8 +15,9 @@ import dataclasses
 import itertools
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,6 +30,7 @@ from runner.records.console import make_console, print_error
 
 if TYPE_CHECKING:
     from runner.plan.planner import Plan
+    from strategies import Strategy
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -330,6 +332,8 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
     from runner.config.schema import parse
     from runner.plan.planner import make_plan
     from runner.training import assembly
+    from runner.training.precision import HALF_TYPES
+    from strategies import PricingContext
     from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
     from strategies.transformer import is_gpt
 
@@ -352,21 +356,22 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
         rows_touched = assembly.rows_touched(dataset)
         model = assembly.model_for(run.model, spec, dtype, "meta")
     costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta)
-    rates = load_compute_rates()
-    strategies = {}
-    for name in plan_cfg.strategies:
-        # the configured strategy with its options; the others with their defaults
-        options = run.strategy.options if name == run.strategy.name else {}
-        strategies[name] = assembly.build_strategy(Plugin(name, options), costs, rows_touched,
-                                                   run.trainer.precision, rates, batch,
-                                                   plan_cfg.slowdown)
+    pricing = PricingContext(costs, rows_touched, HALF_TYPES.get(run.trainer.precision),
+                             load_compute_rates(), batch, plan_cfg.slowdown)
+
+    def strategy(name: str, options: Mapping[str, Any]) -> Strategy:
+        return assembly.build_strategy(Plugin(name, options), pricing)
+
+    def configured(name: str) -> Mapping[str, Any]:
+        """The configured strategy's options; the others' defaults."""
+        return run.strategy.options if name == run.strategy.name else {}
+
+    strategies = {name: strategy(name, configured(name)) for name in plan_cfg.strategies}
     if "data" in strategies and sparse_tables(model):
         # one row per sparse exchange mode: the comparison a user of embedding tables wants
-        options = run.strategy.options if run.strategy.name == "data" else {}
         for mode in SPARSE_CHOICES:
-            strategies[f"data sparse={mode}"] = assembly.build_strategy(
-                Plugin("data", {**options, "sparse": mode}), costs, rows_touched,
-                run.trainer.precision, rates, batch, plan_cfg.slowdown)
+            strategies[f"data sparse={mode}"] = strategy("data",
+                                                         {**configured("data"), "sparse": mode})
         del strategies["data"]
     if is_gpt(model):
         # a transformer: one row per tensor-parallel layout and per key/value exchange, so the
@@ -374,11 +379,9 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
         for name, (key, choices) in TRANSFORMER_CHOICES.items():
             if name not in strategies:
                 continue
-            options = run.strategy.options if run.strategy.name == name else {}
             for choice in choices:
-                strategies[f"{name} {key}={choice}"] = assembly.build_strategy(
-                    Plugin(name, {**options, key: choice}), costs, rows_touched,
-                    run.trainer.precision, rates, batch, plan_cfg.slowdown)
+                strategies[f"{name} {key}={choice}"] = strategy(name,
+                                                                {**configured(name), key: choice})
             del strategies[name]
     return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch)
 

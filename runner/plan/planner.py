@@ -85,7 +85,7 @@ def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world
                 strategy.predict_activation_bytes(model, sample_shape, grid, batch),
                 compute_time=step.compute_s, step_time=step.total_s,
                 layouts=describe(model, sample_shape, grid, batch) if describe else None))
-    rates = next(iter(strategies.values())).rates.source if strategies else "default"
+    rates = next(iter(strategies.values())).pricing.rates.source if strategies else "default"
     return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, costs, rates,
                 steps_per_epoch)
 

@@ -40,6 +40,7 @@ from runner.training.precision import HALF_TYPES
 from runner.zoo.datasets import DatasetSpec
 from runner.zoo.userdata import TargetDataset
 from strategies import STRATEGIES, Strategy
+from strategies.base import DEFAULT_PRICING, PricingContext
 from strategies.probe import logits_of, reads_tokens
 
 TOKEN_INPUTS = "vocab_size"  # the argument a model that embeds token ids takes
@@ -183,18 +184,12 @@ def probe_model(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype = torch.fl
             return model_for(plugin, spec, dtype)
 
 
-def build_strategy(plugin: Plugin, costs: MachineCosts = DEFAULT_COSTS,
-                   rows_touched: Callable[[int], float] | None = None,
-                   precision: str = "fp32", rates: ComputeRates = DEFAULT_RATES,
-                   global_batch: int | None = None, slowdown: float = 1.0) -> Strategy:
-    """The strategy with its options, the machine's costs, what the data says of the rows
-    an embedding table's batch touches, the autocast type of `trainer.precision`, and for
-    predicted step times this machine's compute rates, the global batch and how much ranks
-    sharing cores slow each other (`runner.core.compute.oversubscription`)."""
+def build_strategy(plugin: Plugin, pricing: PricingContext = DEFAULT_PRICING) -> Strategy:
+    """The strategy with its options and what the runner knows for its cost model: the
+    machine's costs, the data's rows, the autocast type, the compute rates, the global batch
+    and how much ranks sharing cores slow each other (`PricingContext`)."""
     load_plugins()  # the built-in strategies; a user's come with the run's `plugins`
-    return STRATEGIES.get(plugin.name)(**plugin.options, costs=costs, rows_touched=rows_touched,
-                                       compute_dtype=HALF_TYPES.get(precision), rates=rates,
-                                       global_batch=global_batch, slowdown=slowdown)
+    return STRATEGIES.get(plugin.name)(**plugin.options, pricing=pricing)
 
 
 def optimizer_class(plugin: Plugin) -> type[ReplicaOptimizer]:
@@ -243,9 +238,9 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
     dataset = build_dataset(run.dataset, objective_of(run.model))
     spec = dataset.spec()
     return RunParts(dataset, spec, model_for(run.model, spec, dtype_of(run), device),
-                    build_strategy(run.strategy, costs, rows_touched(dataset),
-                                   run.trainer.precision, rates, run.trainer.batch_size,
-                                   slowdown),
+                    build_strategy(run.strategy, PricingContext(
+                        costs, rows_touched(dataset), HALF_TYPES.get(run.trainer.precision),
+                        rates, run.trainer.batch_size, slowdown)),
                     optimizer_class(run.optimizer))
 
 
@@ -312,7 +307,9 @@ def check_parts(run: RunConfig) -> CheckedParts:
             parts.optimizer_cls, parts.optimizer_options = optimizer_cls, options
     if strategy_cls is not None and not _add(problems, option_problems(
             "strategy", strategy_cls, run.strategy.options, Strategy.CONTEXT_ARGUMENTS)):
-        parts.strategy = build_strategy(run.strategy, global_batch=run.trainer.batch_size)
+        parts.strategy = build_strategy(run.strategy, PricingContext(
+            compute_dtype=HALF_TYPES.get(run.trainer.precision),
+            global_batch=run.trainer.batch_size))
     return parts
 
 

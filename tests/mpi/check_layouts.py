@@ -26,6 +26,7 @@ from torch import nn
 
 from runner.core import ProcessGrid
 from runner.core.placement import place_whole, placement_of
+from strategies import PricingContext
 from strategies.auto import AutoLayout
 
 WORLD = MPI.COMM_WORLD
@@ -99,7 +100,7 @@ def compare(name: str, build, sample: tuple[int, ...], pins: dict[str, str],
     fresh = build()  # the parallel model reuses whole layers: start from a clean copy
     place_whole(fresh)
     strategy = AutoLayout(bucket_cap_mb=0.002, first_bucket_mb=0.001, layouts=pins,
-                          global_batch=BATCH)
+                          pricing=PricingContext(global_batch=BATCH))
     assert not strategy.check_model(build(), sample, grid.shape), name
     pmodel = strategy.parallelize(fresh, sample, grid)
     grid.counter.keep_records = True

@@ -24,6 +24,7 @@ from mpi4py import MPI
 from runner.core import CountedComm, Partition
 from runner.core import primitives as P
 from runner.core.cost import step_bytes
+from strategies import PricingContext
 from strategies.domain import DomainParallel
 from strategies.sequence import SequenceParallelGPT
 from strategies.transformer import GPT
@@ -104,7 +105,8 @@ def sequence_parallel_gpt_equals_the_sequential_one() -> None:
             where = f"{shape[0]}x{shape[1]} {mode}"
             reference = sequential_gpt()
             strategy = DomainParallel(bucket_cap_mb=0.01, first_bucket_mb=0.002,
-                                      kv_exchange=mode, global_batch=BATCH)
+                                      kv_exchange=mode,
+                                      pricing=PricingContext(global_batch=BATCH))
             with torch.device("meta"):  # as the runner predicts: shapes alone
                 meta = GPT(VOCAB, LENGTH, width=32, layers=2, heads=4).double()
             predicted = step_bytes(strategy.predict_ops(meta, (LENGTH,), grid.shape, BATCH))

@@ -38,7 +38,7 @@ from runner.core.sparse import (
 from runner.optim.sync import SynchronousSGD
 from runner.zoo.datasets import ZipfTokens
 from runner.zoo.models import bag_classifier
-from strategies import ParallelModel, sparse_exchange
+from strategies import ParallelModel, PricingContext, sparse_exchange
 from strategies.data import DataParallel
 from strategies.sparse_exchange import SparseGradientExchange
 
@@ -210,7 +210,8 @@ def a_node_s_rows_summed_before_the_push_train_like_one_process() -> None:
     _, reference = train_tokens("dense", 0.9, 1e-3, steps=6)
     costs = MachineCosts(1e-3, 2.5e-10)
     _, params, report = train_tokens_reporting("sharded", 0.9, 1e-3, steps=6, ranks_per_node=2,
-                                               sparse_partitions=SIZE, costs=costs)
+                                               sparse_partitions=SIZE,
+                                               pricing=PricingContext(costs))
     table = report["0"]
     assert isinstance(table, dict) and table["node_push"] == (SIZE >= 4), table
     for index, (got, want) in enumerate(zip(params, reference, strict=True)):
@@ -222,7 +223,7 @@ def a_node_s_rows_summed_before_the_push_train_like_one_process() -> None:
     torch.manual_seed(0)
     model = bag_classifier((16,), 4, vocab_size=5000, embedding_dim=16, hidden=(16,))
     strategy = DataParallel(sparse="sharded", ranks_per_node=2, sparse_partitions=SIZE,
-                            costs=costs)
+                            pricing=PricingContext(costs))
     predicted = strategy.predict_sparse_ops("0", model[0].weight, SIZE, 16)
     pmodel = strategy.parallelize(model, (16,), grid)
     data = ZipfTokens(vocab_size=5000, seq_len=16, samples=256).load()
