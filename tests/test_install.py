@@ -102,10 +102,14 @@ def test_help_text_lists_groups_options_keys_and_examples() -> None:
     assert "mlp*" in text and "grid*" in text and "sgd*" in text  # the defaults marked
     assert "srun" in text and "tensorboard" in text  # ConfigStore groups' options
     assert "model=cnn" in text and "channels=[16, 32]" in text  # an option's keys
-    # the engine's keys with type, default and the field's docstring
-    assert any(line.split()[:4] == ["trainer.steps", "int", "=", "300"] for line in lines)
+    # the engine's keys with type (and the choices or range the schema declares), default and
+    # the field's docstring
+    assert any(line.split()[:4] == ["trainer.steps", "int>=1", "=", "300"] for line in lines)
     assert "Training steps (global batches)." in text
-    assert "trainer.eval_every" in text and "int|null = 100" in text
+    assert "trainer.eval_every" in text and "int>=1|null = 100" in text
+    assert any(line.split()[:4] == ["trainer.precision", "fp32|bf16|fp16", "=", "fp32"]
+               for line in lines)
+    assert "float[1..31536000]|null = 300.0" in text  # trainer.comm_timeout_s
     assert "plan.calibrate" not in text  # the planner's keys: gridrun-plan --help
     for example in ("gridrun grid.pc=2", "gridrun -m grid.pr=1,2",
                     "gridrun model._target_=my_pkg.nets.MyNet model.width=64",
