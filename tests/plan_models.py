@@ -115,11 +115,11 @@ class UserBlockLM(nn.Module):
 
     objective = "next_token"
 
-    def __init__(self, vocab_size: int, dim: int = 16, heads: int = 4, depth: int = 2,
-                 positions: int = 16) -> None:
+    def __init__(self, vocab_size: int, input_shape: tuple[int, ...] = (16,), dim: int = 16,
+                 heads: int = 4, depth: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)
-        self.pos = nn.Parameter(torch.randn(positions, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(input_shape[0], dim) * 0.02)
         self.blocks = nn.ModuleList(UserBlock(dim, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size)
@@ -137,3 +137,14 @@ class FixedHeadsAttention(HeadsAttention):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__(dim, heads)
         self.local_heads = heads
+
+
+class FixedHeadsLM(UserBlockLM):
+    """`UserBlockLM` whose attention reads its head count as `local_heads`."""
+
+    def __init__(self, vocab_size: int, input_shape: tuple[int, ...] = (16,),
+                 heads: int = 4) -> None:
+        super().__init__(vocab_size, input_shape, heads=heads)
+        for block in self.blocks:
+            assert isinstance(block, UserBlock)
+            block.attn = FixedHeadsAttention(16, heads)
