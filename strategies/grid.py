@@ -12,9 +12,14 @@ on all P ranks and all-reduced over all of them. Both are bucketed and overlappe
 
 A GPT (`strategies.transformer.GPT`) is split Megatron-style instead (`tensor_parallel.py`):
 vocabulary, heads and MLP features over the model group, in the layout `strategy.tp_layout`.
+
+A model with a parallel plan by module name (`strategy.plan`, or the model's own declared plan:
+`module_plan.py`) is split by it instead of all of the above.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -30,6 +35,15 @@ from strategies.base import (
     split_model_exchanges,
 )
 from strategies.buckets import predict_gradient_ops
+from strategies.module_plan import (
+    ModulePlan,
+    build_planned_model,
+    module_plan,
+    plan_activation_bytes,
+    plan_param_bytes,
+    plan_problems,
+    predict_plan_ops,
+)
 from strategies.norm import batch_norm_ops, distribute_batch_norms
 from strategies.registry import register_strategy
 from strategies.sharded import (
@@ -155,13 +169,17 @@ def as_gpt(model: nn.Module) -> GPT | None:
 class GridParallel(Strategy):
     """A Sequential by the layer plan of `sharded.py`; any other module tree by the rules of
     `strategies.tree` (torch.fx), which keep grid's layout: batch-parallel before the first
-    Linear, split from it on."""
+    Linear, split from it on; a model with a parallel plan by module name by that plan."""
 
     tree_mode: Mode = "grid"  # model: every Linear and Conv2d split
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 tp_layout: str = "auto", *, pricing: PricingContext = DEFAULT_PRICING) -> None:
+                 tp_layout: str = "auto", plan: Mapping[str, str] | None = None, *,
+                 pricing: PricingContext = DEFAULT_PRICING) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
+        # module-path glob pattern → style (`strategies.plan_styles`); config keys may come
+        # as other scalars
+        self.plan = {str(k): str(v) for k, v in (plan or {}).items()}
         # A GPT's tensor-parallel layout: pairing (Megatron), gather, or auto (the cheaper
         # predicted step, chosen once per model shape, grid and batch).
         self.tp_layout = tp_layout
@@ -185,12 +203,19 @@ class GridParallel(Strategy):
                                                batch)
         return self._layouts[key]
 
+    def module_plan(self, model: nn.Module) -> ModulePlan | None:
+        """The model's parallel plan by module name: the user's, else its own, else None."""
+        return module_plan(model, self.plan)
+
     def split(self, model: nn.Sequential) -> int:
         """Layers before this index run batch-parallel; the rest are split over the model group."""
         return split_at_first_linear(model)
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
+        if (plan := self.module_plan(model)) is not None:
+            return [f"strategy={self.name}: {p}"
+                    for p in plan_problems(plan, model, sample_shape, grid.pr)]
         if (gpt := as_gpt(model)) is not None:
             return gpt_problems(gpt, grid.pr, self.name)
         if not isinstance(model, nn.Sequential):
@@ -205,6 +230,9 @@ class GridParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
+        if (plan := self.module_plan(model)) is not None:
+            return build_planned_model(model, plan, sample_shape, grid, sync_replica_gradients,
+                                       self.bucket_cap_bytes, self.first_bucket_bytes)
         if (gpt := as_gpt(model)) is not None:
             return build_tensor_parallel(
                 gpt, grid, self.layout(gpt, sample_shape, grid.shape, None),
@@ -218,6 +246,9 @@ class GridParallel(Strategy):
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
+        if (plan := self.module_plan(model)) is not None:
+            return predict_plan_ops(model, plan, sample_shape, grid, global_batch,
+                                    self.bucket_caps, self.pricing.compute_dtype)
         if (gpt := as_gpt(model)) is not None:
             return predict_tp_ops(gpt, sample_shape, grid, global_batch,
                                   self.layout(gpt, sample_shape, grid, global_batch),
@@ -232,6 +263,8 @@ class GridParallel(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
+        if (plan := self.module_plan(model)) is not None:
+            return plan_param_bytes(model, plan, grid.pr)
         if (gpt := as_gpt(model)) is not None:
             return tp_param_bytes(gpt, grid.pr,
                                   self.layout(gpt, sample_shape, grid, self.pricing.global_batch))
@@ -241,6 +274,9 @@ class GridParallel(Strategy):
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
+        if (plan := self.module_plan(model)) is not None:
+            return plan_activation_bytes(model, plan, sample_shape, grid, global_batch,
+                                         self.pricing.compute_dtype)
         if (gpt := as_gpt(model)) is not None:
             return tp_activation_bytes(gpt, sample_shape, grid, global_batch,
                                        self.layout(gpt, sample_shape, grid, global_batch),
@@ -264,7 +300,7 @@ class GridParallel(Strategy):
 
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:
-        if (gpt := as_gpt(model)) is not None:
+        if (gpt := as_gpt(model)) is not None and self.module_plan(model) is None:
             return tp_compute_seconds(gpt, sample_shape, grid, global_batch,
                                       self.layout(gpt, sample_shape, grid, global_batch),
                                       self.pricing.rates)

@@ -35,12 +35,15 @@ def loss_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 
 
 def vocab_embedding_sum(ids: torch.Tensor, weight: torch.Tensor, start: int,
-                        comm: CountedComm, label: str = "tok_emb") -> torch.Tensor:
-    """Rows of the whole table for `ids`, from this rank's rows [start, start + len(weight))."""
+                        comm: CountedComm, label: str = "tok_emb",
+                        padding_idx: int | None = None) -> torch.Tensor:
+    """Rows of the whole table for `ids`, from this rank's rows [start, start + len(weight));
+    `padding_idx`: the local row (if this rank holds the table's padding row) that gets no
+    gradient."""
     rows = weight.shape[0]
     local = ids - start
     inside = (local >= 0) & (local < rows)
-    out = F.embedding(local.clamp(0, max(rows - 1, 0)), weight)
+    out = F.embedding(local.clamp(0, max(rows - 1, 0)), weight, padding_idx=padding_idx)
     out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
     return all_sum_reduce(out, comm, label)
 

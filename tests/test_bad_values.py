@@ -27,6 +27,10 @@ EASGD2 = ["optimizer=easgd", "grid.pr=1", "grid.pc=2"]
 DATA2 = ["strategy=data", "grid.pr=1", "grid.pc=2"]
 BAG = ["model=bag_classifier", "dataset=tokens", *DATA2]
 TOKENS = ["model=bag_classifier", "dataset=tokens", "strategy=data", "grid.pr=1", "grid.pc=4"]
+# a user's attention block under a parallel plan by module name
+PLANNED = ["model._target_=tests.plan_models.UserBlockLM", "dataset=tokens", "strategy=model",
+           "grid.pr=2", "grid.pc=1"]
+ATTENTION_PLAN = "strategy.plan={blocks.*.attn.qkv: fused_qkv, blocks.*.attn.out: rowwise}"
 
 # (overrides, a fragment the one line must contain: the key or the value it names)
 BAD: list[tuple[list[str], str]] = [
@@ -246,6 +250,17 @@ BAD: list[tuple[list[str], str]] = [
     (["debug.slow_seconds=90000"], "debug.slow_seconds=90000"),
     (["debug.fail_at_step=11", "trainer.steps=10"],
      "debug.fail_at_step=11 is past trainer.steps=10"),
+    ([*PLANNED, "strategy.plan={nosuch.*: colwise}"],
+     "strategy.plan: nosuch.* matches no module of the model"),
+    ([*PLANNED, "strategy.plan={norm: colwise}"],
+     "norm (LayerNorm): colwise splits a Linear or a Conv1D"),
+    ([*PLANNED, "strategy.plan={head: diagonal}"], "head: diagonal is not a style"),
+    ([*PLANNED, "strategy.plan={head: colwise}", "grid.pr=3"],
+     "head (Linear): its 10000 output features do not divide over grid.pr=3"),
+    ([*PLANNED, ATTENTION_PLAN, "model.heads=2", "grid.pr=4"],
+     "blocks.0.attn (HeadsAttention): its heads=2 does not divide over grid.pr=4"),
+    ([*PLANNED, ATTENTION_PLAN, "model._target_=tests.plan_models.FixedHeadsLM"],
+     "blocks.0.attn (FixedHeadsAttention): cannot adjust its local_heads=4"),
 ]
 
 

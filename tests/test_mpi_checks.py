@@ -35,6 +35,8 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_gpt.py": {"mpi": (4,)},
     # the conformance corpus: every model under every strategy, or refused
     "tests/mpi/check_corpus.py": {"mpi": (4,)},
+    # parallel plans by module name: the transformers library's models, a user's block
+    "tests/mpi/check_plans.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
          for backend, sizes in backends.items() for ranks in sizes]

@@ -90,6 +90,8 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
         "steps_per_s_by_rank": rates,
         "sparse_exchange": model.exchange_report() or None,
         "layouts": getattr(model, "layouts", None),
+        # a parallel plan by module name: the attention attributes it divided
+        "plan_adjustments": getattr(model, "plan_adjustments", None),
         "param_bytes_per_rank": model.param_bytes(),
         "seed": run.seed,
         "versions": versions(),

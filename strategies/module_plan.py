@@ -1,0 +1,395 @@
+"""A parallel plan by module name: glob patterns over `named_modules()` mapped to a style
+(`strategies.plan_styles`), applied by swapping those modules for their split forms, so the
+model's own `forward` runs unchanged, under `strategy=model` and `strategy=grid`.
+
+Where a plan comes from, in order: the user's `strategy.plan`; the model's declared plan (the
+transformers library's `config.base_model_tp_plan`, whose patterns are relative to the base
+model and are resolved under the wrapper's `base_model_prefix`, with the wrapper class's own
+`_tp_plan` for its head); otherwise none, and the strategy splits the model as it always has.
+
+On the grid the plan splits over the model group (`Pr`), the batch over the batch groups
+(`Pc`): split parameters' gradients are summed over the batch group, replicated ones over the
+world (`split_model_exchanges`). Every rank of a model group runs its group's rows; the model's
+output, where its last module is colwise, is gathered over the model group (adjoint:
+reduce-scatter) so the loss sees whole logits, and each rank keeps its own sub-shard of the
+rows (the row contract of `strategies.base`).
+
+An attention module whose heads follow from a colwise projection runs on its rank's heads
+unchanged where it reshapes with -1 or by the head size. Where it reads a head count or width
+from an attribute, the plan divides the attributes it knows (`DIVIDED_ATTRIBUTES`) on the module
+that owns the split projections, and reports each adjustment; an integer attribute naming heads
+that it does not know refuses the plan by name.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from runner.core import GridShape, Partition, ProcessGrid
+from runner.core.cost import CommOp
+from strategies.base import ParallelModel, split_model_exchanges
+from strategies.buckets import predict_gradient_ops
+from strategies.plan_styles import STYLES, PlanStyle
+from strategies.probe import EMBEDDINGS, logits_of, probe
+from strategies.sharded import activation_itemsize
+
+USER_SOURCE = "strategy.plan"
+DECLARED_SOURCE = "the model's declared plan"
+
+# The transformers library's style names, as gridrun runs them (a colwise head is gathered
+# wherever it is the model's output).
+DECLARED_STYLES = {"colwise": "colwise", "colwise_gather_output": "colwise",
+                   "rowwise": "rowwise", "embedding_rowwise": "vocab",
+                   "replicated_with_grad_allreduce": "replicate"}
+
+# Integer attributes of an attention module that count its heads, or the width of its heads
+# together: divided by Pr on the module owning split projections.
+DIVIDED_ATTRIBUTES = ("num_heads", "num_attention_heads", "heads", "n_head", "n_heads",
+                      "num_key_value_heads", "num_kv_heads", "split_size", "embed_dim",
+                      "all_head_size", "inner_dim")
+# Integer attributes that name heads but stay as they are: one head's width, heads per group.
+KEPT_ATTRIBUTES = ("head_dim", "head_size", "attention_head_size", "num_key_value_groups",
+                   "dim_head")
+# The width of one head, where the owner says it: a split must keep whole heads.
+HEAD_WIDTH_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "dim_head")
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """An attribute of an attention module divided over the model group."""
+
+    owner: str
+    attribute: str
+    old: int
+    new: int
+
+    def __str__(self) -> str:
+        return f"adjusted {self.owner}.{self.attribute} {self.old} → {self.new}"
+
+
+@dataclass
+class ModulePlan:
+    """The plan for one model: each styled module's path and style, in `named_modules` order,
+    and what was wrong with the plan as given (unknown styles, patterns without a module)."""
+
+    source: str
+    styles: dict[str, PlanStyle] = field(default_factory=dict)
+    given_problems: list[str] = field(default_factory=list)
+
+    @property
+    def layouts(self) -> dict[str, str]:
+        """Module path → style name (the summary's `layouts`)."""
+        return {path: style.name for path, style in self.styles.items()}
+
+    def splits(self) -> dict[str, PlanStyle]:
+        return {p: s for p, s in self.styles.items() if s.name != "replicate"}
+
+
+def declared_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own plan, its patterns resolved from the root (empty: none)."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", None)
+    under = ""
+    if isinstance(prefix, str) and prefix and isinstance(getattr(model, prefix, None),
+                                                         nn.Module):
+        under = prefix + "."
+    plan = {under + str(k): str(v) for k, v in dict(base).items()}
+    head = getattr(type(model), "_tp_plan", None) or {}
+    if base or head:
+        plan.update({str(k): str(v) for k, v in dict(head).items()})
+    return plan
+
+
+def module_plan(model: nn.Module, user_plan: Mapping[str, str]) -> ModulePlan | None:
+    """The plan for `model`: the user's if given, else the model's declared one, else None."""
+    if user_plan:
+        return match_plan(model, dict(user_plan), USER_SOURCE)
+    declared = declared_plan(model)
+    if declared:
+        return match_plan(model, declared, DECLARED_SOURCE)
+    return None
+
+
+def match_plan(model: nn.Module, patterns: dict[str, str], source: str) -> ModulePlan:
+    """Each module of `model` matched by a pattern (`fnmatch`: `*` matches any run of
+    characters, dots included), with its style."""
+    plan = ModulePlan(source)
+    named: dict[str, str] = {}
+    for pattern, given in patterns.items():
+        style = DECLARED_STYLES.get(given) if source == DECLARED_SOURCE else given
+        if style not in STYLES:
+            plan.given_problems.append(
+                f"{source}: {pattern}: {given} is not a style gridrun runs (one of "
+                f"{', '.join(STYLES)})" + ("; give strategy.plan instead"
+                                           if source == DECLARED_SOURCE else ""))
+            continue
+        named[pattern] = style
+    matched = set()
+    for path, _ in model.named_modules():
+        hits = [p for p in named if path and fnmatch.fnmatchcase(path, p)]
+        matched.update(hits)
+        styles = {named[p] for p in hits}
+        if len(styles) > 1:
+            plan.given_problems.append(
+                f"{source}: {path} is matched by {', '.join(hits)}, with different styles")
+        elif styles:
+            plan.styles[path] = STYLES[styles.pop()]
+    if source == USER_SOURCE:  # a declared plan may name modules a variant leaves out
+        plan.given_problems += [f"{source}: {p} matches no module of the model"
+                                for p in named if p not in matched]
+    return plan
+
+
+def output_module(model: nn.Module, sample_shape: tuple[int, ...]) -> nn.Module | None:
+    """The last leaf module a forward runs: what gives the model's output."""
+    with torch.random.fork_rng(devices=[]):
+        calls = probe(model, sample_shape).calls
+    return calls[-1].module if calls else None
+
+
+def gathered_path(plan: ModulePlan, model: nn.Module,
+                  sample_shape: tuple[int, ...]) -> str | None:
+    """The styled module whose split output is the model's output (gathered), if any."""
+    last = output_module(model, sample_shape)
+    for path, style in plan.styles.items():
+        if style.splits_output and model.get_submodule(path) is last:
+            return path
+    return None
+
+
+def _owners(plan: ModulePlan, gathered: str | None) -> dict[str, list[str]]:
+    """Owner path → its child projections whose outputs stay split (the attention's)."""
+    owners: dict[str, list[str]] = {}
+    for path, style in plan.styles.items():
+        if style.splits_output and path != gathered:
+            owners.setdefault(path.rpartition(".")[0], []).append(path)
+    return owners
+
+
+def _int_attributes(module: nn.Module) -> Iterator[tuple[str, int]]:
+    for name, value in vars(module).items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            yield name, value
+
+
+def adjustments(plan: ModulePlan, model: nn.Module, pr: int, gathered: str | None
+                ) -> tuple[list[Adjustment], list[str]]:
+    """The attributes divided over `pr` ranks, and why some attention cannot be adjusted."""
+    found: list[Adjustment] = []
+    problems: list[str] = []
+    for owner, projections in _owners(plan, gathered).items():
+        module = model.get_submodule(owner)
+        shown = owner or "(the model)"
+        attributes = dict(_int_attributes(module))
+        for name, value in attributes.items():
+            if name in DIVIDED_ATTRIBUTES:
+                if value % pr:
+                    problems.append(f"{shown} ({type(module).__name__}): its {name}={value} "
+                                    f"does not divide over grid.pr={pr} ranks")
+                elif pr > 1:
+                    found.append(Adjustment(shown, name, value, value // pr))
+            elif "head" in name and name not in KEPT_ATTRIBUTES:
+                problems.append(f"{shown} ({type(module).__name__}): cannot adjust its "
+                                f"{name}={value} to the heads of one rank (gridrun divides "
+                                f"{', '.join(DIVIDED_ATTRIBUTES)})")
+        width = next((attributes[n] for n in HEAD_WIDTH_ATTRIBUTES if n in attributes), None)
+        if width:
+            for path in projections:
+                problems += _whole_heads(plan.styles[path], path, model.get_submodule(path),
+                                         width, pr)
+    return found, problems
+
+
+def _whole_heads(style: PlanStyle, path: str, module: nn.Module, width: int,
+                 pr: int) -> list[str]:
+    out = getattr(module, "out_features", None)
+    weight = getattr(module, "weight", None)
+    if out is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        out = weight.shape[1]  # a Conv1D: (in, out)
+    chunks = getattr(style, "chunks", 1)
+    if not isinstance(out, int) or out % chunks or (out // chunks) % width:
+        return []  # its own checks say what is wrong with its features
+    heads = out // chunks // width
+    if heads % pr:
+        kind = "key/value heads" if path.endswith(("k_proj", "v_proj", "key", "value")) \
+            else "heads"
+        return [f"{path} ({type(module).__name__}): its {heads} {kind} of {width} features "
+                f"do not divide over grid.pr={pr} ranks"]
+    return []
+
+
+def _tied(model: nn.Module) -> dict[int, list[str]]:
+    """Parameter id → the paths of every module holding it."""
+    holders: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(path)
+    return holders
+
+
+def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, ...],
+                  pr: int) -> list[str]:
+    """Every reason the plan cannot split `model` over `pr` ranks, one line each."""
+    problems = list(plan.given_problems)
+    holders = _tied(model)
+    for path, style in plan.splits().items():
+        module = model.get_submodule(path)
+        found = style.problems(path, module, pr)
+        problems += found
+        if found:
+            continue
+        for param in module.parameters(recurse=False):
+            others = [p for p in holders[id(param)] if p != path]
+            if others:
+                problems.append(f"{path} ({type(module).__name__}): its weights are shared "
+                                f"with {', '.join(others)} (tied): a plan splits untied "
+                                f"weights only")
+                break
+    if problems:
+        return problems
+    return adjustments(plan, model, pr, gathered_path(plan, model, sample_shape))[1]
+
+
+# -- the parallel model ---------------------------------------------------------------------------
+
+
+class PlannedModel(ParallelModel):
+    """The user's model with its planned modules swapped for their split forms (its own
+    forward runs them); every rank of a model group runs the group's rows, and keeps its own
+    sub-shard of the (whole) output."""
+
+    def __init__(self, grid: ProcessGrid, module: nn.Module, layouts: dict[str, str],
+                 adjusted: list[str]) -> None:
+        super().__init__(grid)
+        self.module = module
+        self.layouts = layouts
+        self.plan_adjustments = adjusted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = logits_of(self.module(x))
+        return out[Partition(out.shape[0], self.grid.pr).slice(self.grid.model_index)]
+
+
+def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int, ...],
+                        grid: ProcessGrid, sync_replica_gradients: bool,
+                        bucket_cap_bytes: int, first_bucket_bytes: int) -> PlannedModel:
+    """This rank's part of `model`, whose planned modules it swaps in place (replicated
+    parameters are the model's own objects)."""
+    gathered = gathered_path(plan, model, sample_shape)
+    changes, problems = adjustments(plan, model, grid.pr, gathered)
+    if problems:
+        raise ValueError("; ".join(problems))
+    split_ids: set[int] = set()
+    for path, style in plan.splits().items():
+        built, split = style.build(model.get_submodule(path), path, grid.model,
+                                   grid.model_index, path == gathered)
+        model.set_submodule(path, built)
+        split_ids.update(id(p) for p in split)
+    for change in changes:
+        owner = model if change.owner == "(the model)" else model.get_submodule(change.owner)
+        setattr(owner, change.attribute, change.new)
+    params = list(model.parameters())
+    split_params = [p for p in params if id(p) in split_ids]
+    replicated = [p for p in params if id(p) not in split_ids]
+    pmodel = PlannedModel(grid, model, plan.layouts, [str(c) for c in changes])
+    pmodel.replicated_in_model_group = replicated
+    pmodel.reducers = split_model_exchanges(grid, split_params, replicated,
+                                            sync_replica_gradients, bucket_cap_bytes,
+                                            first_bucket_bytes)
+    return pmodel
+
+
+# -- predictions --------------------------------------------------------------------------------
+
+Items = list[tuple[str, list[tuple[int, torch.dtype]]]]  # (label, [(bytes, dtype)])
+
+
+def plan_param_items(model: nn.Module, plan: ModulePlan, pr: int,
+                     trainable_only: bool = True) -> tuple[Items, Items]:
+    """Rank 0's (label, [(bytes, dtype)]) of its split and its replicated parameters, in the
+    parallel model's `parameters()` order (one parameter an item, as the buckets see them)."""
+    split: Items = []
+    whole: Items = []
+    seen_modules: set[int] = set()
+    seen_params: set[int] = set()
+
+    def visit(path: str, module: nn.Module) -> None:
+        if id(module) in seen_modules:
+            return
+        seen_modules.add(id(module))
+        style = plan.styles.get(path)
+        if style is not None and style.name != "replicate":
+            for local in style.local_params(module, pr):
+                if local.trainable or not trainable_only:
+                    item = (path, [(local.elements * local.dtype.itemsize, local.dtype)])
+                    (split if local.split else whole).append(item)
+            # a rowwise bias is the module's own: counted once, wherever it is seen again
+            seen_params.update(id(p) for p in module.parameters(recurse=False)
+                               if style.name == "rowwise" and p.dim() == 1)
+            return
+        for _, param in module.named_parameters(recurse=False):
+            if id(param) in seen_params:
+                continue
+            seen_params.add(id(param))
+            if param.requires_grad or not trainable_only:
+                whole.append((path, [(param.numel() * param.element_size(), param.dtype)]))
+        for name, child in module.named_children():
+            visit(f"{path}.{name}" if path else name, child)
+
+    visit("", model)
+    return split, whole
+
+
+def predict_plan_ops(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int, ...],
+                     grid: GridShape, global_batch: int, caps: tuple[int, int],
+                     compute_dtype: torch.dtype | None = None) -> list[CommOp]:
+    """Rank 0's collectives per training step: each styled module's over the model group (in
+    the order a forward meets them), split parameters' gradients over the batch group,
+    replicated ones' over the world."""
+    rows = Partition(global_batch, grid.pc).sizes[0]
+    with torch.random.fork_rng(devices=[]):
+        calls = probe(model, sample_shape).calls
+    gathered = gathered_path(plan, model, sample_shape)
+    styled = {id(model.get_submodule(p)): (p, s) for p, s in plan.splits().items()}
+    act = activation_itemsize([model], compute_dtype)  # a projection's output
+    table = activation_itemsize([model])  # an embedding's output: the table's dtype
+    ops: list[CommOp] = []
+    for call in calls:
+        if id(call.module) not in styled:
+            continue
+        path, style = styled[id(call.module)]
+        itemsize = table if isinstance(call.module, EMBEDDINGS) else act
+        ops += style.ops(call.module, path, rows * call.output_elements, grid.pr, itemsize,
+                         path == gathered)
+    split, whole = plan_param_items(model, plan, grid.pr)
+    return (ops + predict_gradient_ops(split, "batch", grid.pc, *caps)
+            + predict_gradient_ops(whole, "world", grid.size, *caps))
+
+
+def plan_param_bytes(model: nn.Module, plan: ModulePlan, pr: int) -> int:
+    """Parameter bytes rank 0 holds."""
+    split, whole = plan_param_items(model, plan, pr, trainable_only=False)
+    return sum(nbytes for _, items in split + whole for nbytes, _ in items)
+
+
+def plan_activation_bytes(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int, ...],
+                          grid: GridShape, global_batch: int,
+                          compute_dtype: torch.dtype | None = None) -> int:
+    """An estimate of what rank 0 keeps for backward: every leaf's output for its group's
+    rows, a split output's piece only."""
+    rows = Partition(global_batch, grid.pc).sizes[0]
+    with torch.random.fork_rng(devices=[]):
+        calls = probe(model, sample_shape).calls
+    gathered = gathered_path(plan, model, sample_shape)
+    split = {id(model.get_submodule(p)) for p, s in plan.styles.items()
+             if s.splits_output and p != gathered}
+    elements = sum(math.ceil(c.output_elements / grid.pr) if id(c.module) in split
+                   else c.output_elements for c in calls)
+    return rows * elements * activation_itemsize([model], compute_dtype)

@@ -1,0 +1,170 @@
+"""Parallel plans by module name (strategies/module_plan.py) against one process, in one launch:
+`mpiexec -n 4 python THIS`.
+
+The transformers library's Llama (its declared plan), GPT-2 and BERT (plans given) and a user's
+attention block, in float64, under strategy=model 2x1 (GPT-2 also 4x1) and strategy=grid 2x2:
+every step's loss equals one process's to 1e-9 relative (SGD with momentum; AdamW for one
+case), every final parameter piece equals the block of one process's parameter its placement
+names, the pieces tile every parameter (a checkpoint loads on any grid), and the bytes rank 0
+moves every step are the predicted ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # `tests` is this checkout's, whatever else is installed
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from harness import check, make_grids, run_checks  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+from runner.core import ProcessGrid  # noqa: E402
+from runner.core.placement import place_whole, placement_of  # noqa: E402
+from strategies import STRATEGIES  # noqa: E402
+from strategies.probe import logits_of, reads_tokens  # noqa: E402
+from tests import plan_models  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+GRIDS = make_grids([(2, 1), (4, 1), (2, 2)])
+VOCAB, T, BATCH, CLASSES = 50, 8, 8, 4
+TOLERANCE = 1e-9
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def build(factory: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(3)
+    model = factory().double()
+    reads_tokens(model)
+    place_whole(model)
+    return model
+
+
+def tagged_copy(model: nn.Module) -> nn.Module:
+    """A copy to split, its parameters tagged (a deep copy drops the tags)."""
+    twin = copy.deepcopy(model)
+    reads_tokens(twin)
+    place_whole(twin)
+    return twin
+
+
+def optimizer(params: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def compare(factory: Callable[[], nn.Module], plan: dict[str, str], strategy_name: str,
+            shape: tuple[int, int], classes: int | None = None, opt: str = "sgd") -> None:
+    grid: ProcessGrid | None = GRIDS[shape]
+    if grid is None:
+        return
+    what = f"{factory.__name__} {strategy_name} {shape[0]}x{shape[1]} {opt}"
+    strategy = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
+                                             plan=plan)
+    seq = build(factory)
+    assert strategy.check(grid.shape, BATCH) == [], what
+    assert strategy.check_model(seq, (T,), grid.shape) == [], (
+        what, strategy.check_model(seq, (T,), grid.shape))
+    ops = strategy.predict_ops(seq, (T,), grid.shape, BATCH)
+    pmodel = strategy.parallelize(tagged_copy(seq), (T,), grid)
+    assert getattr(pmodel, "layouts", None), what
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randint(1, VOCAB, (BATCH, T), generator=gen)
+    y = (torch.randint(0, classes, (BATCH,), generator=gen) if classes
+         else torch.randint(0, VOCAB, (BATCH, T), generator=gen))
+    targets = y.numel()
+    scale = grid.size / targets
+    seq_opt = optimizer(list(seq.parameters()), opt)
+    par_opt = optimizer(list(pmodel.parameters()), opt)
+    x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
+    predicted = Counter(op.key for op in ops)
+    grid.counter.keep_records = True
+    for step in range(3):
+        seq_opt.zero_grad()
+        out = logits_of(seq(x))
+        seq_loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        seq_loss.backward()
+        pmodel.zero_grad()
+        grid.counter.records.clear()
+        score = pmodel.score(pmodel(x_local), y_local)
+        (score.loss_sum * scale).backward()
+        pmodel.finish_gradient_sync()
+        measured = Counter((r.op, r.group, r.group_size, r.nbytes)
+                           for r in grid.counter.records)
+        assert measured == predicted, (f"{what} step {step}: measured-only "
+                                       f"{measured - predicted}, predicted-only "
+                                       f"{predicted - measured}")
+        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / targets
+        assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
+            what, step, loss, seq_loss.item())
+        seq_opt.step()
+        par_opt.step()
+    grid.counter.keep_records = False
+    whole = dict(seq.named_parameters())
+    for param in pmodel.parameters():
+        place = placement_of(param)
+        assert place is not None, what
+        origin = placement_of(whole[place.name])
+        assert origin is not None
+        want = origin.view(whole[place.name].detach(), place)
+        err = (param.detach() - want).abs().max().item()
+        scale_of = max(want.abs().max().item(), 1.0)
+        assert param.shape == want.shape and err <= TOLERANCE * scale_of, (
+            f"{what}: final {place} differs by {err}")
+    # the pieces of every parameter tile it (what a checkpoint needs to load on any grid)
+    places = {placement_of(p) for p in pmodel.parameters()}
+    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
+    for name, param in whole.items():
+        blocks = [p for p in every if p is not None and p.name == name]
+        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
+        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
+    if grid.rank == 0:
+        print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
+              f"as predicted", flush=True)
+
+
+def llama() -> nn.Module:
+    return plan_models.hf_llama(VOCAB, (T,))
+
+
+def gpt2() -> nn.Module:
+    return plan_models.hf_gpt2(VOCAB, (T,))
+
+
+def bert() -> nn.Module:
+    return plan_models.hf_bert(VOCAB, CLASSES, (T,))
+
+
+def user_block() -> nn.Module:
+    return plan_models.UserBlockLM(VOCAB)
+
+
+@check
+def transformers_models_by_plan_equal_one_process() -> None:
+    if not HAVE_TRANSFORMERS:
+        return
+    for strategy_name, shape in (("model", (2, 1)), ("grid", (2, 2))):
+        compare(llama, {}, strategy_name, shape)
+        compare(gpt2, plan_models.GPT2_PLAN, strategy_name, shape)
+        compare(bert, plan_models.BERT_PLAN, strategy_name, shape, classes=CLASSES)
+    compare(gpt2, plan_models.GPT2_PLAN, "model", (4, 1))
+    compare(llama, {}, "grid", (2, 2), opt="adamw")
+
+
+@check
+def a_users_attention_block_by_plan_equals_one_process() -> None:
+    for strategy_name, shape in (("model", (2, 1)), ("grid", (2, 2))):
+        compare(user_block, plan_models.BLOCK_PLAN, strategy_name, shape)
+
+
+if __name__ == "__main__":
+    run_checks()

@@ -1,0 +1,150 @@
+"""Models split by a parallel plan by module name (`strategies.module_plan`), and their plans:
+the transformers library's Llama (its declared plan), GPT-2 and BERT (plans given), and a
+user's own attention block. Tiny, built from configs (no weights downloaded), dropout 0: under
+model splitting each rank would draw its own masks (validation refuses that)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GPT2_PLAN = {"transformer.h.*.attn.c_attn": "fused_qkv", "transformer.h.*.attn.c_proj": "rowwise",
+             "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+BERT_PLAN = {"bert.encoder.layer.*.attention.self.query": "colwise",
+             "bert.encoder.layer.*.attention.self.key": "colwise",
+             "bert.encoder.layer.*.attention.self.value": "colwise",
+             "bert.encoder.layer.*.attention.output.dense": "rowwise",
+             "bert.encoder.layer.*.intermediate.dense": "colwise",
+             "bert.encoder.layer.*.output.dense": "rowwise",
+             "bert.embeddings.word_embeddings": "vocab"}
+BLOCK_PLAN = {"embed": "vocab", "blocks.*.attn.qkv": "fused_qkv", "blocks.*.attn.out": "rowwise",
+              "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise", "head": "colwise"}
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm in the input's dtype (the library's computes in float32 whatever the
+    dtype, so two float64 runs would differ by float32's rounding where inputs differ by
+    float64's)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def hf_llama(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """The transformers library's Llama: 4 query heads sharing 2 key/value heads; its norms
+    computed in the model's dtype (`RMSNorm`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                         max_position_embeddings=max(16, input_shape[0]), bos_token_id=0,
+                         eos_token_id=0, pad_token_id=None)
+    model = LlamaForCausalLM(config)
+    norms = [(name, module) for name, module in model.named_modules()
+             if type(module).__name__ == "LlamaRMSNorm"]
+    for name, module in norms:
+        model.set_submodule(name, RMSNorm(module.weight, module.variance_epsilon))
+    return model
+
+
+hf_llama.objective = "next_token"  # type: ignore[attr-defined]
+
+
+def hf_gpt2(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """The transformers library's GPT-2, 4 heads (it splits over 2 or 4 ranks)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab_size, n_positions=max(16, input_shape[0]), n_embd=16,
+                        n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+hf_gpt2.objective = "next_token"  # type: ignore[attr-defined]
+
+
+def hf_bert(vocab_size: int, num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """The transformers library's BERT for sequence classification (a padding row, id 0)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=32,
+                        max_position_embeddings=max(16, input_shape[0]), num_labels=num_classes,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config)
+
+
+class HeadsAttention(nn.Module):
+    """A user's attention: a fused qkv Linear, its head count an attribute."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (part.reshape(b, t, self.heads, -1).transpose(1, 2)
+                   for part in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class UserBlock(nn.Module):
+    """Pre-norm attention and MLP, each a residual."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = HeadsAttention(dim, heads)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class UserBlockLM(nn.Module):
+    """A user's causal language model of `UserBlock`s (its plan: `BLOCK_PLAN`)."""
+
+    objective = "next_token"
+
+    def __init__(self, vocab_size: int, input_shape: tuple[int, ...] = (16,), dim: int = 16,
+                 heads: int = 4, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.randn(input_shape[0], dim) * 0.02)
+        self.blocks = nn.ModuleList(UserBlock(dim, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class FixedHeadsAttention(HeadsAttention):
+    """An attention that reads its head count under a name gridrun does not know."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__(dim, heads)
+        self.local_heads = heads
+
+
+class FixedHeadsLM(UserBlockLM):
+    """`UserBlockLM` whose attention reads its head count as `local_heads`."""
+
+    def __init__(self, vocab_size: int, input_shape: tuple[int, ...] = (16,),
+                 heads: int = 4) -> None:
+        super().__init__(vocab_size, input_shape, heads=heads)
+        for block in self.blocks:
+            assert isinstance(block, UserBlock)
+            block.attn = FixedHeadsAttention(16, heads)

@@ -1,0 +1,149 @@
+"""Parallel plans by module name (strategies/module_plan.py), in process: parsing and glob
+matching, where plans come from, each refusal; and the user's path end to end through the
+command line (a plan on the command line, a plan in a YAML file of the user's config dir)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from strategies import STRATEGIES
+from strategies.module_plan import (
+    DECLARED_SOURCE,
+    USER_SOURCE,
+    declared_plan,
+    match_plan,
+    module_plan,
+    plan_problems,
+)
+from tests import plan_models
+from tests.conftest import assert_ok, read_summary, run_cli_together, train_losses
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+VOCAB, T = 50, 8
+
+
+def block_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return plan_models.UserBlockLM(VOCAB, (T,))
+
+
+def test_patterns_match_module_paths_dots_included() -> None:
+    plan = match_plan(block_lm(), {"*.qkv": "fused_qkv", "blocks.1.fc?": "colwise"},
+                      USER_SOURCE)
+    assert plan.layouts == {"blocks.0.attn.qkv": "fused_qkv", "blocks.1.attn.qkv": "fused_qkv",
+                            "blocks.1.fc1": "colwise", "blocks.1.fc2": "colwise"}
+    assert plan.given_problems == []
+
+
+def test_a_module_matched_by_two_styles_an_unknown_style_and_an_idle_pattern_are_named(
+        ) -> None:
+    plan = match_plan(block_lm(), {"blocks.0.fc1": "colwise", "blocks.*.fc1": "rowwise",
+                                   "head": "sideways", "nothing.here": "colwise"}, USER_SOURCE)
+    problems = plan.given_problems
+    assert "strategy.plan: head: sideways is not a style gridrun runs" in problems[0]
+    assert any("blocks.0.fc1 is matched by blocks.0.fc1, blocks.*.fc1" in p for p in problems)
+    assert "strategy.plan: nothing.here matches no module of the model" in problems
+    assert plan_problems(plan, block_lm(), (T,), 2) == problems
+
+
+def test_without_a_plan_nothing_changes() -> None:
+    assert module_plan(block_lm(), {}) is None
+    assert declared_plan(nn.Sequential(nn.Linear(4, 4))) == {}
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_the_users_plan_comes_before_the_models_declared_one() -> None:
+    llama = plan_models.hf_llama(VOCAB, (T,))
+    declared = module_plan(llama, {})
+    assert declared is not None and declared.source == DECLARED_SOURCE
+    # the base model's patterns resolved under `model.`, the head's from the wrapper
+    assert declared.layouts["model.layers.1.self_attn.k_proj"] == "colwise"
+    assert declared.layouts["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert declared.layouts["lm_head"] == "colwise"
+    given = module_plan(llama, {"model.layers.*.mlp.up_proj": "colwise"})
+    assert given is not None and given.source == USER_SOURCE
+    assert set(given.layouts) == {"model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"}
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_key_value_heads_that_do_not_divide_are_refused_by_name() -> None:
+    llama = plan_models.hf_llama(48, (T,))  # 48 tokens: the head divides over 4
+    problems = STRATEGIES.get("model")().check_model(llama, (T,), _shape(4))
+    assert ("strategy=model: model.layers.0.self_attn.k_proj (Linear): its 2 key/value heads "
+            "of 4 features do not divide over grid.pr=4 ranks") in problems, problems
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_gpt2s_attention_attributes_are_divided_and_reported() -> None:
+    from strategies.module_plan import adjustments
+
+    gpt2 = plan_models.hf_gpt2(VOCAB, (T,))
+    plan = module_plan(gpt2, plan_models.GPT2_PLAN)
+    assert plan is not None
+    found, problems = adjustments(plan, gpt2, 2, None)
+    assert problems == []
+    assert "adjusted transformer.h.0.attn.split_size 16 → 8" in [str(a) for a in found]
+    assert "adjusted transformer.h.1.attn.num_heads 4 → 2" in [str(a) for a in found]
+
+
+def test_a_split_of_a_tied_weight_is_refused() -> None:
+    model = plan_models.UserBlockLM(VOCAB, (T,))
+    model.head.weight = model.embed.weight
+    plan = module_plan(model, {"head": "colwise"})
+    assert plan is not None
+    assert plan_problems(plan, model, (T,), 2) == [
+        "head (Linear): its weights are shared with embed (tied): a plan splits untied "
+        "weights only"]
+
+
+def _shape(pr: int, pc: int = 1):  # type: ignore[no-untyped-def]
+    from runner.core import GridShape
+
+    return GridShape(pr, pc)
+
+
+COMMON = ["model._target_=tests.plan_models.UserBlockLM", "dataset=tokens",
+          "dataset.vocab_size=50", "dataset.seq_len=8", "dataset.samples=64", "trainer.steps=2",
+          "trainer.batch_size=8", "trainer.dtype=float64", "trainer.eval_every=1000"]
+YAML_PLAN = """defaults: [grid]
+plan:
+  embed: vocab
+  blocks.*.attn.qkv: fused_qkv
+  blocks.*.attn.out: rowwise
+  blocks.*.fc1: colwise
+  blocks.*.fc2: rowwise
+  head: colwise
+"""
+
+
+def test_a_plan_on_the_command_line_and_one_in_yaml_train_as_one_process(
+        tmp_path: Path) -> None:
+    (tmp_path / "conf" / "strategy").mkdir(parents=True)
+    (tmp_path / "conf" / "strategy" / "planned.yaml").write_text(YAML_PLAN)
+    given = ("strategy.plan={embed: vocab, blocks.*.attn.qkv: fused_qkv, "
+             "blocks.*.attn.out: rowwise, blocks.*.fc1: colwise, blocks.*.fc2: rowwise, "
+             "head: colwise}")
+    jobs = [[*COMMON, "strategy=data", "grid.pr=1", "grid.pc=1",
+             f"hydra.run.dir={tmp_path / 'one'}"],
+            [*COMMON, "strategy=grid", "grid.pr=2", "grid.pc=2", given,
+             f"hydra.run.dir={tmp_path / 'line'}"],
+            ["--config-dir", str(tmp_path / "conf"), *COMMON, "strategy=planned", "grid.pr=2",
+             "grid.pc=1", f"hydra.run.dir={tmp_path / 'yaml'}"]]
+    for result in run_cli_together(*jobs):
+        assert_ok(result)
+    one = train_losses(tmp_path / "one")
+    assert len(one) == 2
+    for name in ("line", "yaml"):
+        got = train_losses(tmp_path / name)
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, one, strict=True)) <= 1e-9, (
+            name, got, one)
+        summary = read_summary(tmp_path / name)
+        assert summary["layouts"]["blocks.1.attn.qkv"] == "fused_qkv", summary["layouts"]
+        assert summary["layouts"]["head"] == "colwise"
+        assert "adjusted blocks.0.attn.heads 4 → 2" in summary["plan_adjustments"]
+        assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
