@@ -35,11 +35,13 @@ from runner.core import GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
 from strategies.base import ParallelModel, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
+from strategies.plan_checks import pairing_problems, shape_problems
 from strategies.plan_styles import STYLES, PlanStyle
 from strategies.probe import EMBEDDINGS, logits_of, probe
 from strategies.sharded import activation_itemsize
 
 USER_SOURCE = "strategy.plan"
+WHOLE_MODEL = "(the model)"  # how an adjustment names the root module as its owner
 DECLARED_SOURCE = "the model's declared plan"
 
 # The transformers library's style names, as gridrun runs them (a colwise head is gathered
@@ -186,7 +188,7 @@ def adjustments(plan: ModulePlan, model: nn.Module, pr: int, gathered: str | Non
     problems: list[str] = []
     for owner, projections in _owners(plan, gathered).items():
         module = model.get_submodule(owner)
-        shown = owner or "(the model)"
+        shown = owner or WHOLE_MODEL
         attributes = dict(_int_attributes(module))
         for name, value in attributes.items():
             if name in DIVIDED_ATTRIBUTES:
@@ -254,7 +256,17 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
                 break
     if problems:
         return problems
-    return adjustments(plan, model, pr, gathered_path(plan, model, sample_shape))[1]
+    gathered = gathered_path(plan, model, sample_shape)
+    changes, problems = adjustments(plan, model, pr, gathered)
+    if problems:
+        return problems
+    # the pieces must be summed before anything reads them whole, and the user's forward
+    # must run on one rank's shapes (`strategies.plan_checks`)
+    problems = pairing_problems(plan.styles, model, sample_shape, gathered)
+    if problems:
+        return problems
+    owners = [("" if c.owner == WHOLE_MODEL else c.owner, c.attribute, c.new) for c in changes]
+    return shape_problems(plan.styles, model, sample_shape, pr, gathered, owners)
 
 
 # -- the parallel model ---------------------------------------------------------------------------
@@ -293,7 +305,7 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
         model.set_submodule(path, built)
         split_ids.update(id(p) for p in split)
     for change in changes:
-        owner = model if change.owner == "(the model)" else model.get_submodule(change.owner)
+        owner = model if change.owner == WHOLE_MODEL else model.get_submodule(change.owner)
         setattr(owner, change.attribute, change.new)
     params = list(model.parameters())
     split_params = [p for p in params if id(p) in split_ids]

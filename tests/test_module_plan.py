@@ -147,3 +147,47 @@ def test_a_plan_on_the_command_line_and_one_in_yaml_train_as_one_process(
         assert summary["layouts"]["head"] == "colwise"
         assert "adjusted blocks.0.attn.heads 4 → 2" in summary["plan_adjustments"]
         assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
+
+
+class NormBetween(nn.Module):
+    """A LayerNorm on the features between a colwise and a rowwise Linear: it would normalise
+    one rank's features as if they were all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(torch.relu(self.up(x))))
+
+
+def test_split_features_must_be_summed_before_anything_reads_them_whole() -> None:
+    model = NormBetween()
+    plan = match_plan(model, {"up": "colwise", "down": "rowwise"}, USER_SOURCE)
+    assert plan_problems(plan, model, (8,), 2) == [
+        "norm (LayerNorm) runs on the features up split over the model group before a rowwise "
+        "module sums them: plan it too, or end the split before it"]
+    lm = block_lm()
+    only_up = match_plan(lm, {"blocks.*.fc1": "colwise"}, USER_SOURCE)
+    assert any("blocks.0.fc1: the split output features are never summed" in p
+               or "blocks.0.fc1 split over the model group before" in p
+               for p in plan_problems(only_up, lm, (T,), 2))
+    only_down = match_plan(lm, {"blocks.*.fc2": "rowwise"}, USER_SOURCE)
+    assert ("blocks.0.fc2 (Linear) is rowwise but no colwise module before it splits its input "
+            "features") in plan_problems(only_down, lm, (T,), 2)
+    assert plan_problems(match_plan(lm, plan_models.BLOCK_PLAN, USER_SOURCE), lm, (T,), 2) == []
+
+
+def test_a_forward_that_reshapes_by_the_whole_width_is_refused_before_any_rank_starts() -> None:
+    from tests.corpus_models import ViTTiny
+
+    torch.manual_seed(0)
+    vit = ViTTiny((3, 8, 8), 4)
+    plan = match_plan(vit, {"blocks.*.attn.qkv": "fused_qkv", "blocks.*.attn.proj": "rowwise",
+                            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"},
+                      USER_SOURCE)
+    [problem] = plan_problems(plan, vit, (3, 8, 8), 2)
+    assert problem.startswith("blocks.0.attn (Attention) cannot run on one rank's features "
+                              "under the plan: "), problem
+    # the model is left as it was: the check ran on a copy
+    assert isinstance(vit.blocks[0].attn.qkv, nn.Linear) and vit.blocks[0].attn.heads == 2
