@@ -46,6 +46,7 @@ def pairing_problems(styles: dict[str, PlanStyle], model: nn.Module,
         calls = probe(model, sample_shape).calls
     problems: list[str] = []
     opened: list[str] = []  # the split modules of the stretch now open
+    refused = False  # the stretch was read whole: named once, until a rowwise module ends it
     for call in calls:
         path = paths.get(id(call.module), type(call.module).__name__)
         style = styles.get(path)
@@ -53,14 +54,15 @@ def pairing_problems(styles: dict[str, PlanStyle], model: nn.Module,
         if name in SPLITTING and path != gathered:
             opened.append(path)
         elif name == SUMMING:
-            if not opened:
+            if not opened and not refused:
                 problems.append(f"{path} ({type(call.module).__name__}) is rowwise but no "
                                 f"colwise module before it splits its input features")
-            opened = []
+            opened, refused = [], False
         elif opened and style is None and _has_parameters(call.module):
             problems.append(f"{path} ({type(call.module).__name__}) runs on the features "
                             f"{', '.join(opened)} split over the model group before a rowwise "
                             f"module sums them: plan it too, or end the split before it")
+            opened, refused = [], True
     if opened:
         problems.append(f"{', '.join(opened)}: the split output features are never summed by a "
                         f"rowwise module (the model would read them whole)")

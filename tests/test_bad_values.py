@@ -261,6 +261,10 @@ BAD: list[tuple[list[str], str]] = [
      "blocks.0.attn (HeadsAttention): its heads=2 does not divide over grid.pr=4"),
     ([*PLANNED, ATTENTION_PLAN, "model._target_=tests.plan_models.FixedHeadsLM"],
      "blocks.0.attn (FixedHeadsAttention): cannot adjust its local_heads=4"),
+    ([*PLANNED, "strategy.plan={blocks.*.fc1: colwise}"],
+     "blocks.0.fc2 (Linear) runs on the features blocks.0.fc1 split over the model group"),
+    ([*PLANNED, "strategy.plan={blocks.*.fc2: rowwise}"],
+     "blocks.0.fc2 (Linear) is rowwise but no colwise module before it splits"),
 ]
 
 

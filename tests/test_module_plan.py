@@ -169,9 +169,15 @@ def test_split_features_must_be_summed_before_anything_reads_them_whole() -> Non
         "module sums them: plan it too, or end the split before it"]
     lm = block_lm()
     only_up = match_plan(lm, {"blocks.*.fc1": "colwise"}, USER_SOURCE)
-    assert any("blocks.0.fc1: the split output features are never summed" in p
-               or "blocks.0.fc1 split over the model group before" in p
-               for p in plan_problems(only_up, lm, (T,), 2))
+    assert [p.split(" runs on ")[0] for p in plan_problems(only_up, lm, (T,), 2)] == [
+        "blocks.0.fc2 (Linear)", "blocks.1.fc2 (Linear)"]  # once per stretch, no cascade
+    last = match_plan(lm, {"blocks.*.attn.qkv": "fused_qkv", "blocks.*.attn.out": "rowwise",
+                           "blocks.1.fc1": "colwise", "blocks.1.fc2": "rowwise",
+                           "norm": "replicate", "head": "replicate"}, USER_SOURCE)
+    assert plan_problems(last, lm, (T,), 2) == []
+    open_end = NormBetween()
+    assert plan_problems(match_plan(open_end, {"down": "colwise"}, USER_SOURCE), open_end,
+                         (8,), 2) == []  # the model's output: gathered, not a stretch
     only_down = match_plan(lm, {"blocks.*.fc2": "rowwise"}, USER_SOURCE)
     assert ("blocks.0.fc2 (Linear) is rowwise but no colwise module before it splits its input "
             "features") in plan_problems(only_down, lm, (T,), 2)
