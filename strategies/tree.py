@@ -60,7 +60,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.fx
@@ -118,12 +118,164 @@ class TreeRefused(ValueError):
     """A node no rule can split correctly (the message names it)."""
 
 
+@dataclass(frozen=True)
+class BuildParts:
+    """What a rule builds this rank's module with: the grid's groups for it."""
+
+    grid: ProcessGrid
+    stats_batch: CountedComm  # the ranks a split BatchNorm takes its statistics over
+    stats_world: CountedComm  # the ranks a whole one does
+    overlap: bool  # domain's halo exchanges overlap the rows that need none
+
+
+class Rule:
+    """What a node's rule means once the plan has chosen its layouts: this rank's module, the
+    whole size of what it splits over the model group (if it splits its parameters), and the
+    collectives the module issues itself (halos, batch statistics). A new rule is a subclass;
+    its instance is what `Step.rule` holds."""
+
+    name: ClassVar[str]
+    splits: ClassVar[bool] = False  # its parameters are split over the model group
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def split_size(self, module: nn.Module, plan: TreePlan, step: Step) -> int:
+        """The whole size of the dim its parameters are split along (`splits` rules)."""
+        raise NotImplementedError
+
+    def build(self, module: nn.Module, step: Step, plan: TreePlan,
+              parts: BuildParts) -> nn.Module:
+        """This rank's module for the node (the module itself: it runs as it is)."""
+        return module
+
+    def module_ops(self, module: nn.Module, step: Step, plan: TreePlan, grid: GridShape,
+                   rows: int, itemsize: int, stats_itemsize: int, backward: bool,
+                   label: str) -> list[CommOp]:
+        """The collectives its module issues in a step (`rows`: the batch group's)."""
+        return []
+
+
+class InputRule(Rule):
+    name = "input"
+
+
+class OutputRule(Rule):
+    name = "output"
+
+
+class FunctionRule(Rule):
+    """A function or method, on its inputs in the layouts it needs."""
+
+    name = "function"
+
+
+class LocalRule(Rule):
+    """A module that runs as it is, on whole inputs, rows or split channels."""
+
+    name = "local"
+
+
+class SplitRule(Rule):
+    """A Linear's rows or a Conv2d's filters over the model group."""
+
+    name = "split"
+    splits = True
+
+    def split_size(self, module: nn.Module, plan: TreePlan, step: Step) -> int:
+        return (module.out_features if isinstance(module, nn.Linear)
+                else int(getattr(module, "out_channels", 1)))
+
+    def build(self, module: nn.Module, step: Step, plan: TreePlan,
+              parts: BuildParts) -> nn.Module:
+        assert isinstance(module, SHARDABLE)
+        grid = parts.grid
+        part = Partition(self.split_size(module, plan, step), grid.pr)
+        return (ShardedLinear(module, part, grid.model_index) if isinstance(module, nn.Linear)
+                else ShardedConv2d(module, part, grid.model_index))
+
+
+class NormSplitRule(Rule):
+    """A BatchNorm on channels split over the model group: its channels' statistics over the
+    batch group."""
+
+    name = "norm_split"
+    splits = True
+
+    def split_size(self, module: nn.Module, plan: TreePlan, step: Step) -> int:
+        return plan.channels[_input_name(step)]
+
+    def build(self, module: nn.Module, step: Step, plan: TreePlan,
+              parts: BuildParts) -> nn.Module:
+        assert isinstance(module, BATCH_NORMS)
+        channels = Partition(self.split_size(module, plan, step), parts.grid.pr)
+        return DistributedBatchNorm(module, parts.stats_batch, f"bn:{step.node.target}",
+                                    channels.slice(parts.grid.model_index))
+
+    def module_ops(self, module: nn.Module, step: Step, plan: TreePlan, grid: GridShape,
+                   rows: int, itemsize: int, stats_itemsize: int, backward: bool,
+                   label: str) -> list[CommOp]:
+        mine = Partition(self.split_size(module, plan, step), grid.pr).sizes[0]
+        return batch_norm_comm_ops("batch", grid.pc, mine, stats_itemsize, f"bn:{label}")
+
+
+class NormWholeRule(Rule):
+    """A BatchNorm on whole channels (on rows, or on height slabs): its statistics over every
+    rank."""
+
+    name = "norm_rows"
+
+    def build(self, module: nn.Module, step: Step, plan: TreePlan,
+              parts: BuildParts) -> nn.Module:
+        assert isinstance(module, BATCH_NORMS)
+        return DistributedBatchNorm(module, parts.stats_world, f"bn:{step.node.target}")
+
+    def module_ops(self, module: nn.Module, step: Step, plan: TreePlan, grid: GridShape,
+                   rows: int, itemsize: int, stats_itemsize: int, backward: bool,
+                   label: str) -> list[CommOp]:
+        assert isinstance(module, BATCH_NORMS)
+        return batch_norm_comm_ops("world", grid.size, module.num_features, stats_itemsize,
+                                   f"bn:{label}")
+
+
+class NormSlabRule(NormWholeRule):
+    name = "norm_slab"
+
+
+class WindowedRule(Rule):
+    """A convolution or pooling on height slabs: the halo rows exchanged around it."""
+
+    name = "windowed"
+
+    def build(self, module: nn.Module, step: Step, plan: TreePlan,
+              parts: BuildParts) -> nn.Module:
+        if parts.grid.pr == 1:
+            return module
+        assert isinstance(module, WINDOWED)
+        height = plan.shapes[_input_name(step)][1]
+        return SpatialWindowed(module, parts.grid.model, height, parts.overlap)
+
+    def module_ops(self, module: nn.Module, step: Step, plan: TreePlan, grid: GridShape,
+                   rows: int, itemsize: int, stats_itemsize: int, backward: bool,
+                   label: str) -> list[CommOp]:
+        if grid.pr == 1:
+            return []
+        return _halo_ops(module, plan.shapes[_input_name(step)], rows, grid.pr, itemsize,
+                         label, backward)
+
+
+INPUT, OUTPUT, FUNCTION, LOCAL = InputRule(), OutputRule(), FunctionRule(), LocalRule()
+SPLIT, NORM_SPLIT, NORM_ROWS, NORM_SLAB = SplitRule(), NormSplitRule(), NormWholeRule(), \
+    NormSlabRule()
+WINDOWED_RULE = WindowedRule()
+
+
 @dataclass
 class Step:
     """One node of the traced graph, with what its rule decided."""
 
     node: torch.fx.Node
-    rule: str  # input, split, local, norm_split, norm_rows, join, flatten, function, output
+    rule: Rule
     needs: dict[str, Layout]  # per tensor input node name: the layout it is used in
     out: Layout | None  # None: not a tensor in a layout (a size)
 
@@ -225,7 +377,7 @@ def plan_tree(model: nn.Module, sample_shape: Sequence[int], mode: Mode,
         layout[node.name] = step.out
         if step.out == "split":
             plan.channels[node.name] = shapes[node.name][0]
-        if step.rule == "norm_split":
+        if step.rule is NORM_SPLIT:
             source = _tensor_inputs(node)[0].name
             plan.channels.setdefault(source, shapes[source][0])
         for name, needed in step.needs.items():
@@ -243,7 +395,7 @@ def _slab_rule(node: torch.fx.Node, modules: dict[str, nn.Module],
     BatchNorm takes every rank's statistics, row-local modules, elementwise functions and
     additions run on the slab as it is. Every slab output needs a row on every rank."""
     if node.op == "placeholder":
-        return Step(node, "input", {}, "whole")
+        return Step(node, INPUT, {}, "whole")
     inputs = {n.name: layout.get(n.name) for n in _tensor_inputs(node)}
     if any(value not in ("slab", "whole") for value in inputs.values()) or not inputs:
         return None
@@ -254,18 +406,18 @@ def _slab_rule(node: torch.fx.Node, modules: dict[str, nn.Module],
             problem = windowed_problem(module)
             if problem is not None:
                 raise TreeRefused(f"{node.target} ({module}): {problem}")
-            rule = "windowed"
+            rule: Rule = WINDOWED_RULE
         elif isinstance(module, nn.BatchNorm2d):
             problem = batch_norm_problem(module)
             if problem is not None:
                 raise TreeRefused(f"{node.target}: {problem}")
-            rule = "norm_slab"
+            rule = NORM_SLAB
         elif isinstance(module, ROW_LOCAL):
-            rule = "local"
+            rule = LOCAL
         else:
             return None
     elif _elementwise(node):
-        rule = "function"
+        rule = FUNCTION
     else:
         return None
     shape = shapes.get(node.name, ())
@@ -302,9 +454,9 @@ def _rule(node: torch.fx.Node, modules: dict[str, nn.Module],
         return "whole" if value in (None, "split") else value
 
     if node.op == "placeholder":
-        return Step(node, "input", {}, "whole")
+        return Step(node, INPUT, {}, "whole")
     if node.op == "output":
-        return Step(node, "output", {n: "rows" for n in keep}, None)
+        return Step(node, OUTPUT, {n: "rows" for n in keep}, None)
     if node.op == "get_attr":
         owner = str(node.target).rpartition(".")[0]
         what = (f"{owner} ({type(model.get_submodule(owner)).__name__})" if owner
@@ -318,22 +470,22 @@ def _rule(node: torch.fx.Node, modules: dict[str, nn.Module],
         if isinstance(module, SHARDABLE) and not in_prefix:
             if isinstance(module, nn.Conv2d) and module.groups != 1:
                 raise TreeRefused(f"{name}: a grouped convolution cannot be split by channel")
-            return Step(node, "split", {n: "whole" for n in keep}, "split")
+            return Step(node, SPLIT, {n: "whole" for n in keep}, "split")
         if isinstance(module, BATCH_NORMS):
             problem = batch_norm_problem(module)
             if problem is not None:
                 raise TreeRefused(f"{name}: {problem}")
             if in_prefix or first == "rows":
-                return Step(node, "norm_rows", {n: "rows" for n in keep}, "rows")
+                return Step(node, NORM_ROWS, {n: "rows" for n in keep}, "rows")
             if first == "split" or pr == 1:  # one rank: its split is everything
-                return Step(node, "norm_split", dict(keep), "split")
+                return Step(node, NORM_SPLIT, dict(keep), "split")
             raise TreeRefused(f"{name}: a BatchNorm on features no Linear or Conv2d before it "
                               f"has split (put it right after one)")
         if in_prefix:
             if any(True for _ in module.parameters()) and not isinstance(
                     module, (*SHARDABLE, *_channel_local, *PER_SAMPLE_NORMS)):
                 raise TreeRefused(f"{name} has parameters and no rule")
-            return Step(node, "local", {n: "rows" for n in keep}, "rows")
+            return Step(node, LOCAL, {n: "rows" for n in keep}, "rows")
         if isinstance(module, PER_SAMPLE_NORMS):
             raise TreeRefused(f"{name}: a per-sample normalization needs every channel of its "
                               f"sample and would leave each rank a partial gradient of its "
@@ -343,42 +495,42 @@ def _rule(node: torch.fx.Node, modules: dict[str, nn.Module],
             if any(True for _ in module.parameters()) and first == "split":
                 raise TreeRefused(f"{name}: channel-local with parameters on split channels "
                                   f"has no rule")
-            return Step(node, "local", dict(keep), first)
+            return Step(node, LOCAL, dict(keep), first)
         if any(True for _ in module.parameters()):
             raise TreeRefused(f"{name} has parameters and no rule: strategy=data trains it, "
                               f"or register a rule")
         wanted = unsplit(first)  # Flatten, and any parameter-free module without a rule
-        return Step(node, "local", {n: wanted for n in keep}, wanted)
+        return Step(node, LOCAL, {n: wanted for n in keep}, wanted)
     if node.op == "call_function":
         function = node.target
         values = [value for value in keep.values()]
         if function in _ELEMENTWISE_FUNCTIONS:
-            return Step(node, "function", dict(keep), first)
+            return Step(node, FUNCTION, dict(keep), first)
         if function in _JOIN_FUNCTIONS:
             joined = _same_or_whole(values) if values else None
             if in_prefix and joined is not None:
                 joined = "rows"
-            return Step(node, "function", {n: joined for n in keep}, joined)  # type: ignore[misc]
+            return Step(node, FUNCTION, {n: joined for n in keep}, joined)  # type: ignore[misc]
         if function is torch.flatten:
             out = "rows" if in_prefix else unsplit(first)
-            return Step(node, "function", {n: out for n in keep}, out)
+            return Step(node, FUNCTION, {n: out for n in keep}, out)
         if function is torch.cat:
             out = "rows" if in_prefix else unsplit(_same_or_whole(values))
-            return Step(node, "function", {n: out for n in keep}, out)
+            return Step(node, FUNCTION, {n: out for n in keep}, out)
         raise TreeRefused(f"{node.name}: the function {_function_name(function)} has no rule")
     if node.op == "call_method":
         method = str(node.target)
         if method in _PASS_METHODS:
-            return Step(node, "function", dict(keep), None)
+            return Step(node, FUNCTION, dict(keep), None)
         if method in _ELEMENTWISE_METHODS:
             values = list(keep.values())
             joined = _same_or_whole(values)
             if in_prefix:
                 joined = "rows"
-            return Step(node, "function", {n: joined for n in keep}, joined)
+            return Step(node, FUNCTION, {n: joined for n in keep}, joined)
         if method in _RESHAPING_METHODS:
             out = "rows" if in_prefix else unsplit(first)
-            return Step(node, "function", {n: out for n in keep}, out)
+            return Step(node, FUNCTION, {n: out for n in keep}, out)
         raise TreeRefused(f"{node.name}: the method .{method}() has no rule")
     raise TreeRefused(f"{node.name}: {node.op} has no rule")
 
@@ -421,7 +573,7 @@ class TreeParallelModel(ParallelModel):
         result: Any = None
         for step in self.plan.steps:
             node = step.node
-            if step.rule == "input":
+            if step.rule is INPUT:
                 values[node.name], layouts[node.name] = x, "whole"
                 continue
 
@@ -429,7 +581,7 @@ class TreeParallelModel(ParallelModel):
                 return as_layout(n, needs[n.name]) if n.name in needs else values[n.name]
 
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), argument)
-            if step.rule == "output":
+            if step.rule is OUTPUT:
                 result = args[0]
                 break
             if node.op == "call_module":
@@ -483,10 +635,9 @@ def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: Proces
     domain's halo exchanges overlap the rows that need none."""
     plan = plan_tree(model, sample_shape, mode, grid.pr)
     modules = plan.modules()
-    comm, index = grid.model, grid.model_index
     local = CountedComm(None, grid.counter, "self")
-    stats_batch = grid.batch if sync_replica_gradients else local
-    stats_world = grid.world if sync_replica_gradients else grid.model
+    parts = BuildParts(grid, grid.batch if sync_replica_gradients else local,
+                       grid.world if sync_replica_gradients else grid.model, overlap)
     built: dict[str, nn.Module] = {}
     split_params: list[nn.Parameter] = []
     whole_params: list[nn.Parameter] = []
@@ -497,31 +648,9 @@ def build_tree_model(model: nn.Module, sample_shape: Sequence[int], grid: Proces
         if target in built:  # a module called at several nodes: one part, one set of weights
             continue
         module = modules[target]
-        channels = plan.channels.get(_input_name(step), 0)
-        if step.rule == "split":
-            assert isinstance(module, SHARDABLE)
-            total = module.out_features if isinstance(module, nn.Linear) else module.out_channels
-            part = Partition(total, comm.size)
-            built[target] = (ShardedLinear(module, part, index) if isinstance(module, nn.Linear)
-                             else ShardedConv2d(module, part, index))
-            split_params += list(built[target].parameters())
-        elif step.rule == "norm_split":
-            assert isinstance(module, BATCH_NORMS)
-            built[target] = DistributedBatchNorm(module, stats_batch, f"bn:{target}",
-                                                 Partition(channels, comm.size).slice(index))
-            split_params += list(built[target].parameters())
-        elif step.rule in ("norm_rows", "norm_slab"):
-            assert isinstance(module, BATCH_NORMS)
-            built[target] = DistributedBatchNorm(module, stats_world, f"bn:{target}")
-            whole_params += list(built[target].parameters())
-        elif step.rule == "windowed" and grid.pr > 1:
-            assert isinstance(module, WINDOWED)
-            height = plan.shapes[_input_name(step)][1]
-            built[target] = SpatialWindowed(module, comm, height, overlap)
-            whole_params += list(module.parameters())
-        else:
-            built[target] = module
-            whole_params += list(module.parameters())
+        built[target] = step.rule.build(module, step, plan, parts)
+        # its own pieces, or the module's parameters (a halo wrapper holds the very module)
+        (split_params if step.rule.splits else whole_params).extend(built[target].parameters())
     pmodel = TreeParallelModel(grid, plan, built)
     pmodel.replicated_in_model_group = whole_params
     pmodel.reducers = split_model_exchanges(grid, split_params, whole_params,
@@ -582,30 +711,15 @@ def predict_tree_ops(model: nn.Module, sample_shape: Sequence[int], grid: GridSh
         module = modules[str(node.target)]
         label = str(node.target)
         needs_grad[node.name] |= any(p.requires_grad for p in module.parameters())
-        if step.rule == "windowed" and pr > 1:
-            source = inputs[0].name
-            ops += _halo_ops(module, plan.shapes[source], rows, pr, itemsize, label,
-                             backward=needs_grad.get(source, False))
+        source = inputs[0].name if inputs else ""
+        ops += step.rule.module_ops(module, step, plan, grid, rows, itemsize, stats_itemsize,
+                                    needs_grad.get(source, False), label)
         if label in seen:
             continue
         seen.add(label)
-        if step.rule in ("split", "norm_split"):
-            total = (plan.channels[_input_name(step)] if step.rule == "norm_split"
-                     else module.out_features if isinstance(module, nn.Linear)
-                     else getattr(module, "out_channels", 1))
-            mine = Partition(total, pr).sizes[0]
-            split_items.append((label, [(p.numel() // total * mine * p.element_size(), p.dtype)
-                                        for p in module.parameters()]))
-            if step.rule == "norm_split":
-                ops += batch_norm_comm_ops("batch", pc, mine, stats_itemsize, f"bn:{label}")
-        else:
-            params = [(p.numel() * p.element_size(), p.dtype) for p in module.parameters()]
-            if params:
-                whole_items.append((label, params))
-            if step.rule in ("norm_rows", "norm_slab"):
-                assert isinstance(module, BATCH_NORMS)
-                ops += batch_norm_comm_ops("world", grid.size, module.num_features,
-                                           stats_itemsize, f"bn:{label}")
+        items = _param_items(module, step, plan, pr)
+        if items:
+            (split_items if step.rule.splits else whole_items).append((label, items))
     return (ops + predict_gradient_ops(split_items, "batch", pc, *caps)
             + predict_gradient_ops(whole_items, "world", grid.size, *caps))
 
@@ -648,22 +762,19 @@ def tree_param_bytes(model: nn.Module, sample_shape: Sequence[int],
     """Rank 0's parameter bytes under the plan."""
     plan = plan_tree(model, sample_shape, mode, pr)
     modules = plan.modules()
-    total_bytes = 0
-    for step in plan.steps:
-        if step.node.op != "call_module":
-            continue
-        module = modules[str(step.node.target)]
-        params = list(module.parameters())
-        if step.rule in ("split", "norm_split"):
-            total = (plan.channels[_input_name(step)] if step.rule == "norm_split"
-                     else module.out_features if isinstance(module, nn.Linear)
-                     else getattr(module, "out_channels", 1))
-            mine = Partition(total, pr).sizes[0]
-            total_bytes += sum(p.numel() // total * mine * p.element_size() for p in params)
-        else:
-            total_bytes += sum(p.numel() * p.element_size() for p in params)
-    return total_bytes
+    return sum(nbytes for step in plan.steps if step.node.op == "call_module"
+               for nbytes, _ in _param_items(modules[str(step.node.target)], step, plan, pr))
 
+
+def _param_items(module: nn.Module, step: Step, plan: TreePlan, pr: int
+                 ) -> list[tuple[int, torch.dtype]]:
+    """(bytes, dtype) of each of rank 0's parameters of the node's module: its piece where
+    the rule splits them, else all of them."""
+    if not step.rule.splits:
+        return [(p.numel() * p.element_size(), p.dtype) for p in module.parameters()]
+    total = step.rule.split_size(module, plan, step)
+    mine = Partition(total, pr).sizes[0]
+    return [(p.numel() // total * mine * p.element_size(), p.dtype) for p in module.parameters()]
 
 
 def tree_activation_bytes(model: nn.Module, sample_shape: Sequence[int], grid: GridShape,

@@ -93,7 +93,7 @@ def test_module_trees_are_split_by_rule_and_a_module_without_one_refused_by_name
         "strategy=model cannot split middle (_Gate) uses its tensor middle.scale directly in "
         "forward, which has no rule"), problems
     plan = plan_tree(_Net(nn.ReLU()), (1, 8, 8), "model", pr=2)
-    rules = {step.node.name: (step.rule, step.out) for step in plan.steps}
+    rules = {step.node.name: (step.rule.name, step.out) for step in plan.steps}
     assert rules["conv"] == ("split", "split") and rules["middle"] == ("local", "split")
     assert rules["add"] == ("function", "split")  # both branches split the same way
     assert rules["head_1"] == ("split", "split") and rules["head_0"][1] == "whole"
