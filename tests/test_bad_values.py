@@ -261,6 +261,9 @@ BAD: list[tuple[list[str], str]] = [
      "blocks.0.attn (HeadsAttention): its heads=2 does not divide over grid.pr=4"),
     ([*PLANNED, ATTENTION_PLAN, "model._target_=tests.plan_models.FixedHeadsLM"],
      "blocks.0.attn (FixedHeadsAttention): cannot adjust its local_heads=4"),
+    ([*PLANNED, "strategy.plan={blocks.0.fc1: vocab}"],
+     "blocks.0.fc1 (Linear): vocab splits a projection only where its output is the model's "
+     "output"),
 ]
 
 
