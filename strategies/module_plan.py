@@ -12,7 +12,9 @@ On the grid the plan splits over the model group (`Pr`), the batch over the batc
 world (`split_model_exchanges`). Every rank of a model group runs its group's rows; the model's
 output, where its last module is colwise, is gathered over the model group (adjoint:
 reduce-scatter) so the loss sees whole logits, and each rank keeps its own sub-shard of the
-rows (the row contract of `strategies.base`).
+rows (the row contract of `strategies.base`). Where the model's output projection is `vocab`
+(its vocabulary or classes split), its logits stay split and are scored split, never gathered
+(`strategies.vocab_head`): a `vocab` projection whose output is not the model's is refused.
 
 An attention module whose heads follow from a colwise projection runs on its rank's heads
 unchanged where it reshapes with -1 or by the head size. Where it reads a head count or width
@@ -33,12 +35,13 @@ from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
-from strategies.base import ParallelModel, split_model_exchanges
+from strategies.base import ParallelModel, Score, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
 from strategies.plan_checks import pairing_problems, shape_problems
-from strategies.plan_styles import STYLES, PlanStyle
+from strategies.plan_styles import STYLES, PlanStyle, Projection
 from strategies.probe import EMBEDDINGS, logits_of, probe
 from strategies.sharded import activation_itemsize
+from strategies.vocab_head import returns_logits_of, split_logits_score
 
 USER_SOURCE = "strategy.plan"
 WHOLE_MODEL = "(the model)"  # how an adjustment names the root module as its owner
@@ -166,6 +169,25 @@ def gathered_path(plan: ModulePlan, model: nn.Module,
     return None
 
 
+def vocab_heads(plan: ModulePlan, model: nn.Module) -> list[str]:
+    """The projections styled `vocab` (a checked plan has at most one: the model's output)."""
+    return [path for path, style in plan.styles.items()
+            if style.name == "vocab" and Projection.of(model.get_submodule(path)) is not None]
+
+
+def vocab_head_problems(plan: ModulePlan, model: nn.Module,
+                        sample_shape: tuple[int, ...]) -> list[str]:
+    """A `vocab` projection whose output is not the model's (its logits, nothing after)."""
+    problems = []
+    for path in vocab_heads(plan, model):
+        module = model.get_submodule(path)
+        if not returns_logits_of(model, module, sample_shape):
+            problems.append(f"{path} ({type(module).__name__}): vocab splits a projection only "
+                            f"where its output is the model's output (its logits are scored "
+                            f"split); plan it colwise")
+    return problems
+
+
 def _owners(plan: ModulePlan, gathered: str | None) -> dict[str, list[str]]:
     """Owner path → its child projections whose outputs stay split (the attention's)."""
     owners: dict[str, list[str]] = {}
@@ -256,6 +278,9 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
                 break
     if problems:
         return problems
+    problems = vocab_head_problems(plan, model, sample_shape)
+    if problems:
+        return problems
     gathered = gathered_path(plan, model, sample_shape)
     changes, problems = adjustments(plan, model, pr, gathered)
     if problems:
@@ -289,6 +314,40 @@ class PlannedModel(ParallelModel):
         return out[Partition(out.shape[0], self.grid.pr).slice(self.grid.model_index)]
 
 
+class VocabScoredModel(PlannedModel):
+    """A planned model whose output projection is split by vocabulary (or classes): it outputs
+    its piece of the logits of every row of its group, and scores its own sub-shard of the rows
+    from the group's pieces (`strategies.vocab_head`), never gathering them."""
+
+    def __init__(self, grid: ProcessGrid, module: nn.Module, layouts: dict[str, str],
+                 adjusted: list[str], vocab_start: int) -> None:
+        super().__init__(grid, module, layouts, adjusted)
+        self.vocab_start = vocab_start  # this rank's first row of the head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.module(x))
+
+    def own_rows(self, group_rows: int) -> slice:
+        return slice(0, group_rows)  # the targets of every row: `score` picks its own
+
+    def score(self, output: torch.Tensor, targets: torch.Tensor,
+              correct: bool = False) -> Score:
+        return split_logits_score(output, targets, self.vocab_start, self.grid.model,
+                                  self.grid.model_index, correct)
+
+
+def _vocab_start(plan: ModulePlan, model: nn.Module, grid: ProcessGrid) -> int | None:
+    """This rank's first row of the `vocab` output projection (None: there is none)."""
+    heads = vocab_heads(plan, model)
+    if not heads:
+        return None
+    (head,) = heads
+    projection = Projection.of(model.get_submodule(head))
+    assert projection is not None
+    first: int = Partition(projection.out_features, grid.pr).offsets[grid.model_index]
+    return first
+
+
 def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int, ...],
                         grid: ProcessGrid, sync_replica_gradients: bool,
                         bucket_cap_bytes: int, first_bucket_bytes: int) -> PlannedModel:
@@ -298,6 +357,7 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     changes, problems = adjustments(plan, model, grid.pr, gathered)
     if problems:
         raise ValueError("; ".join(problems))
+    vocab_start = _vocab_start(plan, model, grid)
     split_ids: set[int] = set()
     for path, style in plan.splits().items():
         built, split = style.build(model.get_submodule(path), path, grid.model,
@@ -310,7 +370,9 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     params = list(model.parameters())
     split_params = [p for p in params if id(p) in split_ids]
     replicated = [p for p in params if id(p) not in split_ids]
-    pmodel = PlannedModel(grid, model, plan.layouts, [str(c) for c in changes])
+    adjusted = [str(c) for c in changes]
+    pmodel = (PlannedModel(grid, model, plan.layouts, adjusted) if vocab_start is None
+              else VocabScoredModel(grid, model, plan.layouts, adjusted, vocab_start))
     pmodel.replicated_in_model_group = replicated
     pmodel.reducers = split_model_exchanges(grid, split_params, replicated,
                                             sync_replica_gradients, bucket_cap_bytes,
@@ -402,6 +464,7 @@ def plan_activation_bytes(model: nn.Module, plan: ModulePlan, sample_shape: tupl
     gathered = gathered_path(plan, model, sample_shape)
     split = {id(model.get_submodule(p)) for p, s in plan.styles.items()
              if s.splits_output and p != gathered}
+    split |= {id(model.get_submodule(p)) for p in vocab_heads(plan, model)}
     elements = sum(math.ceil(c.output_elements / grid.pr) if id(c.module) in split
                    else c.output_elements for c in calls)
     return rows * elements * activation_itemsize([model], compute_dtype)

@@ -10,7 +10,9 @@ holding what follows from it for one module of the user's model.
     fused_qkv  a fused q/k/v projection: each of its 3 chunks split as `colwise`, so each rank
                holds its heads of q, of k and of v
     vocab      an Embedding's rows (the vocabulary) split: a masked lookup, then the sum over
-               the group (`vocab_embedding_sum`)
+               the group (`vocab_embedding_sum`); or the model's output projection's rows (its
+               vocabulary or classes), its logits left split and scored split
+               (`strategies.vocab_head`)
     replicate  left whole: its gradient summed over every rank, as a batch-parallel layer's
 
 Under gridrun's convention (`runner.core.primitives`) a replicated tensor's gradient on each
@@ -37,6 +39,7 @@ from runner.core.cost import CommOp
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import all_gather, all_sum_reduce
 from strategies.tensor_parallel_ops import vocab_embedding_sum
+from strategies.vocab_head import split_loss_ops
 
 
 @dataclass(frozen=True)
@@ -354,21 +357,54 @@ class Rowwise(PlanStyle):
         return built, [built.weight]
 
 
-class Vocab(PlanStyle):
-    """An Embedding's vocabulary rows over the model group."""
+class VocabHead(Colwise):
+    """The model's output projection by its rows (vocabulary or classes) over the model
+    group: its output features as `colwise`, its logits never gathered but scored split."""
 
     name = "vocab"
-    summary = "vocabulary rows over Pr, lookups summed"
+    summary = "the output's vocabulary (classes) over Pr, logits scored split"
+
+    def problems(self, path: str, module: nn.Module, pr: int) -> list[str]:
+        projection = Projection.of(module)
+        assert projection is not None
+        return _divides(path, module, projection.out_features,
+                        "vocabulary rows (output features)", pr)
+
+    def ops(self, module: nn.Module, path: str, out_elements: int, pr: int, itemsize: int,
+            gather: bool) -> list[CommOp]:
+        projection = Projection.of(module)
+        assert projection is not None
+        return split_loss_ops(out_elements // projection.out_features, pr, itemsize,
+                              path + " loss")
+
+    def build(self, module: nn.Module, path: str, comm: CountedComm, index: int,
+              gather: bool) -> tuple[nn.Module, list[nn.Parameter]]:
+        return super().build(module, path, comm, index, False)
+
+
+VOCAB_HEAD = VocabHead()
+
+
+class Vocab(PlanStyle):
+    """An Embedding's vocabulary rows over the model group; a Linear or Conv1D (the model's
+    output projection) as `VocabHead`."""
+
+    name = "vocab"
+    summary = "vocabulary rows over Pr, lookups summed (a head: logits scored split)"
 
     def fits(self, module: nn.Module) -> str | None:
+        if Projection.of(module) is not None:
+            return None
         if type(module) is not nn.Embedding:
-            return f"{self.name} splits an nn.Embedding"
+            return f"{self.name} splits an nn.Embedding, or the model's output Linear or Conv1D"
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return (f"{self.name} splits a plain table (no max_norm, scale_grad_by_freq or "
                     f"sparse gradients)")
         return None
 
     def problems(self, path: str, module: nn.Module, pr: int) -> list[str]:
+        if Projection.of(module) is not None:
+            return VOCAB_HEAD.problems(path, module, pr)
         found = super().problems(path, module, pr)
         if found:
             return found
@@ -376,6 +412,8 @@ class Vocab(PlanStyle):
         return _divides(path, module, module.num_embeddings, "vocabulary rows", pr)
 
     def local_params(self, module: nn.Module, pr: int) -> list[LocalParam]:
+        if Projection.of(module) is not None:
+            return VOCAB_HEAD.local_params(module, pr)
         assert isinstance(module, nn.Embedding)
         weight = module.weight
         rows = Partition(module.num_embeddings, pr).sizes[0]
@@ -384,12 +422,16 @@ class Vocab(PlanStyle):
 
     def ops(self, module: nn.Module, path: str, out_elements: int, pr: int, itemsize: int,
             gather: bool) -> list[CommOp]:
+        if Projection.of(module) is not None:
+            return VOCAB_HEAD.ops(module, path, out_elements, pr, itemsize, gather)
         if pr == 1:
             return []
         return [CommOp("allreduce", "model", pr, out_elements * itemsize, path)] * 2
 
     def build(self, module: nn.Module, path: str, comm: CountedComm, index: int,
               gather: bool) -> tuple[nn.Module, list[nn.Parameter]]:
+        if Projection.of(module) is not None:
+            return VOCAB_HEAD.build(module, path, comm, index, gather)
         assert isinstance(module, nn.Embedding)
         rows = Partition(module.num_embeddings, comm.size).slice(index)
         built = VocabEmbedding(module, rows, comm, path)

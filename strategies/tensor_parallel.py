@@ -51,12 +51,7 @@ from strategies.base import (
 )
 from strategies.buckets import predict_gradient_ops
 from strategies.sharded import activation_itemsize
-from strategies.tensor_parallel_ops import (
-    loss_dtype,
-    vocab_argmax,
-    vocab_cross_entropy,
-    vocab_embedding_sum,
-)
+from strategies.tensor_parallel_ops import vocab_embedding_sum
 from strategies.transformer import (
     GPT,
     MLP,
@@ -65,6 +60,7 @@ from strategies.transformer import (
     TransformerBlock,
     activation_elements,
 )
+from strategies.vocab_head import split_logits_score, split_loss_ops
 
 Layout = Literal["pairing", "gather"]
 LAYOUTS: tuple[Layout, ...] = ("pairing", "gather")
@@ -167,17 +163,8 @@ class TensorParallelGPT(ParallelModel):
 
     def score(self, output: torch.Tensor, targets: torch.Tensor,
               correct: bool = False) -> Score:
-        comm, grid = self.grid.model, self.grid
-        logits = output.reshape(-1, output.shape[-1])
-        flat = targets.reshape(-1)
-        per_token = vocab_cross_entropy(logits, flat, self.vocab_start, comm).view(targets.shape)
-        mine = Partition(targets.shape[0], grid.pr).slice(grid.model_index)
-        loss = per_token[mine].sum()
-        right = None
-        if correct:
-            predicted = vocab_argmax(logits, self.vocab_start, comm).view(targets.shape)
-            right = (predicted[mine] == targets[mine]).sum()
-        return Score(loss, per_token[mine].numel(), right)
+        return split_logits_score(output, targets, self.vocab_start, self.grid.model,
+                                  self.grid.model_index, correct)
 
 
 # -- the plan: what each parameter becomes ------------------------------------------------------
@@ -352,7 +339,6 @@ def activation_ops(model: GPT, tokens: int, pr: int, layout: Layout,
     whole = activation_itemsize([model])  # the embedding's output: the table's dtype
     act = activation_itemsize([model], compute_dtype)  # a Linear's output
     logits = compute_dtype or next(model.parameters()).dtype  # autocast: the half type
-    ce = loss_dtype(logits).itemsize
     emb = tokens * shapes.width * whole
     ops = [CommOp("allreduce", "model", pr, emb, "tok_emb")] * 2
     for i in range(shapes.layers):
@@ -364,9 +350,7 @@ def activation_ops(model: GPT, tokens: int, pr: int, layout: Layout,
                 for n in (tokens * features * act, tokens * shapes.width * act):
                     ops += [CommOp("allgather", "model", pr, n, label),
                             CommOp("reduce_scatter", "model", pr, n, label)]
-    ops += [CommOp("allgather", "model", pr, pr * 2 * tokens * ce, "loss"),
-            CommOp("allreduce", "model", pr, tokens * ce, "loss")]
-    return ops
+    return ops + split_loss_ops(tokens, pr, logits.itemsize)
 
 
 def predict_tp_ops(model: GPT, sample_shape: tuple[int, ...], grid: GridShape,

@@ -265,6 +265,9 @@ BAD: list[tuple[list[str], str]] = [
      "blocks.0.fc2 (Linear) runs on the features blocks.0.fc1 split over the model group"),
     ([*PLANNED, "strategy.plan={blocks.*.fc2: rowwise}"],
      "blocks.0.fc2 (Linear) is rowwise but no colwise module before it splits"),
+    ([*PLANNED, "strategy.plan={blocks.0.fc1: vocab}"],
+     "blocks.0.fc1 (Linear): vocab splits a projection only where its output is the model's "
+     "output"),
 ]
 
 
