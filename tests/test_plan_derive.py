@@ -49,7 +49,8 @@ def test_a_users_block_gets_its_embedding_attention_and_mlp_split() -> None:
     four = derived_plan(model, (T,), 4)
     assert four is not None and "embed" not in four.layouts and "head" not in four.layouts
     # the user's and the model's own plans come first; one rank has nothing to split
-    assert module_plan(model, {"blocks.*.fc1": "colwise"}, (T,), 2).source != DERIVED_SOURCE  # type: ignore[union-attr]
+    given = module_plan(model, {"blocks.*.fc1": "colwise"}, (T,), 2)
+    assert given is not None and given.source != DERIVED_SOURCE
     assert derived_plan(model, (T,), 1) is None
     assert module_plan(model, {}) is None  # without shapes and ranks, nothing is derived
 
