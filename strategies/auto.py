@@ -15,8 +15,11 @@ layout by name (`strategy.layouts={fc1: 2d}`); the programme chooses the rest.
 
 A model that is not a chain (a module tree: ResNets, a user's own modules) has branches whose
 layouts would have to agree where they join; there `auto` compares the whole-model layouts of
-`model`, `grid` and `domain` over the tree (`strategies.tree`) and pure data parallelism by
-the same predicted step time and uses the fastest.
+`model`, `grid` and `domain` over the tree (`strategies.tree`), pure data parallelism and, for
+a model with a parallel plan by module name (declared by the model or derived from its
+structure: `strategies.module_plan`), `model` and `grid` by that plan, by the same predicted
+step time, and uses the fastest; the summary and the planner say which, and every candidate's
+predicted time.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from runner.core import GridShape, ProcessGrid
 from runner.core.cost import CommOp
 from strategies.base import DEFAULT_PRICING, ParallelModel, PricingContext, Strategy
 from strategies.buckets import predict_gradient_ops
+from strategies.grid import GridParallel
 from strategies.layer_layouts import (
     BATCH_ONLY,
     IMAGE_LAYOUTS,
@@ -54,11 +58,15 @@ from strategies.layouts import (
     passthrough_options,
     step_param_groups,
 )
+from strategies.module_plan import PlannedModel
+from strategies.plan_costs import PlannedModule
 from strategies.registry import STRATEGIES, register_strategy
 from strategies.sharded import layer_label
 from strategies.spatial import windowed_problem
 
 TREE_CHOICES = ("data", "grid", "model", "domain")
+# those that split a model with a plan by module name by it, priced with it and without
+PLANNED_CHOICES = ("grid", "model")
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,8 @@ class AutoLayout(Strategy):
         self.pins = {str(k): str(v) for k, v in (layouts or {}).items()}
         self._plans: dict[tuple[object, ...], tuple[LayerPlan, Pricing]] = {}
         self._trees: dict[tuple[object, ...], Strategy] = {}
+        self._tree_labels: dict[tuple[object, ...], str] = {}
+        self._tree_reasons: dict[tuple[object, ...], str] = {}
 
     def splits_parameters(self, grid: GridShape) -> bool:
         return grid.size > 1  # a 2-D layout splits weights over the batch group too
@@ -233,19 +243,38 @@ class AutoLayout(Strategy):
         key = (repr(model), tuple(sample_shape), grid, global_batch)
         if key in self._trees:
             return self._trees[key]
-        best: tuple[float, Strategy] | None = None
+        best: tuple[float, Strategy, str] | None = None
         refusals: list[str] = []
+        priced: list[tuple[str, float]] = []
         with torch.random.fork_rng(devices=[]):  # pricing builds layers: the run's draws stay
             for name in TREE_CHOICES:
-                found = self._price(name, model, sample_shape, grid, global_batch, refusals)
-                if found is not None and (best is None or found[0] < best[0]):
-                    best = found
+                for planned in ((True, False) if name in PLANNED_CHOICES else (None,)):
+                    found = self._price(name, model, sample_shape, grid, global_batch,
+                                        refusals, planned)
+                    if found is None:
+                        continue
+                    priced.append((found[2], found[0]))
+                    if best is None or found[0] < best[0]:
+                        best = found
         if best is None:
             raise ValueError(f"no strategy runs {type(model).__name__} on grid.pr={grid.pr} x "
                              f"grid.pc={grid.pc}: {'; '.join(refusals)}; strategy=data trains "
                              f"it whole on grid.pr=1 grid.pc={grid.size}")
         self._trees[key] = best[1]
+        others = ", ".join(f"{label} {seconds * 1e3:,.3f} ms" for label, seconds in priced
+                           if label != best[2])
+        self._tree_labels[key] = best[2]
+        self._tree_reasons[key] = (f"{best[2]}: {best[0] * 1e3:,.3f} ms predicted per step, the "
+                                   f"fastest" + (f" ({others})" if others else ""))
         return best[1]
+
+    def tree_choice(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> tuple[Strategy, str, str]:
+        """For a module tree: the chosen strategy, its name as the summary shows it (with the
+        source of its plan, if it splits by one) and why (every candidate's predicted step)."""
+        chosen = self._tree_choice(model, sample_shape, grid, global_batch)
+        key = (repr(model), tuple(sample_shape), grid, global_batch)
+        return chosen, self._tree_labels[key], self._tree_reasons[key]
 
     def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape) -> bool:
@@ -255,18 +284,30 @@ class AutoLayout(Strategy):
         return chosen.reproduces_random_draws(model, sample_shape, grid)
 
     def _price(self, name: str, model: nn.Module, sample_shape: tuple[int, ...],
-               grid: GridShape, global_batch: int,
-               refusals: list[str]) -> tuple[float, Strategy] | None:
-        """Strategy `name`'s predicted step time for the whole model, or None (its first
-        reason then joins `refusals`)."""
+               grid: GridShape, global_batch: int, refusals: list[str],
+               planned: bool | None = None) -> tuple[float, Strategy, str] | None:
+        """Strategy `name`'s predicted step time for the whole model, the strategy and its
+        label, or None (its first reason then joins `refusals`). `planned`: by the model's
+        plan by module name (None where it has none), or by the torch.fx rules."""
         strategy = STRATEGIES.get(name)(
             self.bucket_cap_bytes / (1 << 20), self.first_bucket_bytes / (1 << 20),
             pricing=replace(self.pricing, global_batch=global_batch))
+        label = name
+        if planned is not None and isinstance(strategy, GridParallel):
+            plan = strategy.module_plan(model, sample_shape, grid.pr)
+            if planned:
+                if plan is None:
+                    return None
+                label = f"{name} by the plan {plan.source}"
+            else:
+                strategy.use_plans = False
+                label = f"{name} by torch.fx rules" if plan is not None else name
         why = strategy.check(grid, global_batch) or strategy.check_model(model, sample_shape, grid)
         if why:
             refusals.append(why[0])
             return None
-        return strategy.predict_step_seconds(model, sample_shape, grid, global_batch), strategy
+        return (strategy.predict_step_seconds(model, sample_shape, grid, global_batch),
+                strategy, label)
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
@@ -310,9 +351,12 @@ class AutoLayout(Strategy):
         if not isinstance(model, nn.Sequential):
             batch = self.pricing.global_batch
             assert batch is not None
-            chosen = self._tree_choice(model, sample_shape, grid.shape, batch)
+            chosen, label, why = self.tree_choice(model, sample_shape, grid.shape, batch)
             whole = chosen.parallelize(model, sample_shape, grid, sync_replica_gradients)
-            whole.layouts = {"(whole model)": chosen.name}  # type: ignore[assignment]
+            styles = getattr(whole, "layouts", None) if isinstance(whole, PlannedModel) else None
+            whole.layouts = {"(whole model)": label,  # type: ignore[assignment]
+                             **(styles or {})}
+            whole.auto_choice = why  # type: ignore[assignment]
             return whole
         plan, _ = self._plan(model, sample_shape, grid.shape, None)
         # Every rank must build the same plan (a calibration file differing between hosts
@@ -333,10 +377,21 @@ class AutoLayout(Strategy):
                       global_batch: int) -> dict[str, str]:
         """Layer name → chosen layout (for the planner and the summary)."""
         if not isinstance(model, nn.Sequential):
-            chosen = self._tree_choice(model, sample_shape, grid, global_batch)
-            return {"(whole model)": chosen.name}
+            return {"(whole model)": self.tree_choice(model, sample_shape, grid,
+                                                      global_batch)[1]}
         plan, _ = self._plan(model, sample_shape, grid, global_batch)
         return plan.layer_layouts(layer_names(model))
+
+    def plan_modules(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                     global_batch: int) -> tuple[str, list[PlannedModule]] | None:
+        """The chosen strategy's plan by module name, for a module tree split by one (see
+        `GridParallel.plan_modules`)."""
+        if isinstance(model, nn.Sequential):
+            return None
+        chosen = self._tree_choice(model, sample_shape, grid, global_batch)
+        if not isinstance(chosen, GridParallel):
+            return None
+        return chosen.plan_modules(model, sample_shape, grid, global_batch)
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:

@@ -45,6 +45,7 @@ from strategies.module_plan import (
     predict_plan_ops,
 )
 from strategies.norm import batch_norm_ops, distribute_batch_norms
+from strategies.plan_costs import PlannedModule, plan_compute_seconds, plan_module_bytes
 from strategies.registry import register_strategy
 from strategies.sharded import (
     activation_itemsize,
@@ -172,6 +173,9 @@ class GridParallel(Strategy):
     Linear, split from it on; a model with a parallel plan by module name by that plan."""
 
     tree_mode: Mode = "grid"  # model: every Linear and Conv2d split
+    # whether a plan by module name applies (auto prices a model's torch.fx layouts beside
+    # its plan by turning this off)
+    use_plans: bool = True
 
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  tp_layout: str = "auto", plan: Mapping[str, str] | None = None, *,
@@ -203,9 +207,25 @@ class GridParallel(Strategy):
                                                batch)
         return self._layouts[key]
 
-    def module_plan(self, model: nn.Module) -> ModulePlan | None:
-        """The model's parallel plan by module name: the user's, else its own, else None."""
-        return module_plan(model, self.plan)
+    def module_plan(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    pr: int) -> ModulePlan | None:
+        """The model's parallel plan by module name: the user's, else its own, else (for a
+        model the torch.fx rules would split) one derived from its structure, else None."""
+        if not self.use_plans:
+            return None
+        if isinstance(model, nn.Sequential) or as_gpt(model) is not None:
+            return module_plan(model, self.plan)
+        return module_plan(model, self.plan, sample_shape, pr)
+
+    def plan_modules(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                     global_batch: int) -> tuple[str, list[PlannedModule]] | None:
+        """Where the model's plan by module name comes from, and each of its modules with its
+        style and predicted bytes per step (None: it has no plan)."""
+        plan = self.module_plan(model, sample_shape, grid.pr)
+        if plan is None:
+            return None
+        return plan.source, plan_module_bytes(model, plan, sample_shape, grid, global_batch,
+                                              self.bucket_caps, self.pricing.compute_dtype)
 
     def split(self, model: nn.Sequential) -> int:
         """Layers before this index run batch-parallel; the rest are split over the model group."""
@@ -213,7 +233,7 @@ class GridParallel(Strategy):
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
-        if (plan := self.module_plan(model)) is not None:
+        if (plan := self.module_plan(model, sample_shape, grid.pr)) is not None:
             return [f"strategy={self.name}: {p}"
                     for p in plan_problems(plan, model, sample_shape, grid.pr)]
         if (gpt := as_gpt(model)) is not None:
@@ -230,7 +250,7 @@ class GridParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        if (plan := self.module_plan(model)) is not None:
+        if (plan := self.module_plan(model, sample_shape, grid.pr)) is not None:
             return build_planned_model(model, plan, sample_shape, grid, sync_replica_gradients,
                                        self.bucket_cap_bytes, self.first_bucket_bytes)
         if (gpt := as_gpt(model)) is not None:
@@ -246,7 +266,7 @@ class GridParallel(Strategy):
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
-        if (plan := self.module_plan(model)) is not None:
+        if (plan := self.module_plan(model, sample_shape, grid.pr)) is not None:
             return predict_plan_ops(model, plan, sample_shape, grid, global_batch,
                                     self.bucket_caps, self.pricing.compute_dtype)
         if (gpt := as_gpt(model)) is not None:
@@ -263,7 +283,7 @@ class GridParallel(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
-        if (plan := self.module_plan(model)) is not None:
+        if (plan := self.module_plan(model, sample_shape, grid.pr)) is not None:
             return plan_param_bytes(model, plan, grid.pr)
         if (gpt := as_gpt(model)) is not None:
             return tp_param_bytes(gpt, grid.pr,
@@ -274,7 +294,7 @@ class GridParallel(Strategy):
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
-        if (plan := self.module_plan(model)) is not None:
+        if (plan := self.module_plan(model, sample_shape, grid.pr)) is not None:
             return plan_activation_bytes(model, plan, sample_shape, grid, global_batch,
                                          self.pricing.compute_dtype)
         if (gpt := as_gpt(model)) is not None:
@@ -300,7 +320,10 @@ class GridParallel(Strategy):
 
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:
-        if (gpt := as_gpt(model)) is not None and self.module_plan(model) is None:
+        if (plan := self.module_plan(model, sample_shape, grid.pr)) is not None:
+            return plan_compute_seconds(model, plan, sample_shape, grid, global_batch,
+                                        self.pricing.rates)
+        if (gpt := as_gpt(model)) is not None:
             return tp_compute_seconds(gpt, sample_shape, grid, global_batch,
                                       self.layout(gpt, sample_shape, grid, global_batch),
                                       self.pricing.rates)

@@ -5,7 +5,10 @@ model's own `forward` runs unchanged, under `strategy=model` and `strategy=grid`
 Where a plan comes from, in order: the user's `strategy.plan`; the model's declared plan (the
 transformers library's `config.base_model_tp_plan`, whose patterns are relative to the base
 model and are resolved under the wrapper's `base_model_prefix`, with the wrapper class's own
-`_tp_plan` for its head); otherwise none, and the strategy splits the model as it always has.
+`_tp_plan` for its head); otherwise, for a model group of more than one rank, one derived from
+the module structure (`strategies.plan_derive`: MLP pairs, attention blocks and vocabulary
+tables, each tried in one process before it is kept), where that finds anything; otherwise
+none, and the strategy splits the model as it always has.
 
 On the grid the plan splits over the model group (`Pr`), the batch over the batch groups
 (`Pc`): split parameters' gradients are summed over the batch group, replicated ones over the
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +42,7 @@ from runner.core.cost import CommOp
 from strategies.base import ParallelModel, Score, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
 from strategies.plan_checks import pairing_problems, shape_problems
+from strategies.plan_derive import candidate_groups, owner_calls, signature, trial
 from strategies.plan_styles import STYLES, PlanStyle, Projection
 from strategies.probe import EMBEDDINGS, logits_of, probe
 from strategies.sharded import activation_itemsize
@@ -46,6 +51,7 @@ from strategies.vocab_head import returns_logits_of, split_logits_score
 USER_SOURCE = "strategy.plan"
 WHOLE_MODEL = "(the model)"  # how an adjustment names the root module as its owner
 DECLARED_SOURCE = "the model's declared plan"
+DERIVED_SOURCE = "derived from the module structure"
 
 # The transformers library's style names, as gridrun runs them (a colwise head is gathered
 # wherever it is the model's output).
@@ -112,14 +118,74 @@ def declared_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def module_plan(model: nn.Module, user_plan: Mapping[str, str]) -> ModulePlan | None:
-    """The plan for `model`: the user's if given, else the model's declared one, else None."""
+def module_plan(model: nn.Module, user_plan: Mapping[str, str],
+                sample_shape: tuple[int, ...] | None = None, pr: int | None = None
+                ) -> ModulePlan | None:
+    """The plan for `model`: the user's if given, else the model's declared one, else (given
+    the samples' shape and the model group's size) one derived from its structure, else
+    None."""
     if user_plan:
         return match_plan(model, dict(user_plan), USER_SOURCE)
     declared = declared_plan(model)
     if declared:
         return match_plan(model, declared, DECLARED_SOURCE)
+    if sample_shape is not None and pr is not None:
+        return derived_plan(model, sample_shape, pr)
     return None
+
+
+# Derived plans by model, then by (its modules, sample shape, pr): the strategy asks for the
+# same plan to check, predict and build; the modules' text changes once the model is split.
+_DERIVED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], ModulePlan | None]] = (
+    weakref.WeakKeyDictionary())
+
+
+def derived_plan(model: nn.Module, sample_shape: tuple[int, ...], pr: int
+                 ) -> ModulePlan | None:
+    """The plan derived from `model`'s structure for `pr` ranks (None: nothing is split
+    safely, there is no more than one rank, or a BatchNorm would see a batch group's rows
+    only). Only groups that pass their trial in one process, and only a plan that
+    `plan_problems` accepts."""
+    key = (repr(model), tuple(sample_shape), pr)
+    known = _DERIVED.setdefault(model, {})
+    if key not in known:
+        known[key] = _derive(model, tuple(sample_shape), pr)
+    return known[key]
+
+
+def _derive(model: nn.Module, sample_shape: tuple[int, ...], pr: int) -> ModulePlan | None:
+    if pr < 2 or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return None
+    groups = candidate_groups(model, sample_shape)
+    calls = owner_calls(model, sample_shape, {g.owner for g in groups if g.kind != "vocab"})
+    holders = _tied(model)
+    tried: dict[tuple[object, ...], bool] = {}
+    styles: dict[str, str] = {}
+    for group in groups:
+        trial_plan = ModulePlan(DERIVED_SOURCE, {p: STYLES[s] for p, s in group.styles.items()})
+        problems = [p for path, style in trial_plan.styles.items()
+                    for p in style.problems(path, model.get_submodule(path), pr)]
+        shared = any(len(holders[id(param)]) > 1 for path in group.styles
+                     for param in model.get_submodule(path).parameters(recurse=False))
+        if problems or shared:
+            continue
+        if group.kind != "vocab":
+            changes, why = adjustments(trial_plan, model, pr, None)
+            if why or group.owner not in calls:
+                continue
+            key = (signature(model, group), pr)
+            if key not in tried:
+                tried[key] = trial(model, group, calls[group.owner], pr,
+                                   [("" if c.owner == "(the model)" else c.owner, c.attribute,
+                                     c.new) for c in changes])
+            if not tried[key]:
+                continue
+        styles.update(group.styles)
+    if not styles:
+        return None
+    plan = ModulePlan(DERIVED_SOURCE, {p: STYLES[styles[p]] for p, _ in model.named_modules()
+                                       if p in styles})
+    return None if plan_problems(plan, model, sample_shape, pr) else plan
 
 
 def match_plan(model: nn.Module, patterns: dict[str, str], source: str) -> ModulePlan:
@@ -308,6 +374,7 @@ class PlannedModel(ParallelModel):
         self.module = module
         self.layouts = layouts
         self.plan_adjustments = adjusted
+        self.plan_source: str | None = None  # where the plan came from (`ModulePlan.source`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = logits_of(self.module(x))
@@ -373,6 +440,7 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     adjusted = [str(c) for c in changes]
     pmodel = (PlannedModel(grid, model, plan.layouts, adjusted) if vocab_start is None
               else VocabScoredModel(grid, model, plan.layouts, adjusted, vocab_start))
+    pmodel.plan_source = plan.source
     pmodel.replicated_in_model_group = replicated
     pmodel.reducers = split_model_exchanges(grid, split_params, replicated,
                                             sync_replica_gradients, bucket_cap_bytes,

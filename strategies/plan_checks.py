@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from strategies.plan_styles import PlanStyle, Projection
-from strategies.probe import probe
+from strategies.probe import probe, reads_tokens, sample_dtype
 
 SPLITTING = ("colwise", "fused_qkv")  # styles whose output stays split (unless gathered)
 SUMMING = "rowwise"
@@ -97,6 +97,8 @@ def shape_problems(styles: dict[str, PlanStyle], model: nn.Module,
     if pr == 1 or not styles:
         return []
     twin = copy.deepcopy(model)
+    if sample_dtype(model) == torch.long:  # what the model reads is not the copy's to guess
+        reads_tokens(twin)
     for path, style in styles.items():
         twin.set_submodule(path, _stand_in(twin.get_submodule(path), style, pr,
                                            path == gathered))

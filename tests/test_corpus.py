@@ -119,10 +119,14 @@ def test_random_draws_are_named_and_refused_where_ranks_draw_apart() -> None:
 
 def test_auto_chooses_data_for_what_nothing_splits_and_refuses_in_one_line_where_data_cannot(
         ) -> None:
-    assert verdict("ViTTiny", "auto", 1, 2) == []
-    problems = verdict("ViTTiny", "auto", 2, 2)
-    assert len(problems) == 1 and problems[0].startswith("strategy=auto: no strategy runs ViTTiny")
+    assert verdict("ShapeControlFlow", "auto", 1, 2) == []
+    problems = verdict("ShapeControlFlow", "auto", 2, 2)
+    assert len(problems) == 1 and problems[0].startswith(
+        "strategy=auto: no strategy runs ShapeControlFlow")
     assert "strategy=data trains it whole on grid.pr=1 grid.pc=4" in problems[0]
+    # a ViT's MLPs split by the plan derived from its structure: auto runs it on 2 x 2
+    assert verdict("ViTTiny", "auto", 1, 2) == []
+    assert verdict("ViTTiny", "auto", 2, 2) == []
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")

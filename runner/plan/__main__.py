@@ -213,7 +213,14 @@ def measure_step_overhead(steps: int = 60) -> float:
 
 
 def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
-    from runner.plan.planner import layer_table, layouts_table, order, plan_json, plan_table
+    from runner.plan.planner import (
+        layer_table,
+        layouts_table,
+        order,
+        plan_json,
+        plan_modules_table,
+        plan_table,
+    )
 
     console = make_console()
     console.print(plan_table(plan))
@@ -238,6 +245,9 @@ def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
         console.print(f"auto {best_auto.pr} x {best_auto.pc}: "
                       f"{best_auto.step_time * 1e3:,.3f} ms per step{against}")
         console.print(layouts_table(best_auto))
+    planned = [row for row in plan.feasible if row.plan_modules]
+    if planned:  # the fastest grid split by a plan by module name: its modules
+        console.print(plan_modules_table(min(planned, key=order)))
     for line in variant_lines(plan):
         console.print(line)
     if plan_cfg.layers:

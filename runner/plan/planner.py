@@ -29,6 +29,10 @@ class PlanRow:
     compute_time: float = 0.0  # forward, backward and update at this machine's rates
     step_time: float = 0.0  # compute + communication
     layouts: dict[str, str] | None = None  # strategy=auto: each layer's chosen layout
+    # a model split by a plan by module name: where the plan came from, and each of its
+    # modules as (path, style, predicted bytes per step)
+    plan_source: str | None = None
+    plan_modules: list[tuple[str, str, int]] | None = None
 
 
 @dataclass
@@ -79,12 +83,17 @@ def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world
                    + loss_op(grid.size, itemsize))
             step = predict_step(strategy, model, sample_shape, grid, batch)
             describe = getattr(strategy, "describe_plan", None)
+            planned = getattr(strategy, "plan_modules", None)
+            by_plan = planned(model, sample_shape, grid, batch) if planned else None
             rows.append(PlanRow(
                 name, pr, pc, ops, step_bytes(ops), comm_seconds(ops, costs),
                 strategy.predict_param_bytes(model, sample_shape, grid),
                 strategy.predict_activation_bytes(model, sample_shape, grid, batch),
                 compute_time=step.compute_s, step_time=step.total_s,
-                layouts=describe(model, sample_shape, grid, batch) if describe else None))
+                layouts=describe(model, sample_shape, grid, batch) if describe else None,
+                plan_source=by_plan[0] if by_plan else None,
+                plan_modules=([(m.path, m.style, m.comm_bytes) for m in by_plan[1]]
+                              if by_plan else None)))
     rates = next(iter(strategies.values())).pricing.rates.source if strategies else "default"
     return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, costs, rates,
                 steps_per_epoch)
@@ -110,6 +119,10 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                   "comm_bytes_per_step": r.comm_bytes, "comm_time_s_per_step": r.comm_time,
                   "compute_time_s_per_step": r.compute_time,
                   "step_time_s": r.step_time, "layouts": r.layouts,
+                  "plan_source": r.plan_source,
+                  "plan_modules": (None if r.plan_modules is None else
+                                   [{"module": path, "style": style, "comm_bytes": n}
+                                    for path, style, n in r.plan_modules]),
                   "layers": by_layer(r, plan.costs),
                   "param_bytes_per_rank": r.param_bytes,
                   "activation_bytes_per_rank": r.activation_bytes}
@@ -167,4 +180,15 @@ def layouts_table(row: PlanRow) -> Table:
     table.add_column("layout", justify="left")
     for layer, layout in (row.layouts or {}).items():
         table.add_row(layer, layout)
+    return table
+
+
+def plan_modules_table(row: PlanRow) -> Table:
+    """A plan by module name: each module's style and predicted bytes per step."""
+    table = Table(title=f"{row.strategy} {row.pr} x {row.pc}: the plan {row.plan_source}",
+                  title_justify="left")
+    for header in ("module", "style", "MB / step"):
+        table.add_column(header, justify="right" if header == "MB / step" else "left")
+    for path, style, nbytes in row.plan_modules or []:
+        table.add_row(path, style, _mb(nbytes))
     return table

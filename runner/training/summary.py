@@ -92,6 +92,11 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
         "layouts": getattr(model, "layouts", None),
         # a parallel plan by module name: the attention attributes it divided
         "plan_adjustments": getattr(model, "plan_adjustments", None),
+        # where that plan came from: strategy.plan, the model's declared plan, or derived from
+        # the module structure
+        "plan_source": getattr(model, "plan_source", None),
+        # strategy=auto on a module tree: what it chose and every candidate's predicted step
+        "auto_choice": getattr(model, "auto_choice", None),
         "param_bytes_per_rank": model.param_bytes(),
         "seed": run.seed,
         "versions": versions(),

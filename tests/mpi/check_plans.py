@@ -2,7 +2,8 @@
 `mpiexec -n 4 python THIS`.
 
 The transformers library's Llama (its declared plan), GPT-2 and BERT (plans given) and a user's
-attention block, in float64, under strategy=model 2x1 (GPT-2 also 4x1) and strategy=grid 2x2:
+attention block (a plan given, and one derived from its structure under model and auto), in
+float64, under strategy=model 2x1 (GPT-2 also 4x1) and strategy=grid 2x2:
 every step's loss equals one process's to 1e-9 relative (SGD with momentum; AdamW for one
 case), every final parameter piece equals the block of one process's parameter its placement
 names, the pieces tile every parameter (a checkpoint loads on any grid), and the bytes rank 0
@@ -29,7 +30,8 @@ from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
 from runner.core.placement import place_whole, placement_of  # noqa: E402
-from strategies import STRATEGIES  # noqa: E402
+from strategies import STRATEGIES, PricingContext  # noqa: E402
+from strategies.module_plan import DERIVED_SOURCE  # noqa: E402
 from strategies.probe import logits_of, reads_tokens  # noqa: E402
 from tests import plan_models  # noqa: E402
 
@@ -63,13 +65,16 @@ def optimizer(params: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
 
 
 def compare(factory: Callable[[], nn.Module], plan: dict[str, str], strategy_name: str,
-            shape: tuple[int, int], classes: int | None = None, opt: str = "sgd") -> None:
+            shape: tuple[int, int], classes: int | None = None, opt: str = "sgd",
+            source: str | None = None) -> None:
     grid: ProcessGrid | None = GRIDS[shape]
     if grid is None:
         return
     what = f"{factory.__name__} {strategy_name} {shape[0]}x{shape[1]} {opt}"
+    options: dict[str, object] = ({"pricing": PricingContext(global_batch=BATCH)}
+                                  if strategy_name == "auto" else {"plan": plan})
     strategy = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
-                                             plan=plan)
+                                             **options)
     seq = build(factory)
     assert strategy.check(grid.shape, BATCH) == [], what
     assert strategy.check_model(seq, (T,), grid.shape) == [], (
@@ -77,6 +82,8 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], strategy_nam
     ops = strategy.predict_ops(seq, (T,), grid.shape, BATCH)
     pmodel = strategy.parallelize(tagged_copy(seq), (T,), grid)
     assert getattr(pmodel, "layouts", None), what
+    if source is not None:
+        assert getattr(pmodel, "plan_source", None) == source, (what, pmodel.layouts)
     gen = torch.Generator().manual_seed(9)
     x = torch.randint(1, VOCAB, (BATCH, T), generator=gen)
     y = (torch.randint(0, classes, (BATCH,), generator=gen) if classes
@@ -164,6 +171,14 @@ def transformers_models_by_plan_equal_one_process() -> None:
 def a_users_attention_block_by_plan_equals_one_process() -> None:
     for strategy_name, shape in (("model", (2, 1)), ("grid", (2, 2))):
         compare(user_block, plan_models.BLOCK_PLAN, strategy_name, shape)
+
+
+@check
+def a_plan_derived_from_the_module_structure_equals_one_process() -> None:
+    # no plan given or declared: the block's embedding, attention and MLP by derivation; under
+    # auto 2x2 the derived plan is the one strategy that runs it there
+    compare(user_block, {}, "model", (2, 1), source=DERIVED_SOURCE)
+    compare(user_block, {}, "auto", (2, 2), source=DERIVED_SOURCE)
 
 
 if __name__ == "__main__":

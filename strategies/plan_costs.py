@@ -1,0 +1,111 @@
+"""What a model split by a parallel plan by module name (`strategies.module_plan`) costs, for the
+predicted step time and the planner.
+
+`plan_module_bytes`: each planned module's bytes per step, its own collectives and its
+parameters' gradient exchange. `plan_compute_seconds`: the compute from the local shapes each
+style computes with, as `strategies.layer_layouts`' stand-ins do for layer layouts: every rank
+of a model group runs all of its group's rows; a colwise projection makes its rank's output
+features, a rowwise one reads its rank's input features, a vocab table holds its rank's rows;
+what runs between a split output and the next rowwise projection (an MLP's activation) runs on
+the rank's features; everything else runs whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runner.core import GridShape, Partition
+from runner.core.compute import ComputeRates, layer_seconds
+from strategies.module_plan import (
+    ModulePlan,
+    gathered_path,
+    plan_param_items,
+    predict_plan_ops,
+)
+from strategies.plan_styles import Colwise, Projection
+from strategies.probe import probe
+
+
+def local_module(module: nn.Module, style: str, pr: int) -> nn.Module:
+    """A stand-in on the meta device with the shapes rank 0 computes with under `style`."""
+    projection = Projection.of(module)
+    bias = getattr(module, "bias", None) is not None
+    if projection is not None and style in ("colwise", "fused_qkv"):
+        chunks = 3 if style == "fused_qkv" else 1
+        out = Partition(projection.out_features // chunks, pr).sizes[0] * chunks
+        return nn.Linear(projection.in_features, out, bias=bias, device="meta")
+    if projection is not None and style == "rowwise":
+        return nn.Linear(Partition(projection.in_features, pr).sizes[0],
+                         projection.out_features, bias=bias, device="meta")
+    if isinstance(module, nn.Embedding) and style == "vocab":
+        return nn.Embedding(Partition(module.num_embeddings, pr).sizes[0],
+                            module.embedding_dim, device="meta")
+    if projection is not None and projection.transposed:
+        # a Conv1D kept whole: priced as the Linear it computes
+        return nn.Linear(projection.in_features, projection.out_features, bias=bias,
+                         device="meta")
+    return module
+
+
+def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int, ...],
+                         grid: GridShape, global_batch: int, rates: ComputeRates) -> float:
+    """Rank 0's forward and backward compute per step under `plan`, at `rates`, unslowed."""
+    rows = Partition(global_batch, grid.pc).sizes[0]
+    with torch.random.fork_rng(devices=[]):
+        calls = probe(model, sample_shape).calls
+    gathered = gathered_path(plan, model, sample_shape)
+    styled = {id(model.get_submodule(p)): (p, s.name) for p, s in plan.splits().items()}
+    split_widths: set[int] = set()  # features a split output left split, until a rowwise
+    total = 0.0
+    for call in calls:
+        shape = (rows, *call.input_shape)
+        path_style = styled.get(id(call.module))
+        if path_style is not None:
+            path, style = path_style
+            module = local_module(call.module, style, grid.pr)
+            projection = Projection.of(call.module)
+            if style == "rowwise" and projection is not None:
+                shape = (*shape[:-1], Partition(projection.in_features, grid.pr).sizes[0])
+                split_widths.clear()
+            elif (isinstance(plan.styles[path], Colwise) and projection is not None
+                    and path != gathered):
+                chunks = getattr(plan.styles[path], "chunks", 1)
+                split_widths.add(projection.out_features // chunks)
+        else:
+            module = local_module(call.module, "replicate", grid.pr)
+            if (shape[-1] in split_widths
+                    and not any(True for _ in call.module.parameters(recurse=False))):
+                shape = (*shape[:-1], Partition(shape[-1], grid.pr).sizes[0])
+        total += layer_seconds(module, shape, rates, input_grad=call.input_grad)
+    return total
+
+
+@dataclass(frozen=True)
+class PlannedModule:
+    """A module of a plan, its style and the bytes rank 0 moves for it per step."""
+
+    path: str
+    style: str
+    comm_bytes: int
+
+
+def plan_module_bytes(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int, ...],
+                      grid: GridShape, global_batch: int, caps: tuple[int, int],
+                      compute_dtype: torch.dtype | None = None) -> list[PlannedModule]:
+    """Each module of `plan` in `named_modules` order: the collectives its forward and backward
+    issue, and its parameters' share of the gradient buckets (split ones over the batch group,
+    whole ones over the world)."""
+    ops = predict_plan_ops(model, plan, sample_shape, grid, global_batch, caps, compute_dtype)
+    split, whole = plan_param_items(model, plan, grid.pr)
+    found = []
+    for path, style in plan.styles.items():
+        own = sum(op.nbytes for op in ops if op.layer in (path, path + " out"))
+        if grid.pc > 1:
+            own += sum(n for label, items in split if label == path for n, _ in items)
+        if grid.size > 1:
+            own += sum(n for label, items in whole if label == path for n, _ in items)
+        found.append(PlannedModule(path, style.name, own))
+    return found
