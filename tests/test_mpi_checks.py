@@ -37,6 +37,8 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_corpus.py": {"mpi": (4,)},
     # parallel plans by module name: the transformers library's models, a user's block
     "tests/mpi/check_plans.py": {"mpi": (4,)},
+    # planned runs resumed on other grids and strategies; vision transformers by plan
+    "tests/mpi/check_plan_resume.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
          for backend, sizes in backends.items() for ranks in sizes]
