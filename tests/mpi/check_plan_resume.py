@@ -4,7 +4,7 @@ one launch: `mpiexec -n 4 python THIS [OUT]`.
 - The transformers library's Llama trained 2 steps under `strategy=grid` 2x2 with its declared
   plan, its checkpoint (each split parameter a block of its global tensor) resumed for 2 more
   under `strategy=data` 1x4 and `strategy=model` 4x1: each gives the uninterrupted one-process
-  run's losses (float64, 1e-9 relative) and, where planned, the predicted bytes; and a `data`
+  run's losses (float64, 1e-9 relative), moving the predicted bytes every step; and a `data`
   1x4 checkpoint resumed under the plan on the grid 2x2 does too.
 - The transformers library's ViT (a plan given) and a timm-style ViT (its fused qkv Linear
   split by `fused_qkv`) under `strategy=model` 2x1 and `strategy=grid` 2x2: every step's loss
