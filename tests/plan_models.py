@@ -35,13 +35,15 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def hf_llama(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
-    """The transformers library's Llama: 4 query heads sharing 2 key/value heads; its norms
-    computed in the model's dtype (`RMSNorm`)."""
+def hf_llama(vocab_size: int, input_shape: tuple[int, ...], key_value_heads: int = 2
+             ) -> nn.Module:
+    """The transformers library's Llama: 4 query heads sharing `key_value_heads` key/value
+    heads (4: it splits over 4 ranks); its norms computed in the model's dtype (`RMSNorm`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                         num_attention_heads=4, num_key_value_heads=key_value_heads,
+                         intermediate_size=32,
                          max_position_embeddings=max(16, input_shape[0]), bos_token_id=0,
                          eos_token_id=0, pad_token_id=None)
     model = LlamaForCausalLM(config)

@@ -39,6 +39,8 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_plans.py": {"mpi": (4,)},
     # a plan's output projection split by vocabulary (or classes), its logits scored split
     "tests/mpi/check_plan_vocab.py": {"mpi": (4,)},
+    # planned runs resumed on other grids and strategies; vision transformers by plan
+    "tests/mpi/check_plan_resume.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
          for backend, sizes in backends.items() for ranks in sizes]
