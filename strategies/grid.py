@@ -235,7 +235,7 @@ class GridParallel(Strategy):
                     grid: GridShape) -> list[str]:
         if (plan := self.module_plan(model, sample_shape, grid.pr)) is not None:
             return [f"strategy={self.name}: {p}"
-                    for p in plan_problems(plan, model, sample_shape, grid.pr)]
+                    for p in plan_problems(plan, model, sample_shape, grid.pr, grid.pc)]
         if (gpt := as_gpt(model)) is not None:
             return gpt_problems(gpt, grid.pr, self.name)
         if not isinstance(model, nn.Sequential):

@@ -37,10 +37,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runner.core import GridShape, Partition, ProcessGrid
+from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
 from strategies.base import ParallelModel, Score, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
+from strategies.norm import (
+    batch_norm_ops,
+    batch_norm_problem,
+    distribute_batch_norms,
+    is_plain_batch_norm,
+)
 from strategies.plan_checks import pairing_problems, shape_problems
 from strategies.plan_derive import candidate_groups, owner_calls, signature, trial
 from strategies.plan_styles import STYLES, PlanStyle, Projection
@@ -325,9 +331,10 @@ def _tied(model: nn.Module) -> dict[int, list[str]]:
 
 
 def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, ...],
-                  pr: int) -> list[str]:
-    """Every reason the plan cannot split `model` over `pr` ranks, one line each."""
-    problems = list(plan.given_problems)
+                  pr: int, pc: int = 1) -> list[str]:
+    """Every reason the plan cannot split `model` over `pr` ranks (the batch over `pc`), one
+    line each."""
+    problems = list(plan.given_problems) + batch_norm_problems(model, pc)
     holders = _tied(model)
     for path, style in plan.splits().items():
         module = model.get_submodule(path)
@@ -358,6 +365,25 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
         return problems
     owners = [("" if c.owner == WHOLE_MODEL else c.owner, c.attribute, c.new) for c in changes]
     return shape_problems(plan.styles, model, sample_shape, pr, gathered, owners)
+
+
+def batch_norm_problems(model: nn.Module, pc: int) -> list[str]:
+    """A BatchNorm under a plan takes its statistics over the batch group (every rank of a
+    model group runs the group's rows): one torch runs as a `DistributedBatchNorm`; a subclass
+    with a forward of its own would normalise by a batch group's rows only, where `pc` > 1."""
+    problems = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        # a plain one is replaced; a subclass runs as it is, exact only on the whole batch
+        problem = batch_norm_problem(module, replaced=False)
+        if problem is None and pc > 1 and not is_plain_batch_norm(module):
+            problem = (f"a BatchNorm with a forward of its own would normalise by one batch "
+                       f"group's rows, not the batch's (grid.pc={pc}): use grid.pc=1 or "
+                       f"strategy=data")
+        if problem is not None:
+            problems.append(f"{path} ({type(module).__name__}): {problem}")
+    return problems
 
 
 # -- the parallel model ---------------------------------------------------------------------------
@@ -434,6 +460,10 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     for change in changes:
         owner = model if change.owner == WHOLE_MODEL else model.get_submodule(change.owner)
         setattr(owner, change.attribute, change.new)
+    # a model group's ranks hold the same rows: the batch's statistics come from the batch
+    # group (an EASGD replica normalises by its own rows)
+    distribute_batch_norms(model, grid.batch if sync_replica_gradients
+                           else CountedComm(None, grid.counter, "self"))
     params = list(model.parameters())
     split_params = [p for p in params if id(p) in split_ids]
     replicated = [p for p in params if id(p) not in split_ids]
@@ -510,6 +540,7 @@ def predict_plan_ops(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int
         itemsize = table if isinstance(call.module, EMBEDDINGS) else act
         ops += style.ops(call.module, path, rows * call.output_elements, grid.pr, itemsize,
                          path == gathered)
+    ops += batch_norm_ops(model, "batch", grid.pc, activation_itemsize([model]))
     split, whole = plan_param_items(model, plan, grid.pr)
     return (ops + predict_gradient_ops(split, "batch", grid.pc, *caps)
             + predict_gradient_ops(whole, "world", grid.size, *caps))

@@ -150,3 +150,22 @@ class FixedHeadsLM(UserBlockLM):
         for block in self.blocks:
             assert isinstance(block, UserBlock)
             block.attn = FixedHeadsAttention(16, heads)
+
+
+class NormedClassifier(nn.Module):
+    """Token ids to classes through a BatchNorm on the pooled features and a planned MLP: the
+    BatchNorm must take the whole batch's statistics, though a batch group holds part of it."""
+
+    def __init__(self, vocab_size: int, num_classes: int, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.norm = nn.BatchNorm1d(dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.embed(tokens).mean(dim=1))
+        return self.head(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+NORMED_PLAN = {"embed": "vocab", "fc1": "colwise", "fc2": "rowwise"}

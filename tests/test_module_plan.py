@@ -197,3 +197,21 @@ def test_a_forward_that_reshapes_by_the_whole_width_is_refused_before_any_rank_s
                               "under the plan: "), problem
     # the model is left as it was: the check ran on a copy
     assert isinstance(vit.blocks[0].attn.qkv, nn.Linear) and vit.blocks[0].attn.heads == 2
+
+
+class _ActBatchNorm(nn.BatchNorm1d):
+    """timm's BatchNormAct-like: a BatchNorm whose forward adds an activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+def test_a_batch_norm_with_its_own_forward_is_refused_where_a_batch_group_holds_part_of_the_batch(
+        ) -> None:
+    model = plan_models.NormedClassifier(VOCAB, 4)
+    model.norm = _ActBatchNorm(16)
+    plan = match_plan(model, plan_models.NORMED_PLAN, USER_SOURCE)
+    assert plan_problems(plan, model, (T,), 2, pc=1) == []
+    [problem] = plan_problems(plan, model, (T,), 2, pc=2)
+    assert problem.startswith("norm (_ActBatchNorm): a BatchNorm with a forward of its own "
+                              "would normalise by one batch group's rows"), problem

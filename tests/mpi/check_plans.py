@@ -173,6 +173,18 @@ def a_users_attention_block_by_plan_equals_one_process() -> None:
         compare(user_block, plan_models.BLOCK_PLAN, strategy_name, shape)
 
 
+def normed_classifier() -> nn.Module:
+    return plan_models.NormedClassifier(VOCAB, CLASSES)
+
+
+@check
+def a_batch_norm_under_a_plan_takes_the_whole_batchs_statistics() -> None:
+    # on grid 2x2 a batch group holds half the batch: its statistics come from both groups
+    for strategy_name, shape in (("model", (2, 1)), ("grid", (2, 2))):
+        compare(normed_classifier, plan_models.NORMED_PLAN, strategy_name, shape,
+                classes=CLASSES)
+
+
 @check
 def a_plan_derived_from_the_module_structure_equals_one_process() -> None:
     # no plan given or declared: the block's embedding, attention and MLP by derivation; under
