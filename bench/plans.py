@@ -12,6 +12,8 @@ as the Llama's), and trains each with AdamW on a fixed random global batch of 16
 - `plan_model`: the Llama under `strategy=model` 2×1 by its declared plan
   (`config.base_model_tp_plan`: q/k/v, gate and up colwise, o and down rowwise, the head
   colwise and gathered);
+- `plan_vocab_model`: the same plan with the head split by vocabulary (`lm_head: vocab`): its
+  logits scored split, never gathered;
 - `gpt_model`: the GPT under `strategy=model` 2×1 with the Megatron pairing (gridrun's own
   tensor parallelism: the same splits, written for its GPT);
 - `data`: the Llama under `strategy=data` 1×2;
@@ -65,9 +67,20 @@ def build_gpt() -> Any:
     return GPT(VOCAB, CONTEXT, WIDTH, LAYERS, HEADS, tie_weights=False)
 
 
+# The Llama's declared plan with its head split by vocabulary: the loss scored on the split
+# logits instead of gathering them (the `vocab` style of a user's `strategy.plan`).
+LLAMA_VOCAB_PLAN = {"model.layers.*.self_attn.q_proj": "colwise",
+                    "model.layers.*.self_attn.k_proj": "colwise",
+                    "model.layers.*.self_attn.v_proj": "colwise",
+                    "model.layers.*.self_attn.o_proj": "rowwise",
+                    "model.layers.*.mlp.gate_proj": "colwise",
+                    "model.layers.*.mlp.up_proj": "colwise",
+                    "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "vocab"}
+
 # label: (model builder, strategy, its options, pr, pc)
 CONTENDERS: dict[str, tuple[Callable[[], Any], str, dict[str, Any], int, int]] = {
     "plan_model": (build_llama, "model", {}, RANKS, 1),
+    "plan_vocab_model": (build_llama, "model", {"plan": LLAMA_VOCAB_PLAN}, RANKS, 1),
     "gpt_model": (build_gpt, "model", {"tp_layout": "pairing"}, RANKS, 1),
     "data": (build_llama, "data", {}, 1, RANKS),
 }
@@ -184,6 +197,7 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
                       "calibration": {"costs": costs.source, "compute": rates.source},
                       "layouts": results,
                       "plan_over_gpt_model": over("plan_model", "gpt_model"),
+                      "plan_vocab_over_gpt_model": over("plan_vocab_model", "gpt_model"),
                       "plan_over_data": over("plan_model", "data"),
                       "data_over_ddp": over("data", "ddp")}))
 
