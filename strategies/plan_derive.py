@@ -260,12 +260,13 @@ def _made_up(value: Any, generator: torch.Generator) -> Any:
     point drawn, integers zero, booleans true."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            return torch.randn(value.shape, generator=generator, dtype=torch.float64)
+            return torch.randn(value.shape, generator=generator,  # host: the trial's CPU copy
+                               dtype=torch.float64)
         if value.dtype == torch.bool:
-            return torch.ones(value.shape, dtype=torch.bool)
+            return torch.ones(value.shape, dtype=torch.bool)  # host: the trial's CPU copy
         if value.is_complex():
             raise _Unfit("a complex input")
-        return torch.zeros(value.shape, dtype=value.dtype)
+        return torch.zeros(value.shape, dtype=value.dtype)  # host: the trial's CPU copy
     if isinstance(value, tuple):
         return tuple(_made_up(v, generator) for v in value)
     if isinstance(value, list):
@@ -287,7 +288,7 @@ def _random_copy(module: nn.Module, seed: int) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for tensor in [*twin.parameters(), *twin.buffers()]:
-            tensor.copy_(0.5 * torch.randn(tensor.shape, generator=generator,
+            tensor.copy_(0.5 * torch.randn(tensor.shape, generator=generator,  # host: CPU copy
                                            dtype=tensor.dtype))
     return twin.eval()
 
