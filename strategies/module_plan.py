@@ -49,7 +49,7 @@ from strategies.norm import (
 )
 from strategies.plan_checks import pairing_problems, shape_problems
 from strategies.plan_derive import candidate_groups, owner_calls, signature, trial
-from strategies.plan_styles import STYLES, PlanStyle, Projection
+from strategies.plan_styles import STYLES, PlanStyle, Projection, ReplicatedKeyValue
 from strategies.probe import EMBEDDINGS, logits_of, probe
 from strategies.sharded import activation_itemsize
 from strategies.vocab_head import returns_logits_of, split_logits_score
@@ -131,10 +131,10 @@ def module_plan(model: nn.Module, user_plan: Mapping[str, str],
     the samples' shape and the model group's size) one derived from its structure, else
     None."""
     if user_plan:
-        return match_plan(model, dict(user_plan), USER_SOURCE)
+        return replicated_key_values(match_plan(model, dict(user_plan), USER_SOURCE), model, pr)
     declared = declared_plan(model)
     if declared:
-        return match_plan(model, declared, DECLARED_SOURCE)
+        return replicated_key_values(match_plan(model, declared, DECLARED_SOURCE), model, pr)
     if sample_shape is not None and pr is not None:
         return derived_plan(model, sample_shape, pr)
     return None
@@ -192,6 +192,38 @@ def _derive(model: nn.Module, sample_shape: tuple[int, ...], pr: int) -> ModuleP
     plan = ModulePlan(DERIVED_SOURCE, {p: STYLES[styles[p]] for p, _ in model.named_modules()
                                        if p in styles})
     return None if plan_problems(plan, model, sample_shape, pr) else plan
+
+
+def replicated_key_values(plan: ModulePlan, model: nn.Module, pr: int | None) -> ModulePlan:
+    """`plan` with the `colwise` key and value projections of grouped-query attention whose
+    heads do not divide over `pr` ranks held whole instead (`ReplicatedKeyValue`, as Megatron
+    does), where there are more ranks than key/value heads and each rank's query heads read one
+    of them: the owner's `num_key_value_groups` says the attention groups its heads, and it is
+    then adjusted to the query heads of one rank (`adjustments`)."""
+    if pr is None or pr < 2:
+        return plan
+    for owner, projections in _owners(plan, None).items():
+        module = model.get_submodule(owner)
+        groups = getattr(module, "num_key_value_groups", None)
+        width = next((getattr(module, n) for n in HEAD_WIDTH_ATTRIBUTES
+                      if isinstance(getattr(module, n, None), int)), None)
+        if not isinstance(groups, int) or groups < 2 or not width:
+            continue
+        widths = {path: _out_features(model.get_submodule(path)) for path in projections}
+        query_heads = max(widths.values()) // width
+        for path, out in widths.items():
+            heads = out // width
+            if (plan.styles[path].name != "colwise" or heads * groups != query_heads
+                    or heads % pr == 0 or pr % heads or query_heads % pr
+                    or groups % (query_heads // pr)):
+                continue
+            plan.styles[path] = ReplicatedKeyValue(heads, width)
+    return plan
+
+
+def _out_features(module: nn.Module) -> int:
+    projection = Projection.of(module)
+    return projection.out_features if projection is not None else 0
 
 
 def match_plan(model: nn.Module, patterns: dict[str, str], source: str) -> ModulePlan:
@@ -295,6 +327,13 @@ def adjustments(plan: ModulePlan, model: nn.Module, pr: int, gathered: str | Non
                 problems.append(f"{shown} ({type(module).__name__}): cannot adjust its "
                                 f"{name}={value} to the heads of one rank (gridrun divides "
                                 f"{', '.join(DIVIDED_ATTRIBUTES)})")
+        replicated = [plan.styles[p] for p in plan.styles if p.rpartition(".")[0] == owner
+                      and isinstance(plan.styles[p], ReplicatedKeyValue)]
+        groups = attributes.get("num_key_value_groups")
+        if replicated and groups is not None and pr > 1:
+            # each rank's query heads read the one key/value head it computes
+            found.append(Adjustment(shown, "num_key_value_groups", groups,
+                                    groups * replicated[0].heads // pr))
         width = next((attributes[n] for n in HEAD_WIDTH_ATTRIBUTES if n in attributes), None)
         if width:
             for path in projections:

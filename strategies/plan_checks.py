@@ -70,22 +70,13 @@ def pairing_problems(styles: dict[str, PlanStyle], model: nn.Module,
 
 
 def _stand_in(module: nn.Module, style: PlanStyle, pr: int, gathered: bool) -> nn.Module:
-    """A module of one rank's shapes, on the module's device (the module itself where the
-    style keeps its shapes)."""
-    projection = Projection.of(module)
-    if projection is None or pr == 1:
+    """A projection of one rank's shapes, on the module's device (a gathered output is whole
+    again; an embedding keeps its table, whose lookups a stand-in of fewer rows could not
+    make)."""
+    weight = getattr(module, "weight", None)
+    if Projection.of(module) is None or gathered or not isinstance(weight, torch.Tensor):
         return module
-    out_f, in_f = projection.out_features, projection.in_features
-    if style.name in SPLITTING and not gathered:
-        out_f //= pr
-    elif style.name == SUMMING:
-        in_f //= pr
-    else:
-        return module
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)
-    return nn.Linear(in_f, out_f, bias=getattr(module, "bias", None) is not None,
-                     device=weight.device, dtype=weight.dtype)
+    return style.stand_in(module, pr, weight.device, weight.dtype)
 
 
 def shape_problems(styles: dict[str, PlanStyle], model: nn.Module,

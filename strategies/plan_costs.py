@@ -25,28 +25,20 @@ from strategies.module_plan import (
     plan_param_items,
     predict_plan_ops,
 )
-from strategies.plan_styles import Colwise, Projection
+from strategies.plan_styles import Colwise, PlanStyle, Projection
 from strategies.probe import probe
 
 
-def local_module(module: nn.Module, style: str, pr: int) -> nn.Module:
-    """A stand-in on the meta device with the shapes rank 0 computes with under `style`."""
+def local_module(module: nn.Module, style: PlanStyle | None, pr: int) -> nn.Module:
+    """A stand-in on the meta device with the shapes rank 0 computes with under `style`
+    (None: the module is not planned, and runs whole)."""
+    if style is not None:
+        return style.stand_in(module, pr)
     projection = Projection.of(module)
-    bias = getattr(module, "bias", None) is not None
-    if projection is not None and style in ("colwise", "fused_qkv"):
-        chunks = 3 if style == "fused_qkv" else 1
-        out = Partition(projection.out_features // chunks, pr).sizes[0] * chunks
-        return nn.Linear(projection.in_features, out, bias=bias, device="meta")
-    if projection is not None and style == "rowwise":
-        return nn.Linear(Partition(projection.in_features, pr).sizes[0],
-                         projection.out_features, bias=bias, device="meta")
-    if isinstance(module, nn.Embedding) and style == "vocab":
-        return nn.Embedding(Partition(module.num_embeddings, pr).sizes[0],
-                            module.embedding_dim, device="meta")
     if projection is not None and projection.transposed:
         # a Conv1D kept whole: priced as the Linear it computes
-        return nn.Linear(projection.in_features, projection.out_features, bias=bias,
-                         device="meta")
+        return nn.Linear(projection.in_features, projection.out_features,
+                         bias=getattr(module, "bias", None) is not None, device="meta")
     return module
 
 
@@ -57,7 +49,7 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
     with torch.random.fork_rng(devices=[]):
         calls = probe(model, sample_shape).calls
     gathered = gathered_path(plan, model, sample_shape)
-    styled = {id(model.get_submodule(p)): (p, s.name) for p, s in plan.splits().items()}
+    styled = {id(model.get_submodule(p)): (p, s) for p, s in plan.splits().items()}
     split_widths: set[int] = set()  # features a split output left split, until a rowwise
     total = 0.0
     for call in calls:
@@ -66,8 +58,9 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
         if path_style is not None:
             path, style = path_style
             module = local_module(call.module, style, grid.pr)
+            name = style.name
             projection = Projection.of(call.module)
-            if style == "rowwise" and projection is not None:
+            if name == "rowwise" and projection is not None:
                 shape = (*shape[:-1], Partition(projection.in_features, grid.pr).sizes[0])
                 split_widths.clear()
             elif (isinstance(plan.styles[path], Colwise) and projection is not None
@@ -75,7 +68,7 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
                 chunks = getattr(plan.styles[path], "chunks", 1)
                 split_widths.add(projection.out_features // chunks)
         else:
-            module = local_module(call.module, "replicate", grid.pr)
+            module = local_module(call.module, None, grid.pr)
             if (shape[-1] in split_widths
                     and not any(True for _ in call.module.parameters(recurse=False))):
                 shape = (*shape[:-1], Partition(shape[-1], grid.pr).sizes[0])

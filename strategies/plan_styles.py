@@ -227,6 +227,20 @@ class PlanStyle:
         parameters (the others are replicated)."""
         return module, []
 
+    def stand_in(self, module: nn.Module, pr: int, device: torch.device | str = "meta",
+                 dtype: torch.dtype | None = None) -> nn.Module:
+        """A module of the shapes rank 0 computes with (for pricing, and for running the
+        model's forward on one rank's shapes; `dtype` None: torch's default); the module
+        itself where the style keeps them."""
+        return module
+
+
+def _linear_like(module: nn.Module, in_features: int, out_features: int,
+                 device: torch.device | str, dtype: torch.dtype | None) -> nn.Linear:
+    """A Linear of the given features with `module`'s bias, on `device`."""
+    return nn.Linear(in_features, out_features, bias=bias_of(module) is not None,
+                     device=device, dtype=dtype)
+
 
 def _divides(path: str, module: nn.Module, features: int, what: str, pr: int) -> list[str]:
     if features % pr:
@@ -285,6 +299,13 @@ class Colwise(PlanStyle):
         n = out_elements * itemsize
         return [CommOp("allgather", "model", pr, n, path + " out"),
                 CommOp("reduce_scatter", "model", pr, n, path + " out")]
+
+    def stand_in(self, module: nn.Module, pr: int, device: torch.device | str = "meta",
+                 dtype: torch.dtype | None = None) -> nn.Module:
+        projection = Projection.of(module)
+        assert projection is not None
+        local = Partition(projection.out_features // self.chunks, pr).sizes[0] * self.chunks
+        return _linear_like(module, projection.in_features, local, device, dtype)
 
     def build(self, module: nn.Module, path: str, comm: CountedComm, index: int,
               gather: bool) -> tuple[nn.Module, list[nn.Parameter]]:
@@ -355,6 +376,13 @@ class Rowwise(PlanStyle):
         cols = Partition(projection.in_features, comm.size).slice(index)
         built = RowwiseProjection(module, cols, projection.transposed, comm, path)
         return built, [built.weight]
+
+    def stand_in(self, module: nn.Module, pr: int, device: torch.device | str = "meta",
+                 dtype: torch.dtype | None = None) -> nn.Module:
+        projection = Projection.of(module)
+        assert projection is not None
+        return _linear_like(module, Partition(projection.in_features, pr).sizes[0],
+                            projection.out_features, device, dtype)
 
 
 class VocabHead(Colwise):
@@ -436,6 +464,61 @@ class Vocab(PlanStyle):
         rows = Partition(module.num_embeddings, comm.size).slice(index)
         built = VocabEmbedding(module, rows, comm, path)
         return built, [built.weight]
+
+    def stand_in(self, module: nn.Module, pr: int, device: torch.device | str = "meta",
+                 dtype: torch.dtype | None = None) -> nn.Module:
+        if Projection.of(module) is not None:
+            return VOCAB_HEAD.stand_in(module, pr, device, dtype)
+        assert isinstance(module, nn.Embedding)
+        return nn.Embedding(Partition(module.num_embeddings, pr).sizes[0], module.embedding_dim,
+                            device=device, dtype=dtype)
+
+
+class HeadRowsProjection(nn.Module):
+    """A Linear or Conv1D held whole (its very parameters), computing only the output features
+    `rows`: the key/value heads this rank's query heads read."""
+
+    def __init__(self, layer: nn.Module, rows: slice, transposed: bool) -> None:
+        super().__init__()
+        self.rows, self.transposed = rows, transposed
+        self.weight = weight_of(layer)
+        self.register_parameter("bias", bias_of(layer))  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight[:, self.rows] if self.transposed else self.weight[self.rows]
+        bias = None if self.bias is None else self.bias[self.rows]
+        return project(x, weight, bias, self.transposed)
+
+
+@dataclass(frozen=True)
+class ReplicatedKeyValue(PlanStyle):
+    """A key or value projection of grouped-query attention whose `heads` do not divide over
+    the model group (more ranks than heads), as Megatron does: held whole on every rank, each
+    computing the one head its rank's query heads read (rank r: head r // (Pr / heads)); the
+    weights' gradients, partial on each rank, are summed over every rank like a replicated
+    layer's. Chosen by the plan for a `colwise` key/value projection (never given by name)."""
+
+    heads: int
+    head_width: int
+    name: ClassVar[str] = "kv_replicated"
+    summary: ClassVar[str] = "whole, each rank its query heads' key/value head"
+
+    def head_rows(self, pr: int, index: int) -> slice:
+        head = index // (pr // self.heads)
+        return slice(head * self.head_width, (head + 1) * self.head_width)
+
+    def build(self, module: nn.Module, path: str, comm: CountedComm, index: int,
+              gather: bool) -> tuple[nn.Module, list[nn.Parameter]]:
+        projection = Projection.of(module)
+        assert projection is not None
+        return (HeadRowsProjection(module, self.head_rows(comm.size, index),
+                                   projection.transposed), [])
+
+    def stand_in(self, module: nn.Module, pr: int, device: torch.device | str = "meta",
+                 dtype: torch.dtype | None = None) -> nn.Module:
+        projection = Projection.of(module)
+        assert projection is not None
+        return _linear_like(module, projection.in_features, self.head_width, device, dtype)
 
 
 class Replicate(PlanStyle):

@@ -215,3 +215,33 @@ def test_a_batch_norm_with_its_own_forward_is_refused_where_a_batch_group_holds_
     [problem] = plan_problems(plan, model, (T,), 2, pc=2)
     assert problem.startswith("norm (_ActBatchNorm): a BatchNorm with a forward of its own "
                               "would normalise by one batch group's rows"), problem
+
+
+LLAMA_BLOCKS_PLAN = {"model.layers.*.self_attn.q_proj": "colwise",
+                     "model.layers.*.self_attn.k_proj": "colwise",
+                     "model.layers.*.self_attn.v_proj": "colwise",
+                     "model.layers.*.self_attn.o_proj": "rowwise",
+                     "model.layers.*.mlp.gate_proj": "colwise",
+                     "model.layers.*.mlp.up_proj": "colwise",
+                     "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_grouped_query_attention_holds_key_values_whole_where_ranks_outnumber_their_heads(
+        ) -> None:
+    from strategies.module_plan import adjustments, gathered_path
+
+    llama = plan_models.hf_llama(VOCAB, (T,))  # 4 query heads, 2 key/value heads
+    two = module_plan(llama, LLAMA_BLOCKS_PLAN, (T,), 2)
+    assert two is not None and two.layouts["model.layers.0.self_attn.k_proj"] == "colwise"
+    four = module_plan(llama, LLAMA_BLOCKS_PLAN, (T,), 4)
+    assert four is not None
+    assert four.layouts["model.layers.0.self_attn.k_proj"] == "kv_replicated"
+    assert four.layouts["model.layers.1.self_attn.v_proj"] == "kv_replicated"
+    assert four.layouts["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan_problems(four, llama, (T,), 4) == []
+    changes, _ = adjustments(four, llama, 4, gathered_path(four, llama, (T,)))
+    assert "adjusted model.layers.0.self_attn.num_key_value_groups 2 → 1" in map(str, changes)
+    # the ranks 0, 1 read key/value head 0; ranks 2, 3 head 1
+    style = four.styles["model.layers.0.self_attn.k_proj"]
+    assert [style.head_rows(4, r).start for r in range(4)] == [0, 0, 4, 4]  # type: ignore[attr-defined]
