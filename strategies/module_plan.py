@@ -327,8 +327,8 @@ def adjustments(plan: ModulePlan, model: nn.Module, pr: int, gathered: str | Non
                 problems.append(f"{shown} ({type(module).__name__}): cannot adjust its "
                                 f"{name}={value} to the heads of one rank (gridrun divides "
                                 f"{', '.join(DIVIDED_ATTRIBUTES)})")
-        replicated = [plan.styles[p] for p in plan.styles if p.rpartition(".")[0] == owner
-                      and isinstance(plan.styles[p], ReplicatedKeyValue)]
+        replicated = [style for p, style in plan.styles.items()
+                      if p.rpartition(".")[0] == owner and isinstance(style, ReplicatedKeyValue)]
         groups = attributes.get("num_key_value_groups")
         if replicated and groups is not None and pr > 1:
             # each rank's query heads read the one key/value head it computes

@@ -481,8 +481,12 @@ class HeadRowsProjection(nn.Module):
     def __init__(self, layer: nn.Module, rows: slice, transposed: bool) -> None:
         super().__init__()
         self.rows, self.transposed = rows, transposed
-        self.weight = weight_of(layer)
-        self.register_parameter("bias", bias_of(layer))  # type: ignore[arg-type]
+        weight, bias = weight_of(layer), bias_of(layer)
+        assert isinstance(weight, nn.Parameter) and (bias is None
+                                                     or isinstance(bias, nn.Parameter))
+        self.weight: nn.Parameter = weight  # the very parameters, placements and all
+        self.bias: nn.Parameter | None
+        self.register_parameter("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight[:, self.rows] if self.transposed else self.weight[self.rows]

@@ -71,11 +71,21 @@ def test_the_users_plan_comes_before_the_models_declared_one() -> None:
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
-def test_key_value_heads_that_do_not_divide_are_refused_by_name() -> None:
-    llama = plan_models.hf_llama(48, (T,))  # 48 tokens: the head divides over 4
-    problems = STRATEGIES.get("model")().check_model(llama, (T,), _shape(4))
-    assert ("strategy=model: model.layers.0.self_attn.k_proj (Linear): its 2 key/value heads "
-            "of 4 features do not divide over grid.pr=4 ranks") in problems, problems
+def test_key_value_heads_that_neither_divide_nor_serve_one_ranks_heads_are_refused_by_name(
+        ) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # 6 query heads over 3 ranks, 2 key/value heads: rank 1's two query heads read both
+    config = LlamaConfig(vocab_size=48, hidden_size=24, num_hidden_layers=1,
+                         num_attention_heads=6, num_key_value_heads=2, intermediate_size=36,
+                         max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
+    llama = LlamaForCausalLM(config)
+    problems = STRATEGIES.get("model")().check_model(llama, (T,), _shape(3))
+    assert ("strategy=model: model.layers.0.self_attn.k_proj (Linear): its 8 output features "
+            "do not divide over grid.pr=3 ranks") in problems, problems
+    # 4 query heads over 4 ranks, 2 key/value heads: each held whole (kv_replicated)
+    assert not any("key/value" in p for p in STRATEGIES.get("model")().check_model(
+        plan_models.hf_llama(48, (T,)), (T,), _shape(4)))
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
