@@ -60,6 +60,7 @@ from strategies.layouts import (
 )
 from strategies.module_plan import PlannedModel
 from strategies.plan_costs import PlannedModule
+from strategies.probe import random_draws
 from strategies.registry import STRATEGIES, register_strategy
 from strategies.sharded import layer_label
 from strategies.spatial import windowed_problem
@@ -220,6 +221,7 @@ class AutoLayout(Strategy):
         self._trees: dict[tuple[object, ...], Strategy] = {}
         self._tree_labels: dict[tuple[object, ...], str] = {}
         self._tree_reasons: dict[tuple[object, ...], str] = {}
+        self._random_draws: dict[tuple[object, ...], list[str]] = {}
 
     def splits_parameters(self, grid: GridShape) -> bool:
         return grid.size > 1  # a 2-D layout splits weights over the batch group too
@@ -303,11 +305,22 @@ class AutoLayout(Strategy):
                 strategy.use_plans = False
                 label = f"{name} by torch.fx rules" if plan is not None else name
         why = strategy.check(grid, global_batch) or strategy.check_model(model, sample_shape, grid)
+        if not why and not strategy.reproduces_random_draws(model, sample_shape, grid):
+            draws = self._draws(model, sample_shape)
+            if draws:  # validation would refuse it: a candidate only where it runs
+                why = [f"{label} draws random numbers per rank ({draws[0]})"]
         if why:
             refusals.append(why[0])
             return None
         return (strategy.predict_step_seconds(model, sample_shape, grid, global_batch),
                 strategy, label)
+
+    def _draws(self, model: nn.Module, sample_shape: tuple[int, ...]) -> list[str]:
+        """The model's random draws in a training forward (`probe.random_draws`), once."""
+        key = (repr(model), tuple(sample_shape))
+        if key not in self._random_draws:
+            self._random_draws[key] = random_draws(model, sample_shape)
+        return self._random_draws[key]
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:

@@ -205,3 +205,31 @@ def test_auto_names_its_choice_and_every_candidates_predicted_step() -> None:
     # at 2 x 1 model and grid by the plan compete (torch.fx cannot trace the block)
     _, _, why = auto.tree_choice(model, (T,), GridShape(2, 1), 16)
     assert "model by the plan" in why and "grid by the plan" in why
+
+
+class _DropoutMLP(nn.Module):
+    """An MLP a derived plan splits, with a dropout that would draw per rank under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def test_auto_leaves_out_candidates_that_would_draw_random_numbers_per_rank() -> None:
+    from runner.core import GridShape
+    from strategies import STRATEGIES, PricingContext
+
+    torch.manual_seed(0)
+    model = _DropoutMLP()
+    auto = STRATEGIES.get("auto")(pricing=PricingContext(global_batch=8))
+    [problem] = auto.check_model(model, (8,), GridShape(2, 2))
+    assert "grid by the plan derived from the module structure draws random numbers per rank" \
+        in problem and "drop (Dropout)" in problem, problem
+    # one rank per model group: data draws as one process does, and runs it
+    assert auto.check_model(model, (8,), GridShape(1, 2)) == []
+    assert auto.tree_choice(model, (8,), GridShape(1, 2), 8)[0].name == "data"
