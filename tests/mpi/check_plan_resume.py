@@ -14,7 +14,6 @@ one launch: `mpiexec -n 4 python THIS [OUT]`.
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.util
 import json
@@ -39,10 +38,16 @@ from harness import (  # noqa: E402
     train_run,
 )
 from mpi4py import MPI  # noqa: E402
+from plan_harness import (  # noqa: E402
+    TOLERANCE,
+    assert_moved_as_predicted,
+    assert_pieces_equal,
+    built,
+    tagged_copy,
+)
 from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
-from runner.core.placement import place_whole, placement_of  # noqa: E402
 from strategies import STRATEGIES  # noqa: E402
 from strategies.probe import logits_of  # noqa: E402
 from tests import plan_vit_models  # noqa: E402
@@ -50,7 +55,6 @@ from tests import plan_vit_models  # noqa: E402
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_plan_resume")
 WORLD = MPI.COMM_WORLD
 GRIDS = make_grids([(1, 1), (1, 4), (4, 1), (2, 2), (2, 1)])
-TOLERANCE = 1e-9
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 # 4 key/value heads: the declared plan splits them over 4 ranks too
@@ -151,20 +155,6 @@ BATCH, CLASSES = 8, 4
 IMAGE_SHAPE = (plan_vit_models.CHANNELS, plan_vit_models.IMAGE, plan_vit_models.IMAGE)
 
 
-def built(factory: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(3)
-    model = factory().double()
-    place_whole(model)
-    return model
-
-
-def tagged_copy(model: nn.Module) -> nn.Module:
-    """A copy to split, its parameters tagged (a deep copy drops the tags)."""
-    twin = copy.deepcopy(model)
-    place_whole(twin)
-    return twin
-
-
 def compare_images(factory: Callable[[], nn.Module], plan: dict[str, str],
                    strategy_name: str, shape: tuple[int, int]) -> None:
     grid: ProcessGrid | None = GRIDS[shape]
@@ -173,12 +163,12 @@ def compare_images(factory: Callable[[], nn.Module], plan: dict[str, str],
     what = f"{factory.__name__} {strategy_name} {shape[0]}x{shape[1]}"
     strategy = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                              plan=plan)
-    seq = built(factory)
+    seq = built(factory, tokens=False)
     assert strategy.check(grid.shape, BATCH) == [], what
     problems = strategy.check_model(seq, IMAGE_SHAPE, grid.shape)
     assert problems == [], (what, problems)
     ops = strategy.predict_ops(seq, IMAGE_SHAPE, grid.shape, BATCH)
-    pmodel = strategy.parallelize(tagged_copy(seq), IMAGE_SHAPE, grid)
+    pmodel = strategy.parallelize(tagged_copy(seq, tokens=False), IMAGE_SHAPE, grid)
     assert set(getattr(pmodel, "layouts", {}).values()) == set(plan.values()), what
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(BATCH, *IMAGE_SHAPE, generator=gen, dtype=torch.float64)
@@ -198,28 +188,14 @@ def compare_images(factory: Callable[[], nn.Module], plan: dict[str, str],
         score = pmodel.score(pmodel(x_local), y_local)
         (score.loss_sum * scale).backward()
         pmodel.finish_gradient_sync()
-        measured = Counter((r.op, r.group, r.group_size, r.nbytes)
-                           for r in grid.counter.records)
-        assert measured == predicted, (f"{what} step {step}: measured-only "
-                                       f"{measured - predicted}, predicted-only "
-                                       f"{predicted - measured}")
+        assert_moved_as_predicted(grid, predicted, what, step)
         loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / BATCH
         assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
             what, step, loss, seq_loss.item())
         seq_opt.step()
         par_opt.step()
     grid.counter.keep_records = False
-    whole = dict(seq.named_parameters())
-    for param in pmodel.parameters():
-        place = placement_of(param)
-        assert place is not None, what
-        origin = placement_of(whole[place.name])
-        assert origin is not None
-        want = origin.view(whole[place.name].detach(), place)
-        err = (param.detach() - want).abs().max().item()
-        assert param.shape == want.shape and err <= TOLERANCE * max(want.abs().max().item(),
-                                                                    1.0), (
-            f"{what}: final {place} differs by {err}")
+    assert_pieces_equal(seq, pmodel, what)
     if grid.rank == 0:
         print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
               f"as predicted", flush=True)

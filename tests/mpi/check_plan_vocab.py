@@ -13,7 +13,6 @@ parameter piece equals the block of one process's parameter its placement names;
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
 from collections import Counter
@@ -27,37 +26,26 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from harness import check, make_grids, run_checks  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from plan_harness import (  # noqa: E402
+    TOLERANCE,
+    assert_moved_as_predicted,
+    assert_pieces_equal,
+    built,
+    tagged_copy,
+)
 from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
 from runner.core.cost import step_bytes  # noqa: E402
-from runner.core.placement import place_whole, placement_of  # noqa: E402
 from strategies import STRATEGIES  # noqa: E402
 from strategies.module_plan import DECLARED_STYLES, declared_plan  # noqa: E402
-from strategies.probe import logits_of, reads_tokens  # noqa: E402
+from strategies.probe import logits_of  # noqa: E402
 from tests import plan_models  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 GRIDS = make_grids([(2, 1), (2, 2)])
 VOCAB, T, BATCH, CLASSES = 50, 8, 8, 4
-TOLERANCE = 1e-9
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-
-
-def build(factory: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(3)
-    model = factory().double()
-    reads_tokens(model)
-    place_whole(model)
-    return model
-
-
-def tagged_copy(model: nn.Module) -> nn.Module:
-    """A copy to split, its parameters tagged (a deep copy drops the tags)."""
-    twin = copy.deepcopy(model)
-    reads_tokens(twin)
-    place_whole(twin)
-    return twin
 
 
 def relative_gap(got: float, want: float) -> float:
@@ -74,7 +62,7 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
                                              plan={**plan, head: "vocab"})
     gathered = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                              plan={**plan, head: "colwise"})
-    seq = build(factory)
+    seq = built(factory)
     assert strategy.check_model(seq, (T,), grid.shape) == [], (
         what, strategy.check_model(seq, (T,), grid.shape))
     ops = strategy.predict_ops(seq, (T,), grid.shape, BATCH)
@@ -109,11 +97,7 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
         score = pmodel.score(logits, y_local)
         (score.loss_sum * scale).backward()
         pmodel.finish_gradient_sync()
-        measured = Counter((r.op, r.group, r.group_size, r.nbytes)
-                           for r in grid.counter.records)
-        assert measured == predicted, (f"{what} step {step}: measured-only "
-                                       f"{measured - predicted}, predicted-only "
-                                       f"{predicted - measured}")
+        assert_moved_as_predicted(grid, predicted, what, step)
         loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / targets
         assert relative_gap(loss, seq_loss.item()) <= TOLERANCE, (what, step, loss,
                                                                   seq_loss.item())
@@ -132,17 +116,7 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
                      dtype=torch.float64)).tolist()
     assert count == targets and right == seq_right, (what, count, right, seq_right)
     assert relative_gap(loss, seq_loss) <= TOLERANCE, (what, loss, seq_loss)
-    whole = dict(seq.named_parameters())
-    for param in pmodel.parameters():
-        place = placement_of(param)
-        assert place is not None, what
-        origin = placement_of(whole[place.name])
-        assert origin is not None
-        want = origin.view(whole[place.name].detach(), place)
-        err = (param.detach() - want).abs().max().item()
-        assert param.shape == want.shape and err <= TOLERANCE * max(want.abs().max().item(),
-                                                                    1.0), (
-            f"{what}: final {place} differs by {err}")
+    assert_pieces_equal(seq, pmodel, what)
     if grid.rank == 0:
         print(f"{what}: {step_bytes(ops)} bytes a step as predicted (a gathered head: "
               f"{step_bytes(gathered_ops)}); accuracy {right:.0f}/{count:.0f} as one process",

@@ -12,7 +12,6 @@ moves every step are the predicted ones.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import sys
 from collections import Counter
@@ -26,36 +25,26 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from harness import check, make_grids, run_checks  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from plan_harness import (  # noqa: E402
+    TOLERANCE,
+    assert_moved_as_predicted,
+    assert_pieces_equal,
+    built,
+    tagged_copy,
+)
 from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
-from runner.core.placement import place_whole, placement_of  # noqa: E402
+from runner.core.placement import placement_of  # noqa: E402
 from strategies import STRATEGIES, PricingContext  # noqa: E402
 from strategies.module_plan import DERIVED_SOURCE  # noqa: E402
-from strategies.probe import logits_of, reads_tokens  # noqa: E402
+from strategies.probe import logits_of  # noqa: E402
 from tests import plan_models  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 GRIDS = make_grids([(2, 1), (4, 1), (2, 2)])
 VOCAB, T, BATCH, CLASSES = 50, 8, 8, 4
-TOLERANCE = 1e-9
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-
-
-def build(factory: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(3)
-    model = factory().double()
-    reads_tokens(model)
-    place_whole(model)
-    return model
-
-
-def tagged_copy(model: nn.Module) -> nn.Module:
-    """A copy to split, its parameters tagged (a deep copy drops the tags)."""
-    twin = copy.deepcopy(model)
-    reads_tokens(twin)
-    place_whole(twin)
-    return twin
 
 
 def optimizer(params: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
@@ -75,7 +64,7 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], strategy_nam
                                   if strategy_name == "auto" else {"plan": plan})
     strategy = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                              **options)
-    seq = build(factory)
+    seq = built(factory)
     assert strategy.check(grid.shape, BATCH) == [], what
     assert strategy.check_model(seq, (T,), grid.shape) == [], (
         what, strategy.check_model(seq, (T,), grid.shape))
@@ -105,28 +94,15 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], strategy_nam
         score = pmodel.score(pmodel(x_local), y_local)
         (score.loss_sum * scale).backward()
         pmodel.finish_gradient_sync()
-        measured = Counter((r.op, r.group, r.group_size, r.nbytes)
-                           for r in grid.counter.records)
-        assert measured == predicted, (f"{what} step {step}: measured-only "
-                                       f"{measured - predicted}, predicted-only "
-                                       f"{predicted - measured}")
+        assert_moved_as_predicted(grid, predicted, what, step)
         loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / targets
         assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
             what, step, loss, seq_loss.item())
         seq_opt.step()
         par_opt.step()
     grid.counter.keep_records = False
+    assert_pieces_equal(seq, pmodel, what)
     whole = dict(seq.named_parameters())
-    for param in pmodel.parameters():
-        place = placement_of(param)
-        assert place is not None, what
-        origin = placement_of(whole[place.name])
-        assert origin is not None
-        want = origin.view(whole[place.name].detach(), place)
-        err = (param.detach() - want).abs().max().item()
-        scale_of = max(want.abs().max().item(), 1.0)
-        assert param.shape == want.shape and err <= TOLERANCE * scale_of, (
-            f"{what}: final {place} differs by {err}")
     # the pieces of every parameter tile it (what a checkpoint needs to load on any grid)
     places = {placement_of(p) for p in pmodel.parameters()}
     every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
