@@ -146,6 +146,22 @@ def test_what_fits_passes() -> None:
                      extra_dirs=[str(PROJECT / "conf")]))
 
 
+# the README's line: a transformer of the user's own split by a plan given on the command line
+PLANNED_LM = ["model._target_=my_pkg.nets.TinyLM", "dataset=tokens", "strategy=grid",
+              "grid.pr=2", "grid.pc=2",
+              "strategy.plan={blocks.*.attn.qkv: fused_qkv, blocks.*.attn.out: rowwise, "
+              "blocks.*.fc1: colwise, blocks.*.fc2: rowwise, head: vocab}"]
+
+
+@pytest.mark.usefixtures("users_project")
+def test_the_readmes_planned_language_model_passes_and_a_wrong_plan_is_named() -> None:
+    validate(compose(PLANNED_LM))
+    with pytest.raises(ConfigError) as caught:
+        validate(compose([*PLANNED_LM[:-1], "strategy.plan={blocks.*.fc2: rowwise}"]))
+    assert ("blocks.0.fc2 (Linear) is rowwise but no colwise module before it splits its input "
+            "features") in str(caught.value)
+
+
 def test_an_optuna_search_over_gridrun_runs(tmp_path: Path) -> None:
     """Hydra's Optuna sweeper (the `sweep` extra) drives gridrun: every trial returns its
     run's objective, the best value is the best run's, and the sweep table keeps every trial
