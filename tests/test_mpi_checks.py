@@ -35,12 +35,10 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_gpt.py": {"mpi": (4,)},
     # the conformance corpus: every model under every strategy, or refused
     "tests/mpi/check_corpus.py": {"mpi": (4,)},
-    # parallel plans by module name: the transformers library's models, a user's block
+    # parallel plans by module name: the transformers library's models, a user's block; with
+    # check_plan_vocab (a head split by vocabulary, scored split) and check_plan_resume
+    # (planned runs resumed on other grids and strategies; vision transformers by plan)
     "tests/mpi/check_plans.py": {"mpi": (4,)},
-    # a plan's output projection split by vocabulary (or classes), its logits scored split
-    "tests/mpi/check_plan_vocab.py": {"mpi": (4,)},
-    # planned runs resumed on other grids and strategies; vision transformers by plan
-    "tests/mpi/check_plan_resume.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()
          for backend, sizes in backends.items() for ranks in sizes]

@@ -1,5 +1,6 @@
 """Parallel plans by module name (strategies/module_plan.py) against one process, in one launch:
-`mpiexec -n 4 python THIS`.
+`mpiexec -n 4 python THIS [OUT]` (with the checks of `check_plan_vocab.py` and
+`check_plan_resume.py`, which it imports).
 
 The transformers library's Llama (its declared plan), GPT-2 and BERT (plans given) and a user's
 attention block (a plan given, and one derived from its structure under model and auto), in
@@ -21,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # `tests` is this checkout's, whatever else is installed
 
+# their checks run in this launch too (one start of 4 ranks instead of three)
+import check_plan_resume  # noqa: E402, F401
+import check_plan_vocab  # noqa: E402, F401
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from harness import check, make_grids, run_checks  # noqa: E402
