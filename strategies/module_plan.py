@@ -39,7 +39,7 @@ from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.cost import CommOp
-from strategies.base import ParallelModel, Score, split_model_exchanges
+from strategies.base import ParallelModel, split_model_exchanges
 from strategies.buckets import predict_gradient_ops
 from strategies.norm import (
     batch_norm_ops,
@@ -52,7 +52,7 @@ from strategies.plan_derive import candidate_groups, owner_calls, signature, tri
 from strategies.plan_styles import STYLES, PlanStyle, Projection, ReplicatedKeyValue
 from strategies.probe import EMBEDDINGS, logits_of, probe
 from strategies.sharded import activation_itemsize
-from strategies.vocab_head import returns_logits_of, split_logits_score
+from strategies.vocab_head import SplitLogitsScoring, returns_logits_of
 
 USER_SOURCE = "strategy.plan"
 WHOLE_MODEL = "(the model)"  # how an adjustment names the root module as its owner
@@ -446,7 +446,7 @@ class PlannedModel(ParallelModel):
         return out[Partition(out.shape[0], self.grid.pr).slice(self.grid.model_index)]
 
 
-class VocabScoredModel(PlannedModel):
+class VocabScoredModel(SplitLogitsScoring, PlannedModel):
     """A planned model whose output projection is split by vocabulary (or classes): it outputs
     its piece of the logits of every row of its group, and scores its own sub-shard of the rows
     from the group's pieces (`strategies.vocab_head`), never gathering them."""
@@ -459,13 +459,6 @@ class VocabScoredModel(PlannedModel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return logits_of(self.module(x))
 
-    def own_rows(self, group_rows: int) -> slice:
-        return slice(0, group_rows)  # the targets of every row: `score` picks its own
-
-    def score(self, output: torch.Tensor, targets: torch.Tensor,
-              correct: bool = False) -> Score:
-        return split_logits_score(output, targets, self.vocab_start, self.grid.model,
-                                  self.grid.model_index, correct)
 
 
 def _vocab_start(plan: ModulePlan, model: nn.Module, grid: ProcessGrid) -> int | None:

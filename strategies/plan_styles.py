@@ -249,18 +249,22 @@ def _divides(path: str, module: nn.Module, features: int, what: str, pr: int) ->
     return []
 
 
-class Colwise(PlanStyle):
+class ProjectionStyle(PlanStyle):
+    """A style of a Linear or the transformers library's Conv1D."""
+
+    def fits(self, module: nn.Module) -> str | None:
+        if Projection.of(module) is None:
+            return f"{self.name} splits a Linear or a Conv1D"
+        return None
+
+
+class Colwise(ProjectionStyle):
     """Output features over the model group."""
 
     name = "colwise"
     summary = "output features over Pr"
     splits_output = True
     chunks: ClassVar[int] = 1  # the fused projection's pieces, each split
-
-    def fits(self, module: nn.Module) -> str | None:
-        if Projection.of(module) is None:
-            return f"{self.name} splits a Linear or a Conv1D"
-        return None
 
     def problems(self, path: str, module: nn.Module, pr: int) -> list[str]:
         found = super().problems(path, module, pr)
@@ -333,16 +337,11 @@ class FusedQKV(Colwise):
         return super().build(module, path, comm, index, False)
 
 
-class Rowwise(PlanStyle):
+class Rowwise(ProjectionStyle):
     """Input features over the model group, the partial outputs summed."""
 
     name = "rowwise"
     summary = "input features over Pr, partial sums all-reduced"
-
-    def fits(self, module: nn.Module) -> str | None:
-        if Projection.of(module) is None:
-            return f"{self.name} splits a Linear or a Conv1D"
-        return None
 
     def problems(self, path: str, module: nn.Module, pr: int) -> list[str]:
         found = super().problems(path, module, pr)

@@ -43,8 +43,6 @@ from runner.core.cost import CommOp
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import all_gather, all_sum_reduce
 from strategies.base import (
-    ParallelModel,
-    Score,
     Strategy,
     predict_step,
     split_model_exchanges,
@@ -60,7 +58,7 @@ from strategies.transformer import (
     TransformerBlock,
     activation_elements,
 )
-from strategies.vocab_head import split_logits_score, split_loss_ops
+from strategies.vocab_head import SplitLogitsScoring, split_loss_ops
 
 Layout = Literal["pairing", "gather"]
 LAYOUTS: tuple[Layout, ...] = ("pairing", "gather")
@@ -145,7 +143,7 @@ class VocabParallelHead(nn.Module):
         return F.linear(x, self.weight)
 
 
-class TensorParallelGPT(ParallelModel):
+class TensorParallelGPT(SplitLogitsScoring):
     """The GPT with its layers swapped for their split forms (its own forward runs them);
     every rank outputs its vocabulary piece of its whole batch group's logits and scores its
     sub-shard of the group's rows."""
@@ -158,13 +156,6 @@ class TensorParallelGPT(ParallelModel):
         y: torch.Tensor = self.gpt(x)
         return y
 
-    def own_rows(self, group_rows: int) -> slice:
-        return slice(0, group_rows)  # the targets of every row: `score` picks its own
-
-    def score(self, output: torch.Tensor, targets: torch.Tensor,
-              correct: bool = False) -> Score:
-        return split_logits_score(output, targets, self.vocab_start, self.grid.model,
-                                  self.grid.model_index, correct)
 
 
 # -- the plan: what each parameter becomes ------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 
 from runner.core import CountedComm, Partition
 from runner.core.cost import CommOp
-from strategies.base import Score
+from strategies.base import ParallelModel, Score
 from strategies.probe import logits_of, probe
 from strategies.tensor_parallel_ops import vocab_argmax, vocab_cross_entropy
 
@@ -83,3 +83,19 @@ def returns_logits_of(model: nn.Module, head: nn.Module,
             handle.remove()
     out = seen.get("head")
     return isinstance(out, torch.Tensor) and "model" in seen and logits_of(seen["model"]) is out
+
+
+class SplitLogitsScoring(ParallelModel):
+    """A parallel model whose output is logits split by vocabulary (or classes) over the model
+    group, rows [`vocab_start`, …) on this rank: every rank of a model group outputs all of its
+    group's rows and scores them with `split_logits_score`, which picks its own."""
+
+    vocab_start: int  # this rank's first row of the head
+
+    def own_rows(self, group_rows: int) -> slice:
+        return slice(0, group_rows)  # the targets of every row: `score` picks its own
+
+    def score(self, output: torch.Tensor, targets: torch.Tensor,
+              correct: bool = False) -> Score:
+        return split_logits_score(output, targets, self.vocab_start, self.grid.model,
+                                  self.grid.model_index, correct)
