@@ -54,6 +54,26 @@ RUNS: dict[str, list[str]] = {
     "cuda_bf16_long": [*DATA, "grid.pc=1", *CUDA, "trainer.precision=bf16",
                        f"trainer.steps={LONG_STEPS}"],
 }
+# The transformers library's Llama split by its declared plan (q/k/v, gate and up colwise, o and
+# down rowwise, the head colwise), and GPT-2 by the plan derived from its modules (its fused
+# `c_attn` Conv1D by chunk), each against its own one-process run on the GPU.
+LM = ["dataset=tokens", "dataset.vocab_size=64", "dataset.seq_len=16", "dataset.samples=512",
+      "trainer.batch_size=16", f"trainer.steps={STEPS}"]
+LLAMA = [*LM, "model._target_=tests.plan_models.hf_llama"]
+GPT2 = [*LM, "model._target_=tests.plan_models.hf_gpt2"]
+PLANNED: dict[str, list[str]] = {
+    "llama_p1": [*LLAMA, *DATA, "grid.pc=1", *CUDA],
+    "llama_model_2x1_mpi": [*LLAMA, "strategy=model", "grid.pr=2", "grid.pc=1", *CUDA, *STAGED],
+    "llama_grid_2x2_torch": [*LLAMA, "strategy=grid", "grid.pr=2", "grid.pc=2", *CUDA,
+                             "comm.backend=torch"],
+    "llama_p1_bf16": [*LLAMA, *DATA, "grid.pc=1", *CUDA, "trainer.precision=bf16"],
+    "llama_model_2x1_bf16": [*LLAMA, "strategy=model", "grid.pr=2", "grid.pc=1", *CUDA,
+                             *STAGED, "trainer.precision=bf16"],
+    "gpt2_p1": [*GPT2, *DATA, "grid.pc=1", *CUDA],
+    "gpt2_model_2x1_mpi": [*GPT2, "strategy=model", "grid.pr=2", "grid.pc=1", *CUDA, *STAGED],
+}
+RUNS.update(PLANNED)
+BF16_GAP = 2e-2  # bf16 keeps 8 mantissa bits: two ranks' partial sums round apart (~4e-3 each)
 
 
 Runs = RunCache
@@ -183,3 +203,21 @@ def test_on_cuda_a_fused_attention_kernel_called_with_dropout_is_refused() -> No
     with (pytest.raises(RandomDrawError, match="fused kernel"),
           RowDraws(draw_plan(model, x.shape[1:]), forward_key(), 0, 6)):
         model(x)
+
+
+@pytest.mark.parametrize("name,reference,gap", [
+    ("llama_model_2x1_mpi", "llama_p1", GAP), ("llama_grid_2x2_torch", "llama_p1", GAP),
+    ("llama_model_2x1_bf16", "llama_p1_bf16", BF16_GAP), ("gpt2_model_2x1_mpi", "gpt2_p1", GAP),
+])
+def test_on_cuda_a_model_split_by_its_plan_reproduces_one_process(
+        gpu_runs: Runs, name: str, reference: str, gap: float) -> None:
+    """Ranks sharing the GPU hold their heads and features of each planned projection (through
+    host buffers: no NCCL between ranks of one GPU), and train as one process on it does."""
+    run_dir = gpu_runs(name)
+    summary = read_summary(run_dir)
+    assert any(style == "colwise" for style in summary["layouts"].values()), summary["layouts"]
+    assert all(device.startswith("cuda:") for device in summary["devices"])
+    losses = train_losses(run_dir)
+    assert len(losses) == STEPS
+    assert _relative_gap(train_losses(gpu_runs(reference)), losses) <= gap
+    assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"] > 0
