@@ -86,20 +86,22 @@ CONTENDERS: dict[str, tuple[Callable[[], Any], str, dict[str, Any], int, int]] =
 }
 
 
-def runner_step(model: Any, x: Any, y: Any, grid: Any, scale: float) -> Callable[[], int]:
+def runner_step(model: Any, x: Any, y: Any, grid: Any, scale: float
+                ) -> Callable[[], tuple[int, float]]:
     """The runner's training step of `model` on this rank's rows, with AdamW; it returns the
-    bytes this rank moved."""
+    bytes this rank moved and the seconds it spent in its collectives (waits included)."""
     import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def step() -> int:
+    def step() -> tuple[int, float]:
         before = grid.counter.snapshot()
         model.zero_grad()
         (model.score(model(x), y).loss_sum * scale).backward()
         model.finish_gradient_sync()
         optimizer.step()
-        return int(grid.counter.since(before).nbytes)
+        moved = grid.counter.since(before)
+        return int(moved.nbytes), float(moved.seconds)
 
     return step
 
@@ -127,10 +129,10 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
     cores = len(os.sched_getaffinity(0))
     costs, rates = load_machine_costs(), load_compute_rates()
     pricing = PricingContext(costs, rates=rates, global_batch=BATCH,
-                             slowdown=oversubscription(size, cores))
+                             slowdown=oversubscription(size, cores), optimizer="adamw")
     scale = size / (BATCH * CONTEXT)
 
-    steppers: dict[str, Callable[[], int]] = {}
+    steppers: dict[str, Callable[[], tuple[int, float]]] = {}
     predicted: dict[str, tuple[StepPrediction, int]] = {}
     for label, (build, name, options, pr, pc) in CONTENDERS.items():
         strategy = STRATEGIES.get(name)(**options, pricing=pricing)
@@ -150,25 +152,27 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
     ddp_optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
 
-    def ddp_step() -> int:
+    def ddp_step() -> tuple[int, float]:
         ddp_optimizer.zero_grad(set_to_none=False)
         logits = ddp(x_all[rows]).logits
         F.cross_entropy(logits.reshape(-1, VOCAB), y_all[rows].reshape(-1)).backward()
         ddp_optimizer.step()
-        return 0
+        return 0, 0.0
 
     steppers["ddp"] = ddp_step
 
     times: dict[str, list[float]] = {label: [] for label in steppers}
     moved: dict[str, int] = {}
+    comm_times: dict[str, list[float]] = {label: [] for label in steppers}
     for _ in range(rounds):  # alternating, so that a shared machine's drifts hit all alike
         for label, step in steppers.items():
             comm.Barrier()
             for i in range(steps + warmup):
                 start = time.perf_counter()
-                moved[label] = step()
+                moved[label], comm_seconds = step()
                 if i >= warmup:
                     times[label].append(time.perf_counter() - start)
+                    comm_times[label].append(comm_seconds)
     dist.destroy_process_group()
     if rank != 0:
         return
@@ -183,6 +187,7 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
             result.update({"predicted_step_s": prediction.total_s,
                            "predicted_compute_s": prediction.compute_s,
                            "predicted_comm_s": prediction.comm_s + prediction.wait_s,
+                           "measured_comm_s": statistics.median(comm_times[label]),
                            "predicted_over_measured": ratio,
                            "within_target": TARGET[0] <= ratio <= TARGET[1],
                            "comm_bytes_per_step": moved[label],

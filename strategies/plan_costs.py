@@ -7,7 +7,8 @@ style computes with, as `strategies.layer_layouts`' stand-ins do for layer layou
 of a model group runs all of its group's rows; a colwise projection makes its rank's output
 features, a rowwise one reads its rank's input features, a vocab table holds its rank's rows;
 what runs between a split output and the next rowwise projection (an MLP's activation) runs on
-the rank's features; everything else runs whole.
+the rank's features; the operators a module holding colwise projections runs itself
+(attention's products and softmax) on its rank's heads; everything else runs whole.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from torch import nn
 
 from runner.core import GridShape, Partition
 from runner.core.compute import ComputeRates, layer_seconds
+from strategies.base import operators_seconds
 from strategies.module_plan import (
     ModulePlan,
     gathered_path,
     plan_param_items,
     predict_plan_ops,
 )
-from strategies.plan_styles import Colwise, PlanStyle, Projection
+from strategies.plan_styles import Colwise, PlanStyle, Projection, VocabHead
 from strategies.probe import probe
 
 
@@ -73,7 +75,18 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
                     and not any(True for _ in call.module.parameters(recurse=False))):
                 shape = (*shape[:-1], Partition(shape[-1], grid.pr).sizes[0])
         total += layer_seconds(module, shape, rates, input_grad=call.input_grad)
-    return total
+    # A module that holds split projections runs its own operators (attention's products and
+    # softmax, rotary embeddings, a gated MLP's product) on its rank's heads or features.
+    split_owners = {id(_parent(model, path)) for path, style in plan.splits().items()
+                    if isinstance(style, Colwise) and not isinstance(style, VocabHead)
+                    and path != gathered}
+    return total + operators_seconds(
+        model, sample_shape, rows, rates,
+        share=lambda owner: 1 / grid.pr if id(owner) in split_owners else 1.0)
+
+
+def _parent(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path.rpartition(".")[0])
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runner.core.compute import OperatorCall
+
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 
 
@@ -155,6 +157,83 @@ def probe(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Probe:
         for module, mode in modes.items():
             module.train(mode)
     return Probe(calls, tuple(out.shape[1:]))
+
+
+@dataclass(frozen=True)
+class OwnedCall:
+    """An operator a module's own `forward` ran between its leaf modules, and that module."""
+
+    owner: nn.Module
+    call: OperatorCall
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class _OwnedOperatorRecorder(TorchDispatchMode):
+    """Every operator run while no leaf module runs, with the innermost module running."""
+
+    def __init__(self, owners: list[nn.Module], leaf_depth: list[int],
+                 found: list[OwnedCall]) -> None:
+        super().__init__()
+        self.owners, self.leaf_depth, self.found = owners, leaf_depth, found
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.leaf_depth[0] == 0 and self.owners:
+            inputs = _tensors(list(args)) + _tensors(list((kwargs or {}).values()))
+            nbytes = sum(t.numel() * t.element_size() for t in inputs + _tensors(out))
+            backward = any(t.requires_grad and t.is_floating_point() for t in inputs)
+            self.found.append(OwnedCall(self.owners[-1], OperatorCall(
+                op_name(func), tuple(tuple(t.shape) for t in inputs), nbytes, backward)))
+        return out
+
+
+def operator_calls(model: nn.Module, sample_shape: tuple[int, ...] | list[int]
+                   ) -> list[OwnedCall]:
+    """The operators the modules' own `forward`s run between their leaf modules (what the
+    leaves' prices leave out: attention's products, softmax, rotary embeddings, residual sums),
+    from one sample's forward in evaluation mode with gradients recorded (so each operator
+    says whether it has a backward), on the model's own device; a leaf's own operators are the
+    leaf's. The model's modes are restored."""
+    owners: list[nn.Module] = []
+    leaf_depth = [0]
+    found: list[OwnedCall] = []
+
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+        owners.append(module)
+        if not any(True for _ in module.children()):
+            leaf_depth[0] += 1
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        owners.pop()
+        if not any(True for _ in module.children()):
+            leaf_depth[0] -= 1
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        sample = torch.zeros(1, *sample_shape, device=device, dtype=sample_dtype(model))
+        with torch.enable_grad(), _OwnedOperatorRecorder(owners, leaf_depth, found):
+            model(sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.train(mode)
+    return found
 
 
 # Functions whose random draws a name says better than the aten operation that makes them.

@@ -257,3 +257,74 @@ def test_load_compute_rates(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
                    json.dumps([1, 2])):
         path.write_text(broken)
         assert load_compute_rates() is DEFAULT_RATES, broken
+
+
+class ScoredBlock(nn.Module):
+    """Attention written in the block's own forward: its products, softmax and residual sum
+    run between the leaf modules, where no leaf's price sees them."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        return x + self.out(scores @ v)
+
+
+def test_the_operators_between_leaves_are_recorded_with_their_owner_and_backward() -> None:
+    from strategies.probe import operator_calls
+
+    model = nn.Sequential(ScoredBlock(), nn.ReLU())
+    found = operator_calls(model, (5, 16))
+    names = [c.call.name for c in found]
+    assert names.count("bmm") == 2 and "_softmax" in names and "add" in names
+    assert "relu" not in names and "addmm" not in names  # the leaves' own: priced as leaves
+    assert all(c.owner is model[0] for c in found)  # run by the block's forward
+    products = [c.call for c in found if c.call.name == "bmm"]
+    assert products[0].shapes == ((1, 5, 16), (1, 16, 5)) and products[0].backward
+
+
+def test_an_operator_is_priced_by_its_kind_on_the_rows_and_share_a_rank_runs() -> None:
+    from runner.core.compute import OperatorCall, operator_seconds
+
+    product = OperatorCall("bmm", ((1, 64, 32), (1, 32, 64)), 0, backward=True)
+    one, eight = operator_seconds(product, 1, RATES), operator_seconds(product, 8, RATES)
+    assert eight == pytest.approx(8 * (one - 2 * RATES.dispatch) + 2 * RATES.dispatch)
+    assert operator_seconds(product, 8, RATES, share=0.5) < eight  # half the heads
+    forward_only = dataclasses.replace(product, backward=False)
+    assert operator_seconds(forward_only, 8, RATES) < eight / 2  # one product of three
+    view = OperatorCall("transpose", ((1, 64, 32),), 8192, backward=True)
+    assert operator_seconds(view, 8, RATES) == 2 * RATES.dispatch  # no kernel
+    mul = OperatorCall("mul", ((1, 64, 32), (1, 64, 32)), 3 * 8192, backward=True)
+    assert operator_seconds(mul, 8, RATES) == pytest.approx(
+        3 * RATES.elementwise_seconds(0.5 * 3 * 8192 * 8) + 2 * RATES.dispatch)
+    attention = OperatorCall("_scaled_dot_product_flash_attention_for_cpu",
+                             ((1, 4, 64, 8), (1, 4, 64, 8), (1, 4, 64, 8)), 0, backward=True)
+    assert operator_seconds(attention, 8, RATES, share=0.5) < operator_seconds(attention, 8,
+                                                                               RATES)
+
+
+def test_a_step_prices_the_operators_a_forward_runs_between_its_leaves() -> None:
+    from runner.core import GridShape
+    from strategies import STRATEGIES, PricingContext
+
+    data = STRATEGIES.get("data")(pricing=PricingContext(rates=RATES, global_batch=8))
+    block = ScoredBlock()
+    leaves_only = nn.Sequential(nn.Linear(16, 48), nn.Linear(16, 16))
+    with_functions = data.predict_compute_seconds(block, (64, 16), GridShape(1, 1), 8)
+    # the two Linears alone (the second on the first's input width: the same products)
+    by_leaves = (layer_seconds(leaves_only[0], (8, 64, 16), RATES, input_grad=False)
+                 + layer_seconds(leaves_only[1], (8, 64, 16), RATES))
+    assert with_functions > by_leaves * 1.05  # the attention products and softmax
+
+
+def test_an_optimizer_with_more_state_costs_more_passes_per_step() -> None:
+    from runner.config.schema import Plugin
+    from runner.training.assembly import optimizer_kind
+    from strategies.base import UPDATE_PASSES, update_passes
+
+    assert update_passes("sgd") == UPDATE_PASSES < update_passes("adam") < update_passes("adamw")
+    assert optimizer_kind(Plugin("adamw")) == "adamw"
+    assert optimizer_kind(Plugin("target", target="torch.optim.Adam")) == "adam"

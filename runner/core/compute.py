@@ -18,6 +18,11 @@ The model, per operation a rank's layer issues (float32 throughout):
   seconds per byte of its input measured for its kind (`layers`); other elementwise work
   (gradient accumulation, an optimizer's update, packing for communication) streams at
   `memory` bytes per second (`elementwise_seconds`);
+- an operator a module's own `forward` runs between its leaf modules (`OperatorCall`:
+  attention's products or kernel, a softmax, a residual sum) is priced by its kind
+  (`operator_seconds`): products by the matrix-product table, attention kernels by their two
+  products and passes over the scores, views by their dispatch alone, anything else as passes
+  over its tensors' bytes, with a backward where an argument needs a gradient;
 - every operator call costs `dispatch` seconds of framework overhead (the dispatcher and
   autograd: recording the forward, running the backward node): most of a small layer's time.
   A Linear's and a convolution's calls (and oneDNN's set-up) are measured whole, as
@@ -450,6 +455,75 @@ def pass_seconds(nbytes: float, rates: ComputeRates, calls: int = 1) -> float:
     """Seconds of elementwise passes over `nbytes` bytes in `calls` operator calls (dispatch
     included)."""
     return rates.elementwise_seconds(nbytes) + calls * rates.dispatch
+
+
+# -- operators a module's own forward runs between its leaf modules ----------------------------
+
+# Operators that make a view (no kernel): dispatch only, forward and back.
+VIEW_OPERATORS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
+    "expand_as", "unsqueeze", "squeeze", "alias", "detach", "as_strided", "view_as",
+    "unflatten", "flatten", "lift_fresh", "_to_copy_view", "numpy_T", "mT"})
+# Views of a part of their input: the backward writes the whole input's gradient (zeros, then
+# the part), one pass over the input.
+PART_OPERATORS = frozenset({"slice", "select", "narrow", "split", "split_with_sizes", "chunk",
+                            "unbind", "diagonal"})
+# Matrix products: (m×k)·(k×n), in a batch for bmm/baddbmm.
+PRODUCT_OPERATORS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+# An attention kernel's passes over its score matrix (the softmax and its scaling), forward;
+# its backward recomputes the scores and makes three products to the forward's two.
+ATTENTION_SCORE_PASSES = 2.0
+ATTENTION_BACKWARD = 2.5
+# An elementwise operator's backward: a gradient for each floating input, each reading the
+# output's gradient and a saved tensor (twice the forward's traffic, as a product's).
+ELEMENTWISE_BACKWARD = 2.0
+
+
+@dataclass(frozen=True)
+class OperatorCall:
+    """One operator a module's own `forward` runs outside its leaf modules (attention's
+    products or kernel, a softmax, the rotary embedding's products and sums, a residual sum),
+    as one sample's forward shows it (`strategies.probe.operator_calls`)."""
+
+    name: str  # the aten operator, without overload ("bmm", "mul")
+    shapes: tuple[tuple[int, ...], ...]  # its tensor arguments' shapes, dim 0 one sample's
+    nbytes: int  # the bytes of its tensor arguments and results
+    backward: bool  # a floating argument needs a gradient: it has a backward
+
+
+def operator_seconds(call: OperatorCall, rows: int, rates: ComputeRates,
+                     share: float = 1.0) -> float:
+    """Forward + backward seconds of `call` on `rows` samples: every argument's dim 0 (the
+    samples, or the samples folded with positions or heads) `rows` times one sample's, and
+    `share` of its work where a rank runs a part of it (its heads of an attention). Products
+    by the matrix-product rates, attention kernels by their products and score passes, views by
+    their dispatch, every other operator as passes over its tensors' bytes."""
+    dispatch = rates.dispatch * (2 if call.backward else 1)
+    name, shapes = call.name, call.shapes
+    if name in VIEW_OPERATORS:
+        return dispatch
+    if name in PART_OPERATORS:
+        whole = _numel(shapes[0]) * rows * FLOAT_BYTES if shapes else 0
+        return dispatch + (share * rates.elementwise_seconds(whole) if call.backward else 0.0)
+    if name in PRODUCT_OPERATORS and len(shapes) >= 2 and len(shapes[-1]) == len(shapes[-2]):
+        a, b = shapes[-2], shapes[-1]
+        batch = (a[0] * rows, 1) if len(a) == 3 else (1, rows)
+        products, m, k, n = batch[0] * share, a[-2] * batch[1], a[-1], b[-1]
+        forward = rates.gemm_seconds(m, k, n)
+        backward = rates.gemm_seconds(m, n, k) + rates.gemm_seconds(k, m, n)
+        return products * (forward + (backward if call.backward else 0.0)) + dispatch
+    if "scaled_dot_product" in name and len(shapes) >= 3 and len(shapes[0]) >= 3:
+        q, k_shape = shapes[0], shapes[1]
+        heads = _numel(q[:-2]) * rows * share
+        positions, keys, width = q[-2], k_shape[-2], q[-1]
+        products = heads * (rates.gemm_seconds(positions, width, keys)
+                            + rates.gemm_seconds(positions, keys, width))
+        scores = rates.elementwise_seconds(
+            ATTENTION_SCORE_PASSES * heads * positions * keys * FLOAT_BYTES)
+        forward = products + scores
+        return forward * (1 + (ATTENTION_BACKWARD if call.backward else 0.0)) + dispatch
+    forward = share * rates.elementwise_seconds(0.5 * call.nbytes * rows)
+    return forward * (1 + (ELEMENTWISE_BACKWARD if call.backward else 0.0)) + dispatch
 
 
 def oversubscription(ranks_on_node: int, cores: int) -> float:

@@ -367,7 +367,8 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
         model = assembly.model_for(run.model, spec, dtype, "meta")
     costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta)
     pricing = PricingContext(costs, rows_touched, HALF_TYPES.get(run.trainer.precision),
-                             load_compute_rates(), batch, plan_cfg.slowdown)
+                             load_compute_rates(), batch, plan_cfg.slowdown,
+                             assembly.optimizer_kind(run.optimizer))
 
     def strategy(name: str, options: Mapping[str, Any]) -> Strategy:
         return assembly.build_strategy(Plugin(name, options), pricing)

@@ -207,6 +207,12 @@ def optimizer_class(plugin: Plugin) -> type[ReplicaOptimizer]:
                         f"gridrun ReplicaOptimizer")
 
 
+def optimizer_kind(plugin: Plugin) -> str:
+    """The optimizer's name for pricing its update: a registered one's name, a `_target_`'s
+    class name in lower case (`torch.optim.AdamW`: "adamw")."""
+    return plugin.target.rsplit(".", 1)[-1].lower() if plugin.target else plugin.name
+
+
 def rows_touched(dataset: Any) -> Callable[[int], float] | None:
     """Distinct rows of an embedding table that a number of samples touch (token datasets)."""
     return getattr(dataset, "expected_unique_tokens", None)
@@ -240,7 +246,8 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
     return RunParts(dataset, spec, model_for(run.model, spec, dtype_of(run), device),
                     build_strategy(run.strategy, PricingContext(
                         costs, rows_touched(dataset), HALF_TYPES.get(run.trainer.precision),
-                        rates, run.trainer.batch_size, slowdown)),
+                        rates, run.trainer.batch_size, slowdown,
+                        optimizer_kind(run.optimizer))),
                     optimizer_class(run.optimizer))
 
 
