@@ -133,6 +133,8 @@ plan:
 
 def test_a_plan_on_the_command_line_and_one_in_yaml_train_as_one_process(
         tmp_path: Path) -> None:
+    """The plan on the command line runs under torch.distributed (gloo), the YAML one under
+    MPI."""
     (tmp_path / "conf" / "strategy").mkdir(parents=True)
     (tmp_path / "conf" / "strategy" / "planned.yaml").write_text(YAML_PLAN)
     given = ("strategy.plan={embed: vocab, blocks.*.attn.qkv: fused_qkv, "
@@ -140,7 +142,7 @@ def test_a_plan_on_the_command_line_and_one_in_yaml_train_as_one_process(
              "head: colwise}")
     jobs = [[*COMMON, "strategy=data", "grid.pr=1", "grid.pc=1",
              f"hydra.run.dir={tmp_path / 'one'}"],
-            [*COMMON, "strategy=grid", "grid.pr=2", "grid.pc=2", given,
+            [*COMMON, "strategy=grid", "grid.pr=2", "grid.pc=2", given, "comm.backend=torch",
              f"hydra.run.dir={tmp_path / 'line'}"],
             ["--config-dir", str(tmp_path / "conf"), *COMMON, "strategy=planned", "grid.pr=2",
              "grid.pc=1", f"hydra.run.dir={tmp_path / 'yaml'}"]]
