@@ -49,6 +49,7 @@ from strategies.norm import (
 )
 from strategies.plan_checks import pairing_problems, shape_problems
 from strategies.plan_derive import candidate_groups, owner_calls, signature, trial
+from strategies.plan_sequence import SequenceShards, install_sequence, sequence_layout
 from strategies.plan_styles import STYLES, PlanStyle, Projection, ReplicatedKeyValue
 from strategies.probe import EMBEDDINGS, logits_of, probe
 from strategies.sharded import activation_itemsize
@@ -379,7 +380,7 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
         module = model.get_submodule(path)
         found = style.problems(path, module, pr)
         problems += found
-        if found:
+        if found or style.name == "sequence":  # whole weights: a tie is no matter
             continue
         for param in module.parameters(recurse=False):
             others = [p for p in holders[id(param)] if p != path]
@@ -402,8 +403,13 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
     problems = pairing_problems(plan.styles, model, sample_shape, gathered)
     if problems:
         return problems
+    # the sequence region: where the hidden states are split, gathered and scattered
+    # (`strategies.plan_sequence`)
+    sequence, problems = sequence_layout(plan.styles, model, sample_shape, pr)
+    if problems:
+        return problems
     owners = [("" if c.owner == WHOLE_MODEL else c.owner, c.attribute, c.new) for c in changes]
-    return shape_problems(plan.styles, model, sample_shape, pr, gathered, owners)
+    return shape_problems(plan.styles, model, sample_shape, pr, gathered, owners, sequence)
 
 
 def batch_norm_problems(model: nn.Module, pc: int) -> list[str]:
@@ -483,6 +489,9 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     if problems:
         raise ValueError("; ".join(problems))
     vocab_start = _vocab_start(plan, model, grid)
+    sequence, problems = sequence_layout(plan.styles, model, sample_shape, grid.pr)
+    if problems:
+        raise ValueError("; ".join(problems))
     split_ids: set[int] = set()
     for path, style in plan.splits().items():
         built, split = style.build(model.get_submodule(path), path, grid.model,
@@ -492,6 +501,8 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     for change in changes:
         owner = model if change.owner == WHOLE_MODEL else model.get_submodule(change.owner)
         setattr(owner, change.attribute, change.new)
+    if sequence is not None and grid.pr > 1:
+        install_sequence(model, sequence, SequenceShards(grid.model, sequence.length))
     # a model group's ranks hold the same rows: the batch's statistics come from the batch
     # group (an EASGD replica normalises by its own rows)
     distribute_batch_norms(model, grid.batch if sync_replica_gradients
@@ -564,11 +575,14 @@ def predict_plan_ops(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int
     styled = {id(model.get_submodule(p)): (p, s) for p, s in plan.splits().items()}
     act = activation_itemsize([model], compute_dtype)  # a projection's output
     table = activation_itemsize([model])  # an embedding's output: the table's dtype
-    ops: list[CommOp] = []
+    sequence, _ = sequence_layout(plan.styles, model, sample_shape, grid.pr)
+    ops: list[CommOp] = [] if sequence is None else sequence.ops(rows, grid.pr, act)
     for call in calls:
         if id(call.module) not in styled:
             continue
         path, style = styled[id(call.module)]
+        if sequence is not None and path in sequence.rowwise:
+            continue  # a reduce-scatter and an all-gather instead (the region's)
         itemsize = table if isinstance(call.module, EMBEDDINGS) else act
         ops += style.ops(call.module, path, rows * call.output_elements, grid.pr, itemsize,
                          path == gathered)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies.plan_sequence import OneRankShards, SequenceLayout, install_sequence
 from strategies.plan_styles import PlanStyle, Projection
 from strategies.probe import probe, reads_tokens, sample_dtype
 
@@ -58,7 +59,7 @@ def pairing_problems(styles: dict[str, PlanStyle], model: nn.Module,
                 problems.append(f"{path} ({type(call.module).__name__}) is rowwise but no "
                                 f"colwise module before it splits its input features")
             opened, refused = [], False
-        elif opened and style is None and _has_parameters(call.module):
+        elif opened and (name == "sequence" or (style is None and _has_parameters(call.module))):
             problems.append(f"{path} ({type(call.module).__name__}) runs on the features "
                             f"{', '.join(opened)} split over the model group before a rowwise "
                             f"module sums them: plan it too, or end the split before it")
@@ -81,9 +82,11 @@ def _stand_in(module: nn.Module, style: PlanStyle, pr: int, gathered: bool) -> n
 
 def shape_problems(styles: dict[str, PlanStyle], model: nn.Module,
                    sample_shape: tuple[int, ...], pr: int, gathered: str | None,
-                   adjusted: list[tuple[str, str, int]]) -> list[str]:
+                   adjusted: list[tuple[str, str, int]],
+                   sequence: SequenceLayout | None = None) -> list[str]:
     """Why the model's own forward cannot run on one rank's pieces (empty: it can);
-    `adjusted`: (owner path, attribute, new value) the plan sets. Run on a copy, on the
+    `adjusted`: (owner path, attribute, new value) the plan sets; `sequence`: the region's
+    exchanges, run as rank 0's shapes. Run on a copy, on the
     device the model is on (the meta device for a large one), as the whole model ran there."""
     if pr == 1 or not styles:
         return []
@@ -95,6 +98,8 @@ def shape_problems(styles: dict[str, PlanStyle], model: nn.Module,
                                            path == gathered))
     for owner, attribute, value in adjusted:
         setattr(twin.get_submodule(owner), attribute, value)
+    if sequence is not None:
+        install_sequence(twin, sequence, OneRankShards(sequence.length, pr), rowwise_by_hook=True)
     entered: list[str] = []
     names = {id(module): path for path, module in twin.named_modules()}
 

@@ -7,7 +7,8 @@ style computes with, as `strategies.layer_layouts`' stand-ins do for layer layou
 of a model group runs all of its group's rows; a colwise projection makes its rank's output
 features, a rowwise one reads its rank's input features, a vocab table holds its rank's rows;
 what runs between a split output and the next rowwise projection (an MLP's activation) runs on
-the rank's features; the operators a module holding colwise projections runs itself
+the rank's features; a `sequence` module in the region runs on the rank's positions
+(`strategies.plan_sequence`); the operators a module holding colwise projections runs itself
 (attention's products and softmax) on its rank's heads; everything else runs whole.
 """
 
@@ -27,6 +28,7 @@ from strategies.module_plan import (
     plan_param_items,
     predict_plan_ops,
 )
+from strategies.plan_sequence import sequence_layout
 from strategies.plan_styles import Colwise, PlanStyle, Projection, VocabHead
 from strategies.probe import probe
 
@@ -53,12 +55,15 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
     gathered = gathered_path(plan, model, sample_shape)
     styled = {id(model.get_submodule(p)): (p, s) for p, s in plan.splits().items()}
     split_widths: set[int] = set()  # features a split output left split, until a rowwise
+    sequence, _ = sequence_layout(plan.styles, model, sample_shape, grid.pr)
     total = 0.0
     for call in calls:
         shape = (rows, *call.input_shape)
         path_style = styled.get(id(call.module))
         if path_style is not None:
             path, style = path_style
+            if sequence is not None and path in sequence.sharded:
+                shape = (*shape[:-2], shape[-2] // grid.pr, shape[-1])
             module = local_module(call.module, style, grid.pr)
             name = style.name
             projection = Projection.of(call.module)

@@ -13,6 +13,12 @@ holding what follows from it for one module of the user's model.
                the group (`vocab_embedding_sum`); or the model's output projection's rows (its
                vocabulary or classes), its logits left split and scored split
                (`strategies.vocab_head`)
+    sequence   a module acting token by token (a norm, dropout with p=0) run on this rank's
+               piece of the sequence inside the blocks of the plan, whose colwise projections
+               then gather their input along the sequence and rowwise ones reduce-scatter their
+               partial sums along it (Megatron-LM's sequence parallelism:
+               `strategies.plan_sequence`); its weights whole, their gradients summed over
+               every rank
     replicate  left whole: its gradient summed over every rank, as a batch-parallel layer's
 
 Under gridrun's convention (`runner.core.primitives`) a replicated tensor's gradient on each
@@ -28,7 +34,7 @@ groups), the collectives its forward and backward issue (`ops`), and this rank's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +46,13 @@ from runner.core.placement import place_block, place_rows
 from runner.core.primitives import all_gather, all_sum_reduce
 from strategies.tensor_parallel_ops import vocab_embedding_sum
 from strategies.vocab_head import split_loss_ops
+
+
+class SequenceScatter(Protocol):
+    """What a rowwise projection in a sequence region scatters its sums with
+    (`strategies.plan_sequence.SequenceShards`)."""
+
+    def reduce_scatter(self, x: torch.Tensor, label: str) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,8 @@ class ColwiseProjection(nn.Module):
 
 class RowwiseProjection(nn.Module):
     """Input features `cols` of a Linear or Conv1D: a partial output, summed over the group,
-    then the layer's own (whole) bias."""
+    then the layer's own (whole) bias. In a sequence region (`sequence` set) the sum is
+    scattered along the sequence: each rank keeps its piece of the positions."""
 
     def __init__(self, layer: nn.Module, cols: slice, transposed: bool, comm: CountedComm,
                  label: str) -> None:
@@ -150,10 +164,12 @@ class RowwiseProjection(nn.Module):
         bias = bias_of(layer)
         assert bias is None or isinstance(bias, nn.Parameter)
         self.register_parameter("bias", bias)  # the very parameter, placement and all
+        self.sequence: SequenceScatter | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_sum_reduce(project(x, self.weight, None, self.transposed), self.comm,
-                           self.label)
+        partial = project(x, self.weight, None, self.transposed)
+        y = (all_sum_reduce(partial, self.comm, self.label) if self.sequence is None
+             else self.sequence.reduce_scatter(partial, self.label))
         return y if self.bias is None else y + self.bias
 
 
@@ -524,6 +540,40 @@ class ReplicatedKeyValue(PlanStyle):
         return _linear_like(module, projection.in_features, self.head_width, device, dtype)
 
 
+MIXING = (nn.MultiheadAttention, nn.modules.conv._ConvNd, nn.RNNBase,
+          nn.modules.batchnorm._BatchNorm, nn.modules.pooling._AvgPoolNd,
+          nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+          nn.modules.pooling._AdaptiveMaxPoolNd, nn.TransformerEncoderLayer,
+          nn.TransformerDecoderLayer)
+
+
+def mixing_problem(module: nn.Module) -> str | None:
+    """Why `module` cannot run on a rank's piece of the sequence (None: nothing gridrun
+    knows of): it, or a module inside it, mixes positions or draws random masks."""
+    for inner in module.modules():
+        name = type(inner).__name__
+        if isinstance(inner, MIXING) or "attention" in name.lower() or "attn" in name.lower():
+            return (f"{name} mixes positions (attention, a convolution or pooling over the "
+                    f"sequence, a recurrence, batch statistics): it cannot run on a rank's "
+                    f"piece of the sequence")
+        if isinstance(inner, nn.modules.dropout._DropoutNd) and inner.p > 0:
+            return (f"{name} with p={inner.p} on a piece of the sequence: each rank would draw "
+                    f"its own masks, and gridrun runs one process's draws; use p=0")
+    return None
+
+
+class Sequence(PlanStyle):
+    """A module acting token by token, run on this rank's piece of the sequence in the blocks
+    of the plan (`strategies.plan_sequence` places the region's exchanges); left whole, its
+    gradient summed over every rank."""
+
+    name = "sequence"
+    summary = "token by token on this rank's positions, in the blocks (Megatron-LM's)"
+
+    def fits(self, module: nn.Module) -> str | None:
+        return mixing_problem(module)
+
+
 class Replicate(PlanStyle):
     """Left whole on every rank."""
 
@@ -532,4 +582,4 @@ class Replicate(PlanStyle):
 
 
 STYLES: dict[str, PlanStyle] = {style.name: style for style in (
-    Colwise(), Rowwise(), FusedQKV(), Vocab(), Replicate())}
+    Colwise(), Rowwise(), FusedQKV(), Vocab(), Sequence(), Replicate())}

@@ -257,3 +257,139 @@ def test_grouped_query_attention_holds_key_values_whole_where_ranks_outnumber_th
     # the ranks 0, 1 read key/value head 0; ranks 2, 3 head 1
     style = four.styles["model.layers.0.self_attn.k_proj"]
     assert [style.head_rows(4, r).start for r in range(4)] == [0, 0, 4, 4]  # type: ignore[attr-defined]
+
+
+# -- the sequence style (Megatron-LM's sequence parallelism) -------------------------------------
+
+BLOCK_SEQUENCE_PLAN = {**plan_models.BLOCK_PLAN, "blocks.*.norm?": "sequence"}
+
+
+class DroppingBlockLM(plan_models.UserBlockLM):
+    """`UserBlockLM` whose blocks drop out their attention's output at `p`."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__(VOCAB, (T,))
+        for block in self.blocks:
+            block.drop = nn.Dropout(p)
+            block.forward = self._forward(block)  # type: ignore[method-assign]
+
+    @staticmethod
+    def _forward(block: nn.Module):  # type: ignore[no-untyped-def]
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            x = x + block.drop(block.attn(block.norm1(x)))
+            return x + block.fc2(torch.nn.functional.gelu(block.fc1(block.norm2(x))))
+        return forward
+
+
+def test_a_sequence_plan_splits_the_blocks_and_prices_its_exchanges() -> None:
+    from runner.core import GridShape
+    from strategies.module_plan import predict_plan_ops
+    from strategies.plan_sequence import sequence_layout
+
+    lm = block_lm()
+    plan = match_plan(lm, {**BLOCK_SEQUENCE_PLAN, "norm": "sequence"}, USER_SOURCE)
+    assert plan_problems(plan, lm, (T,), 2) == []
+    assert plan.layouts["blocks.0.norm1"] == "sequence"
+    layout, problems = sequence_layout(plan.styles, lm, (T,), 2)
+    assert problems == [] and layout is not None
+    # one run of both blocks; the attention gathered at its entry, the MLP at fc1's input; the
+    # final norm outside every block runs on the whole sequence
+    assert (layout.entries, list(layout.exits)) == (["blocks.0"], ["blocks.1"])
+    assert layout.gathers == ["blocks.0.attn", "blocks.0.fc1", "blocks.1.attn", "blocks.1.fc1"]
+    assert layout.sharded == {"blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1",
+                              "blocks.1.norm2"}
+    ops = predict_plan_ops(lm, plan, (T,), GridShape(2, 1), 4, (4000, 1000))
+    whole = 4 * T * 16 * 4  # 4 rows of (T, 16) float32
+    # the rowwise projections', the gathered inputs', the region's exit (the head's aside)
+    scattered = [op for op in ops if op.op == "reduce_scatter" and op.layer != "head out"]
+    assert len(scattered) == 4 + 4 + 1 and {op.nbytes for op in scattered} == {whole}
+    assert not any(op.op == "allreduce" and op.layer.startswith("blocks") for op in ops)
+
+
+def test_a_module_that_mixes_positions_is_refused_as_sequence() -> None:
+    lm = block_lm()
+    plan = match_plan(lm, {"blocks.0.fc1": "colwise", "blocks.0.fc2": "rowwise",
+                           "blocks.*.norm?": "sequence", "blocks.0.attn": "sequence"},
+                      USER_SOURCE)
+    assert plan_problems(plan, lm, (T,), 2) == [
+        "blocks.0.attn (HeadsAttention): HeadsAttention mixes positions (attention, a "
+        "convolution or pooling over the sequence, a recurrence, batch statistics): it cannot "
+        "run on a rank's piece of the sequence"]
+    from strategies.plan_styles import STYLES
+
+    assert STYLES["sequence"].problems("rnn", nn.GRU(4, 4), 2)[0].startswith(
+        "rnn (GRU): GRU mixes positions")
+
+
+def test_a_sequence_that_does_not_divide_is_refused() -> None:
+    torch.manual_seed(0)
+    lm = plan_models.UserBlockLM(VOCAB, (7,))
+    plan = match_plan(lm, BLOCK_SEQUENCE_PLAN, USER_SOURCE)
+    assert plan_problems(plan, lm, (7,), 2) == [
+        "blocks.0 (UserBlock): its sequence of 7 positions does not divide over grid.pr=2 "
+        "ranks (sequence splits it evenly)"]
+
+
+def test_sequence_without_a_colwise_rowwise_pair_is_refused() -> None:
+    lm = block_lm()
+    plan = match_plan(lm, {"blocks.*.norm?": "sequence"}, USER_SOURCE)
+    assert plan_problems(plan, lm, (T,), 2) == [
+        "blocks.0.norm1, blocks.0.norm2, blocks.1.norm1, blocks.1.norm2: sequence splits the "
+        "positions of a block holding a colwise/rowwise pair of the plan (whose projections "
+        "gather the sequence), and no module holding them has one"]
+
+
+def test_dropout_that_draws_in_the_region_is_refused() -> None:
+    lm = DroppingBlockLM(0.1)
+    plan = match_plan(lm, BLOCK_SEQUENCE_PLAN, USER_SOURCE)
+    problems = plan_problems(plan, lm, (T,), 2)
+    assert problems[0] == (
+        "blocks.0.drop (Dropout) in blocks.0: Dropout with p=0.1 on a piece of the sequence: "
+        "each rank would draw its own masks, and gridrun runs one process's draws; use p=0"), \
+        problems
+    marked = match_plan(lm, {**BLOCK_SEQUENCE_PLAN, "blocks.*.drop": "sequence"}, USER_SOURCE)
+    assert plan_problems(marked, lm, (T,), 2)[0].startswith(
+        "blocks.0.drop (Dropout): Dropout with p=0.1 on a piece of the sequence")
+    quiet = DroppingBlockLM(0.0)
+    assert plan_problems(match_plan(quiet, BLOCK_SEQUENCE_PLAN, USER_SOURCE), quiet, (T,),
+                         2) == []
+
+
+def test_an_unmarked_module_with_weights_in_the_region_or_a_sequence_one_between_a_pair_is_refused(
+        ) -> None:
+    lm = block_lm()
+    plan = match_plan(lm, {**plan_models.BLOCK_PLAN, "blocks.*.norm1": "sequence"}, USER_SOURCE)
+    assert plan_problems(plan, lm, (T,), 2) == [
+        f"blocks.{i}.norm2 (LayerNorm) in blocks.{i}: it runs on a rank's piece of the sequence "
+        f"in the region but is not marked: mark it sequence if it acts token by token, or plan "
+        f"it" for i in (0, 1)]
+    between = plan_models.UserBlockLM(VOCAB, (T,))
+    between.blocks[0].fc1 = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32))
+    plan = match_plan(between, {"blocks.0.fc1.0": "colwise", "blocks.0.fc1.1": "sequence",
+                                "blocks.0.fc2": "rowwise", "blocks.0.norm2": "sequence"},
+                      USER_SOURCE)
+    assert plan_problems(plan, between, (T,), 2)[0].startswith(
+        "blocks.0.fc1.1 (LayerNorm) runs on the features blocks.0.fc1.0 split over the model "
+        "group before a rowwise module sums them")
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_llamas_final_norm_as_sequence_runs_after_the_region() -> None:
+    from runner.core import GridShape
+    from runner.core.compute import DEFAULT_RATES
+    from strategies.plan_costs import plan_compute_seconds
+    from strategies.plan_sequence import sequence_layout
+
+    llama = plan_models.hf_llama(VOCAB, (T,))
+    given = {**LLAMA_BLOCKS_PLAN, "model.layers.*.*_layernorm": "sequence",
+             "model.norm": "sequence"}
+    plan = match_plan(llama, given, USER_SOURCE)
+    assert plan_problems(plan, llama, (T,), 2) == []
+    layout, _ = sequence_layout(plan.styles, llama, (T,), 2)
+    assert layout is not None and "model.norm" not in layout.sharded
+    assert layout.gathers == [f"model.layers.{i}.{m}" for i in (0, 1)
+                              for m in ("self_attn", "mlp")]
+    rates = DEFAULT_RATES
+    plain = match_plan(llama, LLAMA_BLOCKS_PLAN, USER_SOURCE)
+    assert (plan_compute_seconds(llama, plan, (T,), GridShape(2, 1), 8, rates)
+            < plan_compute_seconds(llama, plain, (T,), GridShape(2, 1), 8, rates))

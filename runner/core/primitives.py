@@ -13,6 +13,10 @@ primitive, and that adjoint is its backward:
                                                    (`runner.core.cartesian`)
     ring shift  (y_k = x_{k−s}: each rank's x  ↔  the opposite shift (y_k = x_{k+s}: each rank's
                  to the rank s places on)          y back s places, to the rank its x came from)
+    take piece  (this rank's piece of its      ↔  place piece (the piece put into zeros of the
+                 whole x along a dim)              whole: no communication; a replicated x's
+                                                   gradient is then partial on each rank, the
+                                                   true one their sum)
 
 Pieces may be uneven: a `Partition` says how long each rank's piece is along the split dim.
 Every call goes through the counted communicator. Outputs are new tensors (autograd keeps them)
@@ -183,6 +187,25 @@ def ring_shift_adjoint_op(y: torch.Tensor, comm: CountedComm, dim: int,
     return ring_shift_op(y, comm, dim, moved, -offset, label)
 
 
+def take_piece_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
+                  label: str = "") -> torch.Tensor:
+    """This rank's piece along `dim` of the whole `x` (`part.slice(rank)`), no communication."""
+    if x.shape[dim] != part.total:
+        raise ValueError(f"take piece along dim {dim}: expected {part.total}, got {x.shape[dim]}")
+    return x.detach().narrow(dim, part.offsets[comm.rank], part.sizes[comm.rank]).clone()
+
+
+def place_piece_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
+                   label: str = "") -> torch.Tensor:
+    """This rank's piece `x` put at its place along `dim` in zeros of the whole."""
+    _check_piece(x, dim, part, comm)
+    shape = list(x.shape)
+    shape[dim] = part.total
+    out = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    out.narrow(dim, part.offsets[comm.rank], part.sizes[comm.rank]).copy_(x.detach())
+    return out
+
+
 def _check_piece(x: torch.Tensor, dim: int, part: Partition, comm: CountedComm) -> None:
     if part.parts != comm.size:
         raise ValueError(f"partition into {part.parts} pieces on a group of {comm.size}")
@@ -240,3 +263,7 @@ repartition: Callable[..., torch.Tensor] = _operator(
         g, comm, new_dim, new_split, split_dim, split, label))
 ring_shift: Callable[..., torch.Tensor] = _operator(
     "RingShift", ring_shift_op, ring_shift_adjoint_op)
+take_piece: Callable[..., torch.Tensor] = _operator(
+    "TakePiece", take_piece_op, place_piece_op)
+place_piece: Callable[..., torch.Tensor] = _operator(
+    "PlacePiece", place_piece_op, take_piece_op)

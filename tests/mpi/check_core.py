@@ -139,6 +139,26 @@ def all_gather_and_reduce_scatter_uneven() -> None:
 
 
 @check
+def take_piece_and_place_piece_uneven() -> None:
+    for where, comm, dtype in cases():
+        for dim, total in ((1, comm.size + 2), (0, max(comm.size - 1, 1))):
+            part = Partition(total, comm.size)
+            full_shape, piece_shape = [3, 4], [3, 4]
+            full_shape[dim], piece_shape[dim] = total, part.sizes[comm.rank]
+            whole = seeded(full_shape, 80 + dim, dtype)
+            own = whole.narrow(dim, part.offsets[comm.rank], part.sizes[comm.rank])
+            assert torch.equal(P.take_piece_op(whole, comm, dim, part), own), where
+            x = seeded(full_shape, 90 + comm.rank, dtype)
+            y = seeded(piece_shape, 100 + comm.rank, dtype)
+            dot_test(f"take_piece {where} dim {dim} {part}", comm,
+                     lambda t, c=comm, d=dim, p=part: P.take_piece(t, c, d, p),
+                     lambda t, c=comm, d=dim, p=part: P.place_piece_op(t, c, d, p), x, y)
+            dot_test(f"place_piece {where} dim {dim} {part}", comm,
+                     lambda t, c=comm, d=dim, p=part: P.place_piece(t, c, d, p),
+                     lambda t, c=comm, d=dim, p=part: P.take_piece_op(t, c, d, p), y, x)
+
+
+@check
 def repartition_and_its_reverse_uneven() -> None:
     for where, comm, dtype in cases():
         for shape, a, b in (((2 * comm.size + 1, comm.size + 3), 0, 1),

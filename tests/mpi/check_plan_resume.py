@@ -5,7 +5,8 @@ one launch: `mpiexec -n 4 python THIS [OUT]`.
   plan, its checkpoint (each split parameter a block of its global tensor) resumed for 2 more
   under `strategy=data` 1x4 and `strategy=model` 4x1: each gives the uninterrupted one-process
   run's losses (float64, 1e-9 relative), moving the predicted bytes every step; and a `data`
-  1x4 checkpoint resumed under the plan on the grid 2x2 does too.
+  1x4 checkpoint resumed under the plan on the grid 2x2 does too; so does the grid 2x2 one
+  resumed under `strategy=model` 2x1 with the plan's norms `sequence`.
 - The transformers library's ViT (a plan given) and a timm-style ViT (its fused qkv Linear
   split by `fused_qkv`) under `strategy=model` 2x1 and `strategy=grid` 2x2: every step's loss
   equals one process's to 1e-9, every final parameter piece the block of one process's
@@ -62,16 +63,25 @@ LLAMA = {"_target_": "tests.plan_models.hf_llama", "key_value_heads": 4}
 TOKENS = {"name": "tokens", "vocab_size": 48, "seq_len": 8, "classes": 4, "samples": 64,
           "val_fraction": 0.2, "seed": 0}
 STEPS, CHECKPOINT_STEP = 4, 2
+# Llama's declared plan in gridrun's styles, its norms on a rank's positions (`sequence`)
+SEQUENCE_PLAN = {f"model.layers.*.{path}": style for path, style in (
+    ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
+    ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
+    ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"),
+    ("input_layernorm", "sequence"), ("post_attention_layernorm", "sequence"))}
+SEQUENCE_PLAN |= {"model.norm": "sequence", "lm_head": "colwise"}
 
 
 def run_config(strategy: str, pr: int, pc: int, steps: int = STEPS,
-               resume: str | None = None, checkpoint_every: int | None = None) -> dict[str, Any]:
+               resume: str | None = None, checkpoint_every: int | None = None,
+               plan: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "seed": 3, "grid": {"pr": pr, "pc": pc},
         "trainer": {"steps": steps, "batch_size": 8, "log_every": 1, "eval_every": 1000,
                     "checkpoint_every": checkpoint_every, "resume": resume, "threads": None,
                     "dtype": "float64"},
-        "model": LLAMA, "dataset": TOKENS, "strategy": {"name": strategy},
+        "model": LLAMA, "dataset": TOKENS,
+        "strategy": {"name": strategy, **({"plan": plan} if plan else {})},
         "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01},
         "launcher": {"command": None, "args": []},
         "debug": {"fail_at_step": None},
@@ -104,9 +114,12 @@ def write_checkpoint(name: str, strategy: str, pr: int, pc: int) -> str:
 
 
 def resume(name: str, checkpoint: str, strategy: str, pr: int, pc: int,
-           want: list[float]) -> None:
+           want: list[float], plan: dict[str, str] | None = None) -> None:
     grid = GRIDS[pr, pc]
-    path = train_run(run_config(strategy, pr, pc, resume=checkpoint), OUT / name, grid)
+    if grid is None:  # a rank outside a grid of fewer ranks
+        return
+    path = train_run(run_config(strategy, pr, pc, resume=checkpoint, plan=plan), OUT / name,
+                     grid)
     if grid.rank != 0:
         return
     _, lines = train_losses(path)
@@ -117,6 +130,8 @@ def resume(name: str, checkpoint: str, strategy: str, pr: int, pc: int,
     assert bool(layouts) == planned, (name, layouts)
     if planned:
         assert layouts["model.layers.0.self_attn.q_proj"] == "colwise", layouts
+    if plan:
+        assert layouts["model.layers.0.input_layernorm"] == "sequence", layouts
 
 
 def split_blocks(checkpoint: str, name: str) -> list[list[Any]]:
@@ -138,6 +153,9 @@ def a_planned_checkpoint_resumes_under_other_grids_and_strategies() -> None:
         assert rows == [(0, 8), (8, 16)], rows
     resume("resumed_data", planned, "data", 1, 4, want)
     resume("resumed_model", planned, "model", 4, 1, want)
+    # the norms on a rank's positions: their weights whole, as in the checkpoint
+    resume("resumed_sequence", planned, "model", 2, 1, want, SEQUENCE_PLAN)
+    wait_for_everyone()
 
 
 @check

@@ -3,7 +3,8 @@
 `check_plan_resume.py`, which it imports).
 
 The transformers library's Llama (its declared plan), GPT-2 and BERT (plans given) and a user's
-attention block (a plan given, and one derived from its structure under model and auto), in
+attention block (a plan given, and one derived from its structure under model and auto; the
+Llama and the block also with their norms `sequence`: Megatron-LM's sequence parallelism), in
 float64, under strategy=model 2x1 (GPT-2 also 4x1) and strategy=grid 2x2:
 every step's loss equals one process's to 1e-9 relative (SGD with momentum; AdamW for one
 case), every final parameter piece equals the block of one process's parameter its placement
@@ -160,6 +161,25 @@ def transformers_models_by_plan_equal_one_process() -> None:
 def a_users_attention_block_by_plan_equals_one_process() -> None:
     for strategy_name, shape in (("model", (2, 1)), ("grid", (2, 2))):
         compare(user_block, plan_models.BLOCK_PLAN, strategy_name, shape)
+
+
+# Megatron-LM's sequence parallelism: the norms on a rank's positions, the projections gathering
+# and scattering along the sequence (a vocabulary of 50 divides over 2 ranks: the head too)
+LLAMA_SEQUENCE_PLAN = {**LLAMA_BLOCKS_PLAN, "lm_head": "colwise",
+                       "model.layers.*.input_layernorm": "sequence",
+                       "model.layers.*.post_attention_layernorm": "sequence",
+                       "model.norm": "sequence"}
+BLOCK_SEQUENCE_PLAN = {**plan_models.BLOCK_PLAN, "blocks.*.norm?": "sequence", "norm": "sequence"}
+
+
+@check
+def sequence_parallel_plans_equal_one_process() -> None:
+    for strategy_name, shape in (("model", (2, 1)), ("grid", (2, 2))):
+        if HAVE_TRANSFORMERS:
+            compare(llama, LLAMA_SEQUENCE_PLAN, strategy_name, shape)
+        compare(user_block, BLOCK_SEQUENCE_PLAN, strategy_name, shape)
+    if HAVE_TRANSFORMERS:
+        compare(llama, LLAMA_SEQUENCE_PLAN, "grid", (2, 2), opt="adamw")
 
 
 def normed_classifier() -> nn.Module:
