@@ -159,22 +159,25 @@ def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) ->
     if count == 1 and not recomputed:
         return problems
     calls = training_calls(model, spec.input_shape)
-    for name in calls.batch_norms:
-        shown = name or "the model"
-        if count > 1:
-            problems.append(f"trainer.accumulate_steps={count}: {shown} normalizes by batch "
-                            f"statistics, which each micro-batch would take over its own rows "
-                            f"(and update the running statistics {count} times a step); use "
-                            f"trainer.accumulate_steps=1")
-        inside = [r for r in recomputed if not r or name == r or name.startswith(f"{r}.")]
+    modules = dict(model.named_modules())
+    norms = [f"{name or 'the model'} ({type(modules[name]).__name__})"
+             for name in calls.batch_norms]
+    if count > 1 and norms:
+        problems.append(f"trainer.accumulate_steps={count}: {', '.join(norms[:3])} normalize "
+                        f"by batch statistics, which each micro-batch would take over its own "
+                        f"rows (and update the running statistics {count} times a step); use "
+                        f"trainer.accumulate_steps=1")
+    for name, shown in zip(calls.batch_norms, norms, strict=True):
+        inside = [r for r in recomputed if name == r or name.startswith(f"{r}.")]
         if inside:
             problems.append(f"trainer.activation_checkpointing="
                             f"{trainer.activation_checkpointing}: {shown} normalizes by batch "
                             f"statistics inside {inside[0]}, whose recomputation would "
                             f"normalize (and update the running statistics) again")
+            break
     if count > 1 and calls.draws and grid_ok and strategy is not None:
         optimizer_cls = parts.optimizer_cls
-        drawn = "; ".join(calls.named(dict(model.named_modules()))[:3])
+        drawn = "; ".join(calls.named(modules)[:3])
         if optimizer_cls is not None and not optimizer_cls.syncs_gradients:
             problems.append(f"trainer.accumulate_steps={count} with "
                             f"{run.optimizer.shown('optimizer')}: a replica draws its own masks "
