@@ -285,6 +285,13 @@ class AutoLayout(Strategy):
         chosen = self._tree_choice(model, sample_shape, grid, self.pricing.global_batch)
         return chosen.reproduces_random_draws(model, sample_shape, grid)
 
+    def draws_rows_alike(self, model: nn.Module, sample_shape: tuple[int, ...],
+                         grid: GridShape) -> bool:
+        if isinstance(model, nn.Sequential) or self.pricing.global_batch is None:
+            return False
+        chosen = self._tree_choice(model, sample_shape, grid, self.pricing.global_batch)
+        return chosen.draws_rows_alike(model, sample_shape, grid)
+
     def _price(self, name: str, model: nn.Module, sample_shape: tuple[int, ...],
                grid: GridShape, global_batch: int, refusals: list[str],
                planned: bool | None = None) -> tuple[float, Strategy, str] | None:

@@ -19,8 +19,9 @@ on exactly one rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -86,6 +87,23 @@ def cross_entropy_score(output: torch.Tensor, targets: torch.Tensor,
 
 
 @dataclass(frozen=True)
+class MicroBatch:
+    """One of a step's micro-batches (`trainer.accumulate_steps`) on this rank: rows of the
+    global batch's sample order, its inputs (this rank's batch group's piece) and the targets
+    of its outputs. Each piece is, to the model, a global batch of `global_rows` rows."""
+
+    index: int
+    count: int
+    inputs: slice
+    outputs: slice
+    global_rows: int
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+@dataclass(frozen=True)
 class PricingContext:
     """What the runner knows of the machine and the data, for the choices a strategy makes
     from the cost model and for its predicted step times (never a config option)."""
@@ -123,6 +141,11 @@ class ParallelModel(nn.Module):
         # Parameters every rank of a model group holds whole (batch-parallel layers): a replica
         # optimizer must keep these copies equal.
         self.replicated_in_model_group: list[nn.Parameter] = []
+        # The micro-batch the next training forward runs (None: the whole step's rows at once).
+        self.micro: MicroBatch | None = None
+        # trainer.activation_checkpointing: the modules recomputed, and those a strategy
+        # rebuilt (None: nothing asked for)
+        self.recomputed: dict[str, list[str]] | None = None
 
     @property
     def loss_comm(self) -> CountedComm:
@@ -146,6 +169,49 @@ class ParallelModel(nn.Module):
               correct: bool = False) -> Score:
         """The loss of this rank's `output` against the targets of its `output_rows`."""
         return cross_entropy_score(output, targets, correct)
+
+    def micro_batches(self, global_rows: int, count: int) -> list[MicroBatch]:
+        """This rank's rows of a global batch as `count` consecutive micro-batches: piece k of
+        every batch group's rows makes a global batch of `global_rows / count` rows, which the
+        model splits by the row contract as it would any batch (`count` must divide the batch
+        group's rows: validation says so)."""
+        group = self.input_rows(global_rows)
+        if count == 1:
+            return [MicroBatch(0, 1, group, self.output_rows(global_rows), global_rows)]
+        piece_rows = global_rows // count
+        piece = self.input_rows(piece_rows)  # the last call: a model may keep the batch's size
+        own = self.output_rows(piece_rows)
+        size = piece.stop - piece.start
+        batches = []
+        for k in range(count):
+            start = group.start + k * size
+            batches.append(MicroBatch(
+                k, count, slice(start, start + size),
+                slice(start + own.start - piece.start, start + own.stop - piece.start),
+                piece_rows))
+        return batches
+
+    @contextlib.contextmanager
+    def feeding(self, micro: MicroBatch) -> Iterator[None]:
+        """The forwards and backward of `micro`: before its last, the gradient exchanges wait
+        (gradients only accumulate, as DDP's `no_sync`)."""
+        self.micro = micro
+        deferred = [r for r in self.reducers if isinstance(r, GradientBuckets)]
+        for reducer in deferred:
+            reducer.deferred = not micro.last
+        try:
+            yield
+        finally:
+            self.micro = None
+            for reducer in deferred:
+                reducer.deferred = False
+
+    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[None],
+                                          contextlib.AbstractContextManager[None]]:
+        """What a checkpointed module's forward and its recomputation in backward run inside
+        (`torch.utils.checkpoint`'s `context_fn`): the same modes, so that the recomputation
+        draws and normalizes as the forward did."""
+        return contextlib.nullcontext(), contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         # Gradients may be views into communication buckets: zero them, never drop them. A
@@ -240,6 +306,12 @@ class Strategy:
         features, each draws for its part, unless the strategy makes it draw the whole."""
         return grid.size == 1
 
+    def draws_rows_alike(self, model: nn.Module, sample_shape: tuple[int, ...],
+                         grid: GridShape) -> bool:
+        """Whether a training forward draws each row's masks by the row's place in the global
+        batch, so that a step cut into micro-batches draws what the whole batch draws."""
+        return False
+
     def splits_parameters(self, grid: GridShape) -> bool:
         """Whether a rank holds only part of some parameter on `grid` (the model group splits
         weights): an optimizer whose update reads a whole parameter cannot run on the parts."""
@@ -297,6 +369,12 @@ class Strategy:
     @property
     def bucket_caps(self) -> tuple[int, int]:
         return self.bucket_cap_bytes, self.first_bucket_bytes
+
+    def exchanged_once(self, op: CommOp) -> bool:
+        """Whether `op` (of `predict_ops`) is issued once per step however many micro-batches
+        it has (a gradient exchange), rather than by every micro-batch's forward and backward
+        (an activation's collective): the gradient buckets' all-reduces are."""
+        return op.op == "iallreduce"
 
 
 @dataclass(frozen=True)
@@ -393,3 +471,17 @@ def gradient_exchange(params: list[nn.Parameter], comm: CountedComm, scale: floa
         return []
     return [GradientBuckets(params, comm, scale, bucket_cap_bytes, first_bucket_bytes)]
 
+
+
+def accumulated_ops(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape, global_batch: int, micro_batches: int) -> list[CommOp]:
+    """The collectives rank 0 issues in a step of `micro_batches` micro-batches
+    (`trainer.accumulate_steps`): each micro-batch's activation collectives, for a global batch
+    of `global_batch / micro_batches` rows, and the gradient exchanges once, of the whole
+    step's gradients."""
+    whole = strategy.predict_ops(model, sample_shape, grid, global_batch)
+    if micro_batches == 1:
+        return whole
+    piece = strategy.predict_ops(model, sample_shape, grid, global_batch // micro_batches)
+    return ([op for op in piece if not strategy.exchanged_once(op)] * micro_batches
+            + [op for op in whole if strategy.exchanged_once(op)])

@@ -54,6 +54,9 @@ class GradientBuckets:
         self.buckets: list[_Bucket] = []
         self._slot_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         self._next_launch = 0
+        # Set for the micro-batches before a step's last: their gradients only accumulate into
+        # the buckets, and the exchange starts from the last micro-batch's backward.
+        self.deferred = False
         trainable = [p for p in params if p.requires_grad]
         caps = [first_bucket_cap_bytes or bucket_cap_bytes, bucket_cap_bytes]
         ordered = list(reversed(trainable))
@@ -92,6 +95,8 @@ class GradientBuckets:
             # back into the bucket so the exchange sees it.
             bucket.views[index].copy_(grad)
             param.grad = bucket.views[index]
+        if self.deferred:
+            return
         bucket.ready += 1
         self._launch_ready()
         # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight.

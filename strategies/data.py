@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,6 +69,8 @@ class DataParallelModel(ParallelModel):
         self.module = module
         self.stats_comm, self.draws = stats_comm, draws
         self._statistics: BatchStatistics | None = None
+        self._draws: RowDraws | None = None  # the training forward's, while it runs
+        self._key = 0  # the step's key of its draws (its micro-batches share it)
         if stats_comm is not None:  # name what each batch norm moves
             for name, child in module.named_modules():
                 if isinstance(child, nn.modules.batchnorm._BatchNorm):
@@ -87,9 +90,26 @@ class DataParallelModel(ParallelModel):
                 self._statistics = modes.enter_context(BatchStatistics(self.stats_comm))
                 modes.callback(setattr, self, "_statistics", None)
             if self.draws is not None:
-                start = self.input_rows(x.shape[0] * self.grid.pc).start
-                modes.enter_context(RowDraws(self.draws, forward_key(), start, x.shape[0]))
+                # a micro-batch draws its rows of the whole step's draws: one key per step, the
+                # rows by their place in the global batch
+                micro = self.micro
+                if micro is None or micro.index == 0:
+                    self._key = forward_key()
+                start = (self.input_rows(x.shape[0] * self.grid.pc).start if micro is None
+                         else micro.inputs.start)
+                self._draws = modes.enter_context(
+                    RowDraws(self.draws, self._key, start, x.shape[0]))
+                modes.callback(setattr, self, "_draws", None)
             return logits_of(self.module(x))
+
+    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[None],
+                                          contextlib.AbstractContextManager[Any]]:
+        """A recomputation draws the rows of the draws its forward made (the same key, rows
+        and draw indices), inside `RowDraws` again: backward runs outside the forward's."""
+        draws = self._draws
+        if draws is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return contextlib.nullcontext(), draws.again()
 
 
 BATCH_NORM_MODES = ("global", "local")
@@ -170,6 +190,11 @@ class DataParallel(Strategy):
     def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape) -> bool:
         return True  # every row's masks drawn alike at every P (`whole_batch.RowDraws`)
+
+    def draws_rows_alike(self, model: nn.Module, sample_shape: tuple[int, ...],
+                         grid: GridShape) -> bool:
+        # a draw of a fixed shape comes from the run's generator, once per forward
+        return None not in draw_plan(model, sample_shape).cuts
 
     def _split(self, model: nn.Module) -> tuple[list[tuple[str, EmbeddingTable]],
                                                list[nn.Parameter]]:
@@ -288,6 +313,11 @@ class DataParallel(Strategy):
             ops += self.predict_sparse_ops(name, module.weight, grid.size,
                                            global_batch // grid.size)
         return ops
+
+    def exchanged_once(self, op: CommOp) -> bool:
+        # A sparse table's exchange follows the step's backward too; its owners-only pull is
+        # each forward's.
+        return op.layer.split(" ")[-2:-1] != ["pull"]
 
     def table_parts(self, weight: torch.Tensor, p: int) -> int:
         """How many ranks own the rows of an owners-only table: `strategy.sparse_partitions`,

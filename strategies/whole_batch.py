@@ -91,12 +91,18 @@ class RowDraws(TorchDispatchMode):
     are then the same whichever rank holds it, at every P and in one process, and each rank
     draws its rows only. Draws of a fixed shape come from the run's generator as they are."""
 
-    def __init__(self, plan: DrawPlan, key: int, start: int, rows: int) -> None:
+    def __init__(self, plan: DrawPlan, key: int, start: int, rows: int,
+                 first_draw: int = 0) -> None:
         super().__init__()
-        self.cuts, self.key = plan.cuts, key
+        self.plan, self.cuts, self.key = plan, plan.cuts, key
         self.start, self.rows = start, rows
-        self.calls = 0  # random operators seen in this forward
+        self.calls = first_draw  # random operators seen in this forward
         self._attention = math_attention()
+
+    def again(self) -> RowDraws:
+        """A mode that makes the draws this one makes from now on over again (a checkpointed
+        module's recomputation): the same key and rows, its draw indices from here."""
+        return RowDraws(self.plan, self.key, self.start, self.rows, first_draw=self.calls)
 
     def __enter__(self) -> RowDraws:
         self._attention.__enter__()

@@ -20,6 +20,7 @@ from tests.conftest import (
     read_metrics,
     read_summary,
     run_cli,
+    run_cli_together,
     train_losses,
 )
 
@@ -145,7 +146,7 @@ def test_run_directory_contract(runs: Runs) -> None:
     assert [m["step"] for m in train] == list(range(1, STEPS + 1))
     for m in train:
         assert set(m) == {"step", "time_s", "loss", "lr", "step_time_s", "comm_time_s",
-                          "comm_bytes", "comm_share", "samples_per_s"}
+                          "comm_bytes", "comm_share", "samples_per_s", "activation_bytes"}
         assert m["comm_share"] == m["comm_time_s"] / m["step_time_s"]
     assert all(a["time_s"] < b["time_s"] for a, b in itertools.pairwise(train))
     assert [m["step"] for m in val] == [25, 50]
@@ -361,3 +362,53 @@ def test_a_resnet_checkpoint_resumes_on_other_grids_and_strategies(session_tmp: 
         summary = read_summary(resumed)
         assert abs(summary["val_loss"] - read_summary(first)["val_loss"]) <= 1e-9
         assert all(m["comm_bytes"] == summary["predicted_comm_bytes_per_step"] for m in later)
+
+
+# Micro-batches (trainer.accumulate_steps) and recomputation (trainer.activation_checkpointing)
+# against the same steps without: one process's model, to float64 rounding. VGG's dropouts are
+# recomputed under data 1x2 (the same masks drawn again); the MLP split by grid 2x2 moves its
+# activations per micro-batch.
+ACCUMULATION = ["trainer.steps=4", "trainer.eval_every=null", "trainer.dtype=float64",
+                "trainer.batch_size=16", "seed=3"]
+VGG_DATA2 = ["model=vgg", "dataset=digits", *DATA, "grid.pc=2"]
+GRID_2X2 = ["strategy=grid", "grid.pr=2", "grid.pc=2"]
+ACCUMULATION_RUNS = {
+    "vgg_data2": VGG_DATA2,
+    "vgg_data2_micro_recomputed": [*VGG_DATA2, "trainer.accumulate_steps=2",
+                                   "trainer.activation_checkpointing='1[0-6]'"],
+    "mlp_grid2x2": GRID_2X2,
+    "mlp_grid2x2_micro4": [*GRID_2X2, "trainer.accumulate_steps=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def accumulation_runs(session_tmp: Path) -> dict[str, Path]:
+    dirs = {name: session_tmp / "accumulation" / name for name in ACCUMULATION_RUNS}
+    for result in run_cli_together(*[[*ACCUMULATION, *overrides, f"hydra.run.dir={dirs[name]}"]
+                                     for name, overrides in ACCUMULATION_RUNS.items()]):
+        assert_ok(result)
+    return dirs
+
+
+@pytest.mark.parametrize("whole,micro", [("vgg_data2", "vgg_data2_micro_recomputed"),
+                                         ("mlp_grid2x2", "mlp_grid2x2_micro4")])
+def test_micro_batches_and_recomputation_train_what_the_whole_batch_trains(
+        accumulation_runs: dict[str, Path], whole: str, micro: str) -> None:
+    assert _relative_gap(train_losses(accumulation_runs[whole]),
+                         train_losses(accumulation_runs[micro])) <= 1e-9
+    before, after = (read_summary(accumulation_runs[name]) for name in (whole, micro))
+    # the gradients are exchanged once a step; activations move per micro-batch, as predicted
+    assert after["comm_bytes_per_step"] == before["comm_bytes_per_step"]
+    for summary in (before, after):
+        assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
+
+
+def test_micro_batches_keep_a_share_of_the_activations(
+        accumulation_runs: dict[str, Path]) -> None:
+    whole = read_summary(accumulation_runs["mlp_grid2x2"])
+    micro = read_summary(accumulation_runs["mlp_grid2x2_micro4"])
+    assert micro["accumulate_steps"] == 4
+    assert 0.2 < micro["activation_bytes_peak"] / whole["activation_bytes_peak"] < 0.3
+    recomputed = read_summary(accumulation_runs["vgg_data2_micro_recomputed"])
+    assert recomputed["activation_checkpointing"] == {
+        "modules": [str(k) for k in range(10, 17)], "rebuilt": []}

@@ -44,7 +44,7 @@ ORDER: dict[str, list[set[str]]] = {
         {"state"},
         {"interrupt"},
         {"assembly"},
-        {"devices", "precision"},
+        {"devices", "precision", "memory"},
     ],
     "runner.checkpoint": [
         {"resume"},

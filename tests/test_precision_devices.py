@@ -21,7 +21,7 @@ from runner.core.torchdist import LocalTransport
 from runner.records.rundir import RunDir, release_run_dirs
 from runner.training.precision import DynamicLossScale, Precision
 from runner.training.state import RunSetup, Start
-from runner.training.step import train_step
+from runner.training.step import Feed, train_step
 from strategies.base import Score, cross_entropy_score
 
 
@@ -98,11 +98,11 @@ def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_taken(tmp_path: Pa
     scaler = DynamicLossScale(scale=2.0 ** 40)
     setup = one_process_setup(model, optimizer, comm, Precision("fp16", "cpu"), scaler, tmp_path)
     assert setup.loss_scale == 1.0
-    loss, stopping = train_step(setup, x, y, 1, comm, False)
+    loss, stopping = train_step(setup, [Feed(x, y)], 1, comm, False)
     assert optimizer.steps == [] and scaler.skipped_steps == 1 and not stopping
     assert torch.isfinite(torch.tensor(loss))
     scaler.scale = 2.0 ** 8
-    train_step(setup, x, y, 1, comm, False)
+    train_step(setup, [Feed(x, y)], 1, comm, False)
     assert optimizer.steps == [0] and scaler.skipped_steps == 1
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 

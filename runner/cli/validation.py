@@ -131,9 +131,62 @@ def _cross_part_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) -> 
                 f"the whole parameter, which strategy={run.strategy.name} splits over "
                 f"grid.pr={run.grid.pr} ranks; use strategy=data (or grid.pr=1) or an "
                 f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
+    problems += _micro_batch_problems(run, parts, grid_ok)
     if spec is not None and run.trainer.batch_size > spec.train_size:
         problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
                         f"{spec.train_size} training samples of dataset={run.dataset.name}")
+    return problems
+
+
+def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) -> list[str]:
+    """trainer.accumulate_steps and trainer.activation_checkpointing against the model, the
+    grid and the optimizer: where either would not compute what the step without it does,
+    refused by name."""
+    from strategies.probe import training_calls
+    from strategies.recompute import checkpoint_targets
+
+    trainer, model, spec, strategy = run.trainer, parts.model, parts.spec, parts.strategy
+    count, problems = trainer.accumulate_steps, []
+    batch, pc = trainer.batch_size, run.grid.pc
+    if count > 1 and grid_ok and batch >= 1 and batch % (pc * count):
+        problems.append(f"trainer.accumulate_steps={count}: trainer.batch_size={batch} does not "
+                        f"split into {count} equal micro-batches on each of the {pc} batch "
+                        f"groups (grid.pc); the batch must be a multiple of {pc * count}")
+    if model is None or spec is None:
+        return problems
+    recomputed, problem = checkpoint_targets(model, trainer.activation_checkpointing)
+    problems += [problem] if problem is not None else []
+    if count == 1 and not recomputed:
+        return problems
+    calls = training_calls(model, spec.input_shape)
+    modules = dict(model.named_modules())
+    norms = [f"{name or 'the model'} ({type(modules[name]).__name__})"
+             for name in calls.batch_norms]
+    if count > 1 and norms:
+        problems.append(f"trainer.accumulate_steps={count}: {', '.join(norms[:3])} normalize "
+                        f"by batch statistics, which each micro-batch would take over its own "
+                        f"rows (and update the running statistics {count} times a step); use "
+                        f"trainer.accumulate_steps=1")
+    for name, shown in zip(calls.batch_norms, norms, strict=True):
+        inside = [r for r in recomputed if name == r or name.startswith(f"{r}.")]
+        if inside:
+            problems.append(f"trainer.activation_checkpointing="
+                            f"{trainer.activation_checkpointing}: {shown} normalizes by batch "
+                            f"statistics inside {inside[0]}, whose recomputation would "
+                            f"normalize (and update the running statistics) again")
+            break
+    if count > 1 and calls.draws and grid_ok and strategy is not None:
+        optimizer_cls = parts.optimizer_cls
+        drawn = "; ".join(calls.named(modules)[:3])
+        if optimizer_cls is not None and not optimizer_cls.syncs_gradients:
+            problems.append(f"trainer.accumulate_steps={count} with "
+                            f"{run.optimizer.shown('optimizer')}: a replica draws its own masks "
+                            f"per forward, which micro-batches would draw otherwise: {drawn}")
+        elif not strategy.draws_rows_alike(model, spec.input_shape, run.grid):
+            problems.append(f"trainer.accumulate_steps={count}: strategy={run.strategy.name} "
+                            f"draws random numbers per forward, not by each row's place in the "
+                            f"global batch, so micro-batches would draw other masks: {drawn}; "
+                            f"strategy=data draws them by row")
     return problems
 
 

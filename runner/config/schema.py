@@ -151,6 +151,14 @@ class TrainerConfig:
     """fp32; bf16 or fp16: the forward and the loss under autocast (the parameters, their
     gradients and the optimizer stay float32), floating inputs stored in that dtype; fp16 with
     dynamic loss scaling (a step whose gradients overflow is skipped on every rank)."""
+    accumulate_steps: int = at_least(1, 1)
+    """Micro-batches per step: each rank's rows of the global batch run as N equal consecutive
+    pieces, their gradients summed locally and exchanged once, after the last (the batch per
+    rank must divide by N; BatchNorm with batch statistics is refused)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward instead of keeping them: none; units (the children of
+    the model's largest nn.ModuleList, its repeated blocks); or a glob over the model's
+    named_modules() (e.g. 'blocks.*', '2')."""
 
 
 @dataclass

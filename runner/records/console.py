@@ -135,6 +135,10 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
                                 else "")),
         ("comm share of step", _fmt(summary.get("comm_time_share"), ".1%")),
         ("params / rank", _fmt_bytes(summary.get("param_bytes_per_rank"))),
+        ("activations / step", f"{_fmt_bytes(summary.get('activation_bytes_peak'))} peak kept "
+                               f"for backward"
+                               + (f", {summary['accumulate_steps']} micro-batches"
+                                  if (summary.get("accumulate_steps") or 1) > 1 else "")),
         *[(f"sparse table {name}", _sparse_cell(table))
           for name, table in (summary.get("sparse_exchange") or {}).items()],
         ("run dir", str(summary.get("run_dir"))),

@@ -35,14 +35,16 @@ from runner.training.assembly import RunParts, assemble, dtype_of
 from runner.training.devices import describe_device
 from runner.training.evaluation import validation
 from runner.training.interrupt import StopRequest
+from runner.training.memory import SavedTensorMeter
 from runner.training.precision import Precision
 from runner.training.resume import start_or_resume
 from runner.training.sampling import EpochSampler
 from runner.training.state import RunSetup, TrainingState
-from runner.training.step import ReplicaFailure, StepFailure, train_step
+from runner.training.step import Feed, ReplicaFailure, StepFailure, train_step
 from runner.training.summary import completed_summary, interrupted_summary, sparse_line
 from runner.zoo.datasets import ClassificationData
-from strategies.base import predict_step
+from strategies.base import accumulated_ops, predict_step
+from strategies.recompute import checkpoint_modules, checkpoint_targets
 
 __all__ = ["StepFailure", "Training", "build_training", "train"]
 
@@ -56,6 +58,7 @@ class Training(RunSetup):
     sampler: EpochSampler
     state: TrainingState
     sinks: list[Any] = field(default_factory=list)  # metrics.jsonl, TensorBoard (rank 0)
+    meter: SavedTensorMeter = field(default_factory=SavedTensorMeter)  # activation memory
     run_info: dict[str, Any] = field(default_factory=dict)  # what each checkpoint records
 
     @property
@@ -63,13 +66,19 @@ class Training(RunSetup):
         """Training time so far, before this start included."""
         return self.start.time_s + self.state.history.total_s
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the next global batch: its inputs and its outputs' targets."""
-        rows, size = self.sampler.next_batch(), self.run.trainer.batch_size
-        x = self.data.train_x[rows[self.model.input_rows(size)]]
-        y = self.data.train_y[rows[self.model.output_rows(size)]]
-        # A no-op for a dataset already on the device; a user's lazily read one comes per batch.
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+    def batch(self) -> list[Feed]:
+        """This rank's rows of the next global batch, micro-batch by micro-batch
+        (`trainer.accumulate_steps`): its inputs and its outputs' targets."""
+        rows, trainer = self.sampler.next_batch(), self.run.trainer
+        feeds = []
+        for micro in self.model.micro_batches(trainer.batch_size, trainer.accumulate_steps):
+            x = self.data.train_x[rows[micro.inputs]]
+            y = self.data.train_y[rows[micro.outputs]]
+            # A no-op for a dataset already on the device; a user's lazily read one comes per
+            # batch.
+            feeds.append(Feed(x.to(self.device, non_blocking=True),
+                              y.to(self.device, non_blocking=True), micro))
+        return feeds
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -78,7 +87,7 @@ class Training(RunSetup):
     def log_step(self, step: int, loss: float, seconds: float, comm: Any,
                  progress: ProgressReporter, replica_loss: bool = False) -> None:
         """`replica_loss`: the loss is replica 0's own rows' (the replicas did not meet)."""
-        self.state.history.add(seconds, comm.nbytes, comm.seconds)
+        self.state.history.add(seconds, comm.nbytes, comm.seconds, self.meter.peak)
         rate = self.run.trainer.batch_size / seconds
         every, steps = self.run.trainer.log_every, self.run.trainer.steps
         if step % every == 0 or step == steps or not math.isfinite(loss):
@@ -86,6 +95,7 @@ class Training(RunSetup):
                         "lr": self.optimizer.lr, "step_time_s": seconds,
                         "comm_time_s": comm.seconds, "comm_bytes": comm.nbytes,
                         "comm_share": comm.seconds / seconds, "samples_per_s": rate,
+                        "activation_bytes": self.meter.peak,
                         **({"replica_loss": True} if replica_loss else {}),
                         **({"tokens_per_s": rate * self.targets_per_sample}
                            if self.targets_per_sample > 1 else {}),
@@ -205,14 +215,24 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     # The planner models synchronous gradient exchange only: no prediction for other optimizers.
     itemsize = torch.empty((), dtype=dtype).element_size()
     with torch.random.fork_rng(devices=[]):  # what is priced leaves the run's draws alone
-        predicted = (parts.strategy.predict_ops(parts.model, parts.spec.input_shape,
-                                                grid.shape, run.trainer.batch_size)
+        predicted = (accumulated_ops(parts.strategy, parts.model, parts.spec.input_shape,
+                                     grid.shape, run.trainer.batch_size,
+                                     run.trainer.accumulate_steps)
                      + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
                      if syncs else None)
         predicted_step = (predict_step(parts.strategy, parts.model, parts.spec.input_shape,
                                        grid.shape, run.trainer.batch_size) if syncs else None)
+    recomputed, problem = checkpoint_targets(parts.model, run.trainer.activation_checkpointing)
+    if problem is not None:  # validation refuses it before any rank starts
+        raise ValueError(problem)
+    by_name = dict(parts.model.named_modules())
     model = parts.strategy.parallelize(parts.model, parts.spec.input_shape, grid,
                                        sync_replica_gradients=syncs)
+    wrapped, rebuilt = checkpoint_modules(model, {name: by_name[name] for name in recomputed})
+    if rebuilt:
+        get_logger().warning("trainer.activation_checkpointing: %s rebuilt by strategy=%s, "
+                             "not recomputed", ", ".join(rebuilt), run.strategy.name)
+    model.recomputed = {"modules": wrapped, "rebuilt": rebuilt} if recomputed else None
     optimizer, start = start_or_resume(
         run.trainer.resume, run.trainer.steps, run_dir, grid, model, parts.optimizer_cls,
         lambda: parts.optimizer_cls(model, grid=grid, total_steps=run.trainer.steps,
@@ -232,7 +252,8 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         loss_comm=loss_comm, predicted_ops=predicted, predicted_step=predicted_step, costs=costs,
         device=device, precision=precision, scaler=scaler,
         targets_per_sample=math.prod(parts.spec.target_shape), data=data, sampler=sampler,
-        state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path))
+        state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path),
+        meter=SavedTensorMeter(model.parameters()))
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
             run_dir.metrics, continue_after=start.step if start.continues_here else None))
@@ -266,9 +287,9 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             # asynchronous replicas never wait for each other in a step: each step is a round
             pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
             began, before = time.perf_counter(), grid.counter.snapshot()
-            x, y = t.batch()
-            state.loss, stopping = train_step(t, x, y, step, t.loss_comm if meets else grid.model,
-                                              t.stop_request(stop.requested, meets))
+            state.loss, stopping = train_step(t, t.batch(), step,
+                                              t.loss_comm if meets else grid.model,
+                                              t.stop_request(stop.requested, meets), t.meter)
             seconds = time.perf_counter() - began
             t.log_step(step, state.loss, seconds, grid.counter.since(before), progress,
                        replica_loss=not meets and grid.pc > 1)

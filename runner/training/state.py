@@ -73,16 +73,20 @@ class RunSetup:
 
 @dataclass
 class StepHistory:
-    """Each step's wall time, and the bytes and seconds of the collectives rank 0 issued."""
+    """Each step's wall time, the bytes and seconds of the collectives rank 0 issued, and the
+    peak bytes of the tensors it kept for backward (`runner.training.memory`)."""
 
     seconds: list[float] = field(default_factory=list)
     comm_bytes: list[int] = field(default_factory=list)
     comm_seconds: list[float] = field(default_factory=list)
+    activation_bytes: list[int] = field(default_factory=list)
 
-    def add(self, seconds: float, comm_bytes: int, comm_seconds: float) -> None:
+    def add(self, seconds: float, comm_bytes: int, comm_seconds: float,
+            activation_bytes: int = 0) -> None:
         self.seconds.append(seconds)
         self.comm_bytes.append(comm_bytes)
         self.comm_seconds.append(comm_seconds)
+        self.activation_bytes.append(activation_bytes)
 
     @property
     def total_s(self) -> float:

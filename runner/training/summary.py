@@ -98,6 +98,11 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
         # strategy=auto on a module tree: what it chose and every candidate's predicted step
         "auto_choice": getattr(model, "auto_choice", None),
         "param_bytes_per_rank": model.param_bytes(),
+        # the most bytes of tensors kept for backward at once in a step, rank 0's largest
+        "activation_bytes_peak": max(history.activation_bytes, default=None),
+        "accumulate_steps": run.trainer.accumulate_steps,
+        # trainer.activation_checkpointing: the modules recomputed, and those a strategy rebuilt
+        "activation_checkpointing": getattr(model, "recomputed", None),
         "seed": run.seed,
         "versions": versions(),
         "git_commit": git_commit() if grid.rank == 0 else None,
