@@ -129,12 +129,19 @@ def _cross_part_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) -> 
             problems.append(
                 f"{run.optimizer.shown('optimizer')}: its update of a parameter depends on "
                 f"the whole parameter, which strategy={run.strategy.name} splits over "
-                f"grid.pr={run.grid.pr} ranks; use strategy=data (or grid.pr=1) or an "
+                f"{_splitting_ranks(run)}; use strategy=data (or grid.pr=1) or an "
                 f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
     if spec is not None and run.trainer.batch_size > spec.train_size:
         problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
                         f"{spec.train_size} training samples of dataset={run.dataset.name}")
     return problems
+
+
+def _splitting_ranks(run: RunConfig) -> str:
+    """Which ranks split a parameter: the model group's, or (fsdp) every rank."""
+    if run.strategy.name == "fsdp":
+        return f"all {run.grid.pr * run.grid.pc} ranks"
+    return f"grid.pr={run.grid.pr} ranks"
 
 
 def _random_draw_problems(run: RunConfig, strategy: Any, model: Any,
