@@ -312,6 +312,17 @@ class Strategy:
         batch, so that a step cut into micro-batches draws what the whole batch draws."""
         return False
 
+    def recompute_problem(self, grid: GridShape) -> str | None:
+        """Why recomputing modules' activations in backward (`trainer.activation_checkpointing`)
+        would not step as the run without it does, on `grid` (None: it would). Where the model
+        group splits modules, their forward's collectives would run again in backward, which
+        the predicted bytes do not hold."""
+        if grid.pr > 1:
+            return (f"strategy={self.name} on grid.pr={grid.pr} runs collectives in the forward "
+                    f"of the modules it splits, which recomputation would run again in "
+                    f"backward; recompute under grid.pr=1")
+        return None
+
     def splits_parameters(self, grid: GridShape) -> bool:
         """Whether a rank holds only part of some parameter on `grid` (the model group splits
         weights): an optimizer whose update reads a whole parameter cannot run on the parts."""

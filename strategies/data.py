@@ -112,6 +112,22 @@ class DataParallelModel(ParallelModel):
         return contextlib.nullcontext(), draws.again()
 
 
+def replica_model(model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
+                  batch_norm: str, sync_replica_gradients: bool = True,
+                  model_class: type[DataParallelModel] = DataParallelModel) -> DataParallelModel:
+    """The whole `model` as a batch replica on this rank, its rows coupled as one process
+    couples them (BatchNorm statistics, random draws: see `DataParallel.parallelize`); no
+    gradient exchange yet."""
+    calls = training_calls(model, sample_shape) if sync_replica_gradients else None
+    plan = draw_plan(model, sample_shape) if calls is not None and calls.draws else None
+    global_norm = batch_norm == "global"
+    if sync_replica_gradients and global_norm:
+        distribute_batch_norms(model, grid.world)
+    functional = calls is not None and global_norm and grid.size > 1 and any(
+        not is_plain_batch_norm(model.get_submodule(name)) for name in calls.batch_norms)
+    return model_class(model, grid, grid.world if functional else None, plan)
+
+
 BATCH_NORM_MODES = ("global", "local")
 # Hot rows per owners-only table. Blocks of frequency-ranked ids put the head of the vocabulary
 # on owner 0; replicating the 256 most widely read rows takes it away (measured on
@@ -211,14 +227,8 @@ class DataParallel(Strategy):
         # otherwise), so one process is what P ranks reproduce. What couples rows beyond plain
         # BatchNorms comes from one training forward (an EASGD replica is a model of its own:
         # its own rows, its own draws).
-        calls = training_calls(model, sample_shape) if sync_replica_gradients else None
-        plan = draw_plan(model, sample_shape) if calls is not None and calls.draws else None
-        global_norm = self.batch_norm == "global"
-        if sync_replica_gradients and global_norm:
-            distribute_batch_norms(model, grid.world)
-        functional = calls is not None and global_norm and grid.size > 1 and any(
-            not is_plain_batch_norm(model.get_submodule(name)) for name in calls.batch_norms)
-        pmodel = DataParallelModel(model, grid, grid.world if functional else None, plan)
+        pmodel = replica_model(model, sample_shape, grid, self.batch_norm,
+                               sync_replica_gradients)
         if sync_replica_gradients:
             tables, dense = self._split(model)
             pmodel.reducers = gradient_exchange(dense, grid.world, 1.0 / grid.size,

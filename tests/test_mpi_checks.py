@@ -37,7 +37,8 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     "tests/mpi/check_corpus.py": {"mpi": (4,)},
     # parallel plans by module name: the transformers library's models, a user's block; with
     # check_plan_vocab (a head split by vocabulary, scored split) and check_plan_resume
-    # (planned runs resumed on other grids and strategies; vision transformers by plan)
+    # (planned runs resumed on other grids and strategies; vision transformers by plan), and
+    # check_fsdp (sharded data parallelism at every stage)
     "tests/mpi/check_plans.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()

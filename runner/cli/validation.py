@@ -129,7 +129,7 @@ def _cross_part_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) -> 
             problems.append(
                 f"{run.optimizer.shown('optimizer')}: its update of a parameter depends on "
                 f"the whole parameter, which strategy={run.strategy.name} splits over "
-                f"grid.pr={run.grid.pr} ranks; use strategy=data (or grid.pr=1) or an "
+                f"{_splitting_ranks(run)}; use strategy=data (or grid.pr=1) or an "
                 f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
     problems += _micro_batch_problems(run, parts, grid_ok)
     if spec is not None and run.trainer.batch_size > spec.train_size:
@@ -156,6 +156,10 @@ def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) ->
         return problems
     recomputed, problem = checkpoint_targets(model, trainer.activation_checkpointing)
     problems += [problem] if problem is not None else []
+    refused = strategy.recompute_problem(run.grid) if recomputed and grid_ok and strategy else None
+    if refused is not None:
+        problems.append(f"trainer.activation_checkpointing={trainer.activation_checkpointing}: "
+                        f"{refused}")
     if count == 1 and not recomputed:
         return problems
     calls = training_calls(model, spec.input_shape)
@@ -188,6 +192,13 @@ def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) ->
                             f"global batch, so micro-batches would draw other masks: {drawn}; "
                             f"strategy=data draws them by row")
     return problems
+
+
+def _splitting_ranks(run: RunConfig) -> str:
+    """Which ranks split a parameter: the model group's, or (fsdp) every rank."""
+    if run.strategy.name == "fsdp":
+        return f"all {run.grid.pr * run.grid.pc} ranks"
+    return f"grid.pr={run.grid.pr} ranks"
 
 
 def _random_draw_problems(run: RunConfig, strategy: Any, model: Any,

@@ -229,8 +229,9 @@ class PlanConfig:
     world: int = 4
     """Plan every factorisation pr × pc of this many ranks."""
     strategies: list[str] = field(default_factory=lambda: ["data", "model", "grid", "domain",
-                                                           "auto"])
-    """The strategies compared (auto: per-layer layouts chosen by predicted step time)."""
+                                                           "auto", "fsdp"])
+    """The strategies compared (auto: per-layer layouts chosen by predicted step time; fsdp:
+    at its default stage)."""
     slowdown: float = 1.0
     """How much slower than the calibrated rates a rank computes on the target machine (1: a
     core per rank; 2: two ranks per core)."""

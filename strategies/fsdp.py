@@ -1,0 +1,332 @@
+"""`strategy=fsdp`: sharded data parallelism, ZeRO's stages (PyTorch's FSDP, DeepSpeed's ZeRO),
+for any module.
+
+The global batch is split over all P ranks as under `data` (one process's BatchNorm statistics
+and random draws included); the parameters are split by rows over the same ranks, unit by unit
+(`strategies.fsdp_units`), so each rank keeps 1/P of the parameters, of their gradients and of
+the optimizer's state (an element-wise optimizer: SGD, Adam, AdamW, ... runs on the pieces as
+on the whole). `strategy.stage` says what lives whole during a step:
+
+- stage 3 (the default): a unit's whole parameters are all-gathered just before its forward
+  and freed after it; what backward needs of them is kept as a note (`SavedPiece`), and the
+  unit's first use in backward gathers them again, once; its gradients are reduce-scattered as
+  soon as they are ready (the gather's adjoint) and the copies freed. At most the pieces, the
+  largest unit whole and what backward needs of one unit at a time.
+- stage 2: the whole parameters are gathered before a unit's forward and kept, by autograd,
+  until its backward is done; the gradients reduce-scattered as soon as they are ready.
+- stage 1: as stage 2, but the whole gradients are kept until backward ends and
+  reduce-scattered then (`finish_gradient_sync`): only the optimizer's state and update are
+  sharded.
+
+Bytes per step: every unit all-gathered and reduce-scattered once (as much as `data`'s
+all-reduce moves), and under stage 3 gathered a second time where its backward reads its
+weights. The gathers block: nothing is prefetched. Parameters of fewer rows than ranks stay
+whole on every rank and are all-reduced in buckets, as under `data`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from runner.core import GridShape, Partition, ProcessGrid
+from runner.core.cost import CommOp
+from strategies.base import (
+    DEFAULT_PRICING,
+    ParallelModel,
+    PricingContext,
+    Strategy,
+    gradient_exchange,
+)
+from strategies.buckets import predict_gradient_ops
+from strategies.data import BATCH_NORM_MODES, DataParallel, DataParallelModel, replica_model
+from strategies.fsdp_units import (
+    ShardedUnit,
+    unit_parameters,
+    unit_paths,
+    unmatched_patterns,
+)
+from strategies.norm import batch_norm_ops
+from strategies.probe import sample_dtype
+from strategies.registry import register_strategy
+from strategies.sharded import activation_itemsize
+from strategies.sparse_exchange import sparse_tables
+
+FSDP_STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class SavedPiece:
+    """What autograd keeps of a unit's whole parameter under stage 3: which one, and the view
+    of it that was saved (gathered again when backward reads it)."""
+
+    unit: ShardedUnit
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class ShardedDataParallelModel(DataParallelModel):
+    """The model with its units' parameters split by rows; each unit gathered around its
+    forward (`strategies.fsdp`)."""
+
+    units: list[ShardedUnit]
+    stage: int
+
+    def attach(self, units: list[ShardedUnit], stage: int) -> None:
+        self.units, self.stage = units, stage
+        self._open: list[tuple[ShardedUnit, list[torch.Tensor]]] = []
+        self._wholes: dict[int, tuple[ShardedUnit, int]] = {}  # storage → (unit, parameter)
+        for unit in units:
+            unit.module.register_forward_pre_hook(partial(self._gather, unit))
+            unit.module.register_forward_hook(partial(self._reshard, unit), always_call=True)
+        self.layouts = {unit.path or "(model)": f"fsdp stage {stage}" for unit in units}
+
+    def _gather(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
+        pieces = unit.pieces()
+        wholes = unit.gather()
+        unit.install(wholes)
+        self._open.append((unit, pieces))
+        if self.stage == 3:
+            for index, whole in enumerate(wholes):
+                self._wholes[whole.untyped_storage().data_ptr()] = (unit, index)
+
+    def _reshard(self, unit: ShardedUnit, module: nn.Module, args: Any, output: Any) -> None:
+        opened, pieces = self._open.pop()
+        assert opened is unit, "units gathered and put back out of order"
+        if self.stage == 3:
+            for key in [k for k, (u, _) in self._wholes.items() if u is unit]:
+                del self._wholes[key]
+        unit.reshard(pieces)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        found = self._wholes.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+        if found is None:
+            return tensor
+        unit, index = found
+        return SavedPiece(unit, index, tuple(tensor.size()), tuple(tensor.stride()),
+                          int(tensor.storage_offset()))
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        if not isinstance(saved, SavedPiece):
+            return cast(torch.Tensor, saved)
+        whole = saved.unit.copies_for_backward()[saved.index]
+        return whole.as_strided(saved.size, saved.stride, saved.offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stage == 3 and self.training and torch.is_grad_enabled():
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return super().forward(x)
+        return super().forward(x)
+
+    def finish_gradient_sync(self) -> None:
+        for unit in self.units:
+            unit.finish()
+        super().finish_gradient_sync()
+
+
+@register_strategy("fsdp")
+class ShardedDataParallel(Strategy):
+    # its pieces are updated by the optimizer from the summed gradients: no replica optimizer
+    synchronous_only = True
+
+    def __init__(self, stage: int = 3, units: str | list[str] = "auto",
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 batch_norm: str = "global", *,
+                 pricing: PricingContext = DEFAULT_PRICING) -> None:
+        super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
+        # 1: optimizer state sharded; 2: also the gradients; 3: also the parameters
+        self.stage = stage
+        # "auto" or module path patterns / class names: the modules gathered together
+        self.units = units if isinstance(units, str) else [str(u) for u in units]
+        # as `data`'s: global (one process's statistics) or local
+        self.batch_norm = batch_norm
+
+    def _replica(self) -> DataParallel:
+        return DataParallel(self.bucket_cap_bytes / 2**20, self.first_bucket_bytes / 2**20,
+                            sparse="dense", batch_norm=self.batch_norm, pricing=self.pricing)
+
+    def check(self, grid: GridShape, global_batch: int) -> list[str]:
+        if self.stage not in FSDP_STAGES or isinstance(self.stage, bool):
+            return [f"strategy.stage={self.stage}: must be 1 (optimizer state sharded), 2 (and "
+                    f"gradients) or 3 (and parameters)"]
+        if self.batch_norm not in BATCH_NORM_MODES:
+            return [f"strategy.batch_norm={self.batch_norm}: must be one of "
+                    f"{', '.join(BATCH_NORM_MODES)}"]
+        if grid.pr != 1:
+            return [f"strategy=fsdp shards the parameters over the ranks that split the batch "
+                    f"and needs grid.pr=1, got grid.pr={grid.pr} (use strategy=grid to split "
+                    f"the model)"]
+        if global_batch < grid.size:
+            return [f"trainer.batch_size={global_batch} is smaller than the {grid.size} ranks: "
+                    f"sharded data parallelism needs a sample per rank"]
+        return super().check(grid, global_batch)
+
+    def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
+                    grid: GridShape) -> list[str]:
+        problems = [f"strategy.units: {pattern} matches no module (by path or class name)"
+                    for pattern in unmatched_patterns(model, self.units)]
+        if grid.size == 1:
+            return problems
+        problems += self._replica().check_model(model, sample_shape, grid)
+        problems += [f"strategy=fsdp cannot shard {name or 'the model'} "
+                     f"({type(module).__name__}): its gradients are sparse (sparse=True); "
+                     f"use strategy=data" for name, module in sparse_tables(model)]
+        for path, params in unit_parameters(model, unit_paths(model, self.units)).items():
+            dtypes = {p.dtype for _, _, p in params}
+            if len(dtypes) > 1:
+                problems.append(f"strategy=fsdp: unit {path or '(model)'} holds parameters of "
+                                f"several dtypes ({', '.join(sorted(map(str, dtypes)))}): "
+                                f"give each dtype its own unit (strategy.units)")
+        return problems
+
+    def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape) -> bool:
+        return True  # as `data`: every row's masks drawn alike at every P
+
+    def draws_rows_alike(self, model: nn.Module, sample_shape: tuple[int, ...],
+                         grid: GridShape) -> bool:
+        return self._replica().draws_rows_alike(model, sample_shape, grid)
+
+    def recompute_problem(self, grid: GridShape) -> str | None:
+        if grid.size > 1:
+            return ("strategy=fsdp gathers a unit's parameters around its forward, which "
+                    "recomputation would run again inside backward; not supported yet")
+        return None
+
+    def exchanged_once(self, op: CommOp) -> bool:
+        # the buckets' all-reduces, and stage 1's reduce-scatters of the whole step's gradients;
+        # at stages 2 and 3 each micro-batch's backward reduce-scatters its own
+        return super().exchanged_once(op) or (self.stage == 1 and op.op == "reduce_scatter")
+
+    def splits_parameters(self, grid: GridShape) -> bool:
+        return grid.size > 1
+
+    def _split_and_whole(self, model: nn.Module, ranks: int
+                         ) -> tuple[dict[str, list[Any]], list[tuple[str, nn.Parameter]]]:
+        """Each unit's parameters split by rows, and those of fewer rows than ranks (whole)."""
+        split: dict[str, list[Any]] = {}
+        whole: list[tuple[str, nn.Parameter]] = []
+        for path, params in unit_parameters(model, unit_paths(model, self.units)).items():
+            split[path] = [(n, h, p) for n, h, p in params if p.dim() and p.shape[0] >= ranks]
+            whole += [(n, p) for n, h, p in params if not (p.dim() and p.shape[0] >= ranks)]
+        return split, whole
+
+    def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
+                    sync_replica_gradients: bool = True) -> ParallelModel:
+        pmodel = replica_model(model, sample_shape, grid, self.batch_norm,
+                               sync_replica_gradients, ShardedDataParallelModel)
+        assert isinstance(pmodel, ShardedDataParallelModel)
+        if grid.size == 1:
+            pmodel.attach([], self.stage)
+            return pmodel
+        split, whole = self._split_and_whole(model, grid.size)
+        units = [ShardedUnit.split(path, model.get_submodule(path), params, grid.world,
+                                   self.stage) for path, params in split.items() if params]
+        pmodel.attach(units, self.stage)
+        pmodel.reducers = gradient_exchange([p for _, p in whole if p.requires_grad],
+                                            grid.world, 1.0 / grid.size, self.bucket_cap_bytes,
+                                            self.first_bucket_bytes)
+        return pmodel
+
+    def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                    global_batch: int) -> list[CommOp]:
+        ranks = grid.size
+        if ranks == 1:
+            return []
+        split, whole = self._split_and_whole(model, ranks)
+        calls, read = unit_calls(model, sample_shape, list(split),
+                                 self.pricing.compute_dtype)
+        ops: list[CommOp] = []
+        for path, params in split.items():
+            if not params:
+                continue
+            label = f"fsdp {path or '(model)'}"
+            size = sum(max(Partition(p.shape[0], ranks).sizes) * p.shape[1:].numel()
+                       for _, _, p in params)
+            nbytes = ranks * size * params[0][2].element_size()
+            trained = any(p.requires_grad for _, _, p in params)
+            per_call = [CommOp("allgather", "world", ranks, nbytes, label)]
+            if trained:
+                per_call.append(CommOp("reduce_scatter", "world", ranks, nbytes, label))
+                if self.stage == 3 and any(id(p) in read for _, _, p in params):
+                    per_call.append(CommOp("allgather", "world", ranks, nbytes, label))
+            if trained and self.stage == 1:  # one reduce-scatter at the end, however many calls
+                ops += [op for op in per_call if op.op == "allgather"] * calls[path]
+                ops.append(per_call[1])
+            else:
+                ops += per_call * calls[path]
+        items = [(name.split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
+                 for name, p in whole if p.requires_grad]
+        ops += predict_gradient_ops(items, "world", ranks, *self.bucket_caps)
+        if self.batch_norm == "global":
+            ops += batch_norm_ops(model, "world", ranks, activation_itemsize([model]))
+        return ops
+
+    def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                            grid: GridShape) -> int:
+        split, whole = self._split_and_whole(model, grid.size)
+        pieces = sum(Partition(p.shape[0], grid.size).sizes[0] * p.shape[1:].numel()
+                     * p.element_size() for params in split.values() for _, _, p in params)
+        return int(pieces) + sum(p.numel() * p.element_size() for _, p in whole)
+
+    def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape, global_batch: int) -> float:
+        return self._replica().predict_compute_seconds(model, sample_shape, grid, global_batch)
+
+    def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                 grid: GridShape, global_batch: int) -> int:
+        return self._replica().predict_activation_bytes(model, sample_shape, grid,
+                                                        global_batch)
+
+
+def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str],
+               compute_dtype: torch.dtype | None = None) -> tuple[dict[str, int], set[int]]:
+    """From one sample's forward with gradients recorded (under autocast to `compute_dtype`
+    where given, as training runs): how many times each unit's module runs, and the parameters
+    (by id) whose values autograd saves for backward (a view of one counts; a cast copy does
+    not: backward reads the copy)."""
+    calls = dict.fromkeys(paths, 0)
+    params = {id(p) for p in model.parameters()}
+    read: set[int] = set()
+
+    def count(path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            calls[path] += 1
+        return hook
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) in params:
+            read.add(id(base))
+        return tensor
+
+    handles = [model.get_submodule(path).register_forward_pre_hook(count(path))
+               for path in paths]
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        sample = torch.zeros(1, *sample_shape, device=device, dtype=sample_dtype(model))
+        autocast: contextlib.AbstractContextManager[Any] = (
+            torch.autocast(device.type, dtype=compute_dtype)
+            if compute_dtype is not None and device.type != "meta" else contextlib.nullcontext())
+        with (torch.enable_grad(), autocast,
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              torch.random.fork_rng(devices=[])):
+            model(sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.train(mode)
+    return calls, read

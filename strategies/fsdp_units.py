@@ -1,0 +1,273 @@
+"""The units of sharded data parallelism (`strategies.fsdp`): which modules' parameters are
+gathered together, each parameter split by rows over the ranks, and the gather itself.
+
+A unit is a module (`strategy.units`: every child of the model's largest repeated stack by
+default, the whole model for the rest); its parameters are those it holds that no inner unit
+holds, a parameter held by modules of several units going to the innermost unit holding them
+all (a tied embedding and head: their common ancestor). A parameter is split by rows (dim 0)
+over the P ranks, balanced (`Partition`: pieces differing by one row), and a rank keeps its
+piece as the module's own parameter: the optimizer, its state and the checkpoints see pieces
+only, each placed in its global tensor (`place_rows`). A parameter of fewer rows than ranks
+stays whole on every rank (its gradient all-reduced, as under `data`).
+
+`ShardedUnit.gather` puts a unit's whole parameters together in one collective: every
+parameter's piece, padded to its longest piece, packed into one buffer in the same order on every
+rank, all-gathered (`runner.core.primitives.all_gather`), and each whole parameter cut out of the
+ranks' blocks. Packing, padding and cutting are autograd's own (cat, pad, views); the gather's
+backward is its adjoint, the reduce-scatter, so each rank's pieces receive the sum over the ranks
+of their rows' gradients (scaled by 1/P: the mean of the ranks' losses). Stage 1 keeps the whole
+gradient instead and reduce-scatters it once backward is done (`DeferredGradient`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from runner.core import CountedComm, Partition
+from runner.core.placement import place_rows
+from runner.core.primitives import all_gather, all_gather_op, reduce_scatter_op
+
+ROOT = ""  # the path of the whole model's unit
+
+
+def _matches(path: str, module: nn.Module, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern) or type(module).__name__ == pattern
+
+
+def unit_paths(model: nn.Module, units: str | list[str]) -> list[str]:
+    """The modules whose parameters are gathered together, by path, the whole model's ("")
+    first: for "auto", each child of the model's stack (`nn.ModuleList` or `nn.Sequential`) of
+    the most parameters in two children or more, else each child of the model that holds
+    parameters; else the outermost modules whose path or class name a pattern matches."""
+    paths = [ROOT]
+    if units == "auto":
+        stacks = [(sum(p.numel() for p in m.parameters()), name, m)
+                  for name, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.Sequential))
+                  and sum(1 for c in m.children() if any(True for _ in c.parameters())) >= 2]
+        if stacks:
+            _, name, stack = max(stacks, key=lambda s: s[0])
+            prefix = f"{name}." if name else ""
+            paths += [f"{prefix}{child}" for child, module in stack.named_children()
+                      if any(True for _ in module.parameters())]
+        else:
+            paths += [child for child, module in model.named_children()
+                      if any(True for _ in module.parameters())]
+        return paths
+    patterns = [units] if isinstance(units, str) else list(units)
+    matched = [name for name, module in model.named_modules()
+               if name and any(_matches(name, module, p) for p in patterns)]
+    # the outermost matches (`*` runs over dots, as in a plan's patterns: `blocks.*` is each
+    # block, not each of its parts too)
+    return paths + [name for name in matched
+                    if not any(_inside(name, other) for other in matched if other != name)]
+
+
+def unmatched_patterns(model: nn.Module, units: str | list[str]) -> list[str]:
+    """The patterns of `units` that match no module (by path or class name)."""
+    if units == "auto":
+        return []
+    patterns = [units] if isinstance(units, str) else list(units)
+    return [p for p in patterns
+            if not any(name and _matches(name, module, p)
+                       for name, module in model.named_modules())]
+
+
+@dataclass
+class Holder:
+    """A module's parameter slot: `module._parameters[name]`."""
+
+    module: nn.Module
+    name: str
+
+
+@dataclass
+class SplitParameter:
+    """A parameter of a unit, split by rows over the ranks: its slots (more than one where
+    the parameter is tied), its whole shape and the rows each rank holds."""
+
+    path: str  # its name in the model
+    holders: list[Holder]
+    shape: torch.Size
+    rows: Partition
+
+    @property
+    def row_elements(self) -> int:
+        return self.shape[1:].numel()
+
+    @property
+    def padded(self) -> int:
+        """Elements of each rank's block of it in the packed buffer (the longest piece)."""
+        return max(self.rows.sizes) * self.row_elements
+
+
+def unit_parameters(model: nn.Module, paths: list[str]
+                    ) -> dict[str, list[tuple[str, list[Holder], nn.Parameter]]]:
+    """Each unit's parameters (name, slots, parameter) in `named_parameters` order: a
+    parameter goes to the innermost unit holding every module that holds it."""
+    holders: dict[int, list[Holder]] = {}
+    holder_paths: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for pname, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append(Holder(module, pname))
+                holder_paths.setdefault(id(param), []).append(name)
+    found: dict[str, list[tuple[str, list[Holder], nn.Parameter]]] = {p: [] for p in paths}
+    ordered = sorted(paths, key=lambda p: -len(p.split(".")) if p else 0)
+    for name, param in model.named_parameters():
+        owners = holder_paths[id(param)]
+        unit = next((u for u in ordered if all(_inside(o, u) for o in owners)), ROOT)
+        found[unit].append((name, holders[id(param)], param))
+    return found
+
+
+def _inside(path: str, unit: str) -> bool:
+    return unit == ROOT or path == unit or path.startswith(unit + ".")
+
+
+class DeferredGradient(Function):
+    """Identity on the gathered `whole`; backward keeps its gradient in `unit.pending` (stage
+    1: reduce-scattered once backward is done) and passes none on. `packed` (the pieces, which
+    need gradients) only makes autograd run this backward."""
+
+    @staticmethod
+    def forward(ctx: Any, whole: torch.Tensor, packed: torch.Tensor,
+                unit: ShardedUnit) -> torch.Tensor:
+        ctx.unit = unit
+        return whole.view_as(whole)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        unit: ShardedUnit = ctx.unit
+        unit.pending = grad.clone() if unit.pending is None else unit.pending + grad
+        return None, None, None
+
+
+class ScaleGradient(Function):
+    """Identity forward; backward scales the gradient (1/P: the mean of the ranks' losses)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+@dataclass
+class ShardedUnit:
+    """One unit: its split parameters and the communicator whose ranks split them."""
+
+    path: str
+    module: nn.Module
+    params: list[SplitParameter]
+    comm: CountedComm
+    stage: int
+    pending: torch.Tensor | None = None  # stage 1: the whole gradient of this step
+    backward_copies: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    @staticmethod
+    def split(path: str, module: nn.Module,
+              params: list[tuple[str, list[Holder], nn.Parameter]], comm: CountedComm,
+              stage: int) -> ShardedUnit:
+        """Replace each parameter's slots by this rank's rows of it."""
+        split = []
+        for name, holders, param in params:
+            rows = Partition(param.shape[0], comm.size)
+            piece = nn.Parameter(param.detach()[rows.slice(comm.rank)].clone(),
+                                 requires_grad=param.requires_grad)
+            place_rows(piece, param, rows.slice(comm.rank))
+            for holder in holders:
+                holder.module._parameters[holder.name] = piece
+            split.append(SplitParameter(name, holders, param.shape, rows))
+        return ShardedUnit(path, module, split, comm, stage)
+
+    @property
+    def label(self) -> str:
+        return f"fsdp {self.path or '(model)'}"
+
+    @property
+    def width(self) -> int:
+        """Elements of each rank's packed buffer."""
+        return sum(p.padded for p in self.params)
+
+    def pieces(self) -> list[torch.Tensor]:
+        """What the slots hold now: this rank's pieces (or, during the unit's forward, the
+        whole parameters)."""
+        found = [p.holders[0].module._parameters[p.holders[0].name] for p in self.params]
+        assert all(t is not None for t in found)
+        return [t for t in found if t is not None]
+
+    def gather(self) -> list[torch.Tensor]:
+        """The whole parameters, differentiable when grad mode is on (see the module doc)."""
+        pieces = self.pieces()
+        packed = torch.cat([torch.nn.functional.pad(piece.reshape(-1),
+                                                    (0, p.padded - piece.numel()))
+                            for p, piece in zip(self.params, pieces, strict=True)])
+        size, ranks = self.width, self.comm.size
+        part = Partition(size * ranks, ranks)
+        if not (torch.is_grad_enabled() and packed.requires_grad):
+            whole = all_gather_op(packed, self.comm, 0, part, self.label)
+        elif self.stage == 1:
+            whole = DeferredGradient.apply(
+                all_gather_op(packed.detach(), self.comm, 0, part, self.label), packed, self)
+        else:
+            whole = ScaleGradient.apply(all_gather(packed, self.comm, 0, part, self.label),
+                                        1.0 / ranks)
+            if self.stage == 3:  # the reduce-scatter is done: the copies for backward go
+                packed.register_hook(lambda grad: self.release())
+        blocks = whole.view(ranks, size)
+        wholes, offset = [], 0
+        for p in self.params:
+            rows = [blocks[k, offset:offset + n * p.row_elements]
+                    for k, n in enumerate(p.rows.sizes)]
+            wholes.append(torch.cat(rows).view(p.shape))
+            offset += p.padded
+        return wholes
+
+    def install(self, wholes: list[torch.Tensor]) -> None:
+        for p, whole in zip(self.params, wholes, strict=True):
+            for holder in p.holders:
+                holder.module._parameters[holder.name] = whole  # type: ignore[assignment]
+
+    def reshard(self, pieces: list[torch.Tensor]) -> None:
+        for p, piece in zip(self.params, pieces, strict=True):
+            for holder in p.holders:
+                holder.module._parameters[holder.name] = piece  # type: ignore[assignment]
+
+    def copies_for_backward(self) -> list[torch.Tensor]:
+        """Stage 3: the whole parameters again, for backward (gathered once per step)."""
+        if self.backward_copies is None:
+            with torch.no_grad():
+                self.backward_copies = self.gather()
+        return self.backward_copies
+
+    def release(self) -> None:
+        self.backward_copies = None
+
+    def finish(self) -> None:
+        """Stage 1: reduce-scatter the whole gradient kept over backward into the pieces."""
+        if self.pending is None:
+            return
+        grad, self.pending = self.pending, None
+        ranks = self.comm.size
+        own = reduce_scatter_op(grad, self.comm, 0, Partition(self.width * ranks, ranks),
+                                self.label) / ranks
+        offset = 0
+        for p, piece in zip(self.params, self.pieces(), strict=True):
+            n = p.rows.sizes[self.comm.rank] * p.row_elements
+            if piece.requires_grad:
+                part = own[offset:offset + n].view(piece.shape)
+                if piece.grad is None:
+                    piece.grad = part.clone()
+                else:
+                    piece.grad += part
+            offset += p.padded

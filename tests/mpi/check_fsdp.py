@@ -1,0 +1,137 @@
+"""Sharded data parallelism (strategies/fsdp.py) against one process, in the launch of
+`check_plans.py` (which imports this script): `mpiexec -n 4 python check_plans.py`.
+
+gridrun's MLP, ResNet (BatchNorm with one process's statistics) and GPT (tied embedding and
+head), the transformers library's Llama, in float64, under strategy=fsdp 1x2 and 1x4 at stages
+1, 2 and 3: every step's loss equals one process's to 1e-9 relative (SGD with momentum; AdamW),
+every final piece equals the block of one process's parameter its placement names, the pieces
+tile every parameter (a checkpoint loads on any grid), and the bytes rank 0 moves every step are
+the predicted ones (under stage 3 the second gather of each unit whose backward reads its
+weights included).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from harness import check, make_grids
+from plan_harness import (
+    TOLERANCE,
+    assert_moved_as_predicted,
+    assert_pieces_equal,
+    built,
+    tagged_copy,
+)
+from torch import nn
+
+from runner.core import ProcessGrid
+from runner.core.placement import placement_of
+from runner.zoo.models import mlp, resnet
+from strategies import STRATEGIES
+from strategies.probe import logits_of
+from strategies.transformer import GPT
+from tests import plan_models
+
+GRIDS = make_grids([(1, 2), (1, 4)])
+VOCAB, T, BATCH, CLASSES = 48, 8, 8, 4
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def optimizer(params: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def compare(factory: Callable[[], nn.Module], sample: tuple[int, ...], stage: int,
+            shape: tuple[int, int], tokens: bool, opt: str = "sgd",
+            units: str | list[str] = "auto") -> None:
+    grid: ProcessGrid | None = GRIDS[shape]
+    if grid is None:
+        return
+    what = f"{factory.__name__} fsdp stage {stage} {shape[0]}x{shape[1]} {opt}"
+    strategy = STRATEGIES.get("fsdp")(stage=stage, units=units, bucket_cap_mb=0.004,
+                                      first_bucket_mb=0.001)
+    seq = built(factory, tokens)
+    assert strategy.check(grid.shape, BATCH) == [], what
+    assert strategy.check_model(seq, sample, grid.shape) == [], (
+        what, strategy.check_model(seq, sample, grid.shape))
+    ops = strategy.predict_ops(seq, sample, grid.shape, BATCH)
+    pmodel = strategy.parallelize(tagged_copy(seq, tokens), sample, grid)
+    assert len(pmodel.units) >= 2, (what, pmodel.layouts)
+    gen = torch.Generator().manual_seed(9)
+    if tokens:
+        x = torch.randint(1, VOCAB, (BATCH, *sample), generator=gen)
+        y = torch.randint(0, VOCAB, (BATCH, *sample), generator=gen)
+    else:
+        x = torch.randn(BATCH, *sample, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
+    targets = y.numel()
+    scale = grid.size / targets
+    seq_opt = optimizer(list(seq.parameters()), opt)
+    par_opt = optimizer(list(pmodel.parameters()), opt)
+    x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
+    predicted = Counter(op.key for op in ops)
+    grid.counter.keep_records = True
+    for step in range(3):
+        seq_opt.zero_grad()
+        out = logits_of(seq(x))
+        seq_loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        seq_loss.backward()
+        pmodel.zero_grad()
+        grid.counter.records.clear()
+        score = pmodel.score(pmodel(x_local), y_local)
+        (score.loss_sum * scale).backward()
+        pmodel.finish_gradient_sync()
+        assert_moved_as_predicted(grid, predicted, what, step)
+        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / targets
+        assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
+            what, step, loss, seq_loss.item())
+        seq_opt.step()
+        par_opt.step()
+    grid.counter.keep_records = False
+    assert_pieces_equal(seq, pmodel, what)
+    places = {placement_of(p) for p in pmodel.parameters()}
+    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
+    for name, param in seq.named_parameters():
+        blocks = [p for p in every if p is not None and p.name == name]
+        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
+        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
+    shards = sum(p.numel() for p in pmodel.parameters())
+    assert shards < sum(p.numel() for p in seq.parameters()), what  # pieces, not copies
+    if grid.rank == 0:
+        print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
+              f"as predicted", flush=True)
+
+
+def mlp_net() -> nn.Module:
+    return mlp((1, 4, 4), CLASSES, hidden=(24, 24))
+
+
+def resnet_net() -> nn.Module:
+    return resnet((3, 8, 8), CLASSES, widths=(8, 16), blocks=(1, 1))
+
+
+def gpt_net() -> nn.Module:
+    return GPT(VOCAB, T, width=16, layers=2, heads=2)
+
+
+def llama_net() -> nn.Module:
+    return plan_models.hf_llama(VOCAB, (T,))
+
+
+@check
+def sharded_data_parallelism_equals_one_process_at_every_stage() -> None:
+    for stage in (1, 2, 3):
+        compare(mlp_net, (1, 4, 4), stage, (1, 4), tokens=False)
+        compare(gpt_net, (T,), stage, (1, 4), tokens=True)
+    compare(mlp_net, (1, 4, 4), 3, (1, 2), tokens=False, opt="adamw")
+    compare(resnet_net, (3, 8, 8), 3, (1, 2), tokens=False)
+    compare(gpt_net, (T,), 2, (1, 2), tokens=True, opt="adamw", units=["blocks.*"])
+    if HAVE_TRANSFORMERS:
+        compare(llama_net, (T,), 3, (1, 4), tokens=True, opt="adamw")
+        compare(llama_net, (T,), 1, (1, 2), tokens=True, units=["LlamaDecoderLayer"])
