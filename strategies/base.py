@@ -141,6 +141,11 @@ class ParallelModel(nn.Module):
         # Parameters every rank of a model group holds whole (batch-parallel layers): a replica
         # optimizer must keep these copies equal.
         self.replicated_in_model_group: list[nn.Parameter] = []
+        # The runner's own hooks on the tensors autograd saves (its activation meter), for a
+        # model that installs hooks of its own inside its forward, which would hide the
+        # runner's: it passes on to these whatever it does not keep itself.
+        self.outer_saved_hooks: tuple[Callable[[torch.Tensor], Any],
+                                      Callable[[Any], torch.Tensor]] | None = None
         # The micro-batch the next training forward runs (None: the whole step's rows at once).
         self.micro: MicroBatch | None = None
         # trainer.activation_checkpointing: the modules recomputed, and those a strategy

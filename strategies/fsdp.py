@@ -73,6 +73,14 @@ class SavedPiece:
     offset: int
 
 
+@dataclass(frozen=True)
+class KeptWhole:
+    """A whole parameter autograd keeps under stages 1 and 2 (parameter memory, which the
+    runner's activation meter does not count)."""
+
+    tensor: torch.Tensor
+
+
 class ShardedDataParallelModel(DataParallelModel):
     """The model with its units' parameters split by rows; each unit gathered around its
     forward (`strategies.fsdp`)."""
@@ -94,35 +102,41 @@ class ShardedDataParallelModel(DataParallelModel):
         wholes = unit.gather()
         unit.install(wholes)
         self._open.append((unit, pieces))
-        if self.stage == 3:
-            for index, whole in enumerate(wholes):
-                self._wholes[whole.untyped_storage().data_ptr()] = (unit, index)
+        for index, whole in enumerate(wholes):
+            self._wholes[whole.untyped_storage().data_ptr()] = (unit, index)
 
     def _reshard(self, unit: ShardedUnit, module: nn.Module, args: Any, output: Any) -> None:
         opened, pieces = self._open.pop()
         assert opened is unit, "units gathered and put back out of order"
-        if self.stage == 3:
-            for key in [k for k, (u, _) in self._wholes.items() if u is unit]:
-                del self._wholes[key]
+        for key in [k for k, (u, _) in self._wholes.items() if u is unit]:
+            del self._wholes[key]
         unit.reshard(pieces)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        """A note in place of a whole parameter (stage 3), the parameter itself (stages 1 and 2:
+        parameter memory, not an activation), anything else to the runner's hooks."""
         found = self._wholes.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
         if found is None:
-            return tensor
+            return (self.outer_saved_hooks[0](tensor) if self.outer_saved_hooks is not None
+                    else tensor)
+        if self.stage != 3:
+            return KeptWhole(tensor)
         unit, index = found
         return SavedPiece(unit, index, tuple(tensor.size()), tuple(tensor.stride()),
                           int(tensor.storage_offset()))
 
-    @staticmethod
-    def _unpack(saved: Any) -> torch.Tensor:
-        if not isinstance(saved, SavedPiece):
-            return cast(torch.Tensor, saved)
-        whole = saved.unit.copies_for_backward()[saved.index]
-        return whole.as_strided(saved.size, saved.stride, saved.offset)
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, SavedPiece):
+            whole = saved.unit.copies_for_backward()[saved.index]
+            return whole.as_strided(saved.size, saved.stride, saved.offset)
+        if isinstance(saved, KeptWhole):
+            return saved.tensor
+        if self.outer_saved_hooks is not None:
+            return self.outer_saved_hooks[1](saved)
+        return cast(torch.Tensor, saved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stage == 3 and self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled():
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return super().forward(x)
         return super().forward(x)

@@ -254,6 +254,7 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         targets_per_sample=math.prod(parts.spec.target_shape), data=data, sampler=sampler,
         state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path),
         meter=SavedTensorMeter(model.parameters()))
+    model.outer_saved_hooks = (training.meter.pack, training.meter.unpack)
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
             run_dir.metrics, continue_after=start.step if start.continues_here else None))

@@ -58,7 +58,7 @@ class SavedTensorMeter:
         found = _storage(tensor)
         return None if found is None else found[0]
 
-    def _pack(self, tensor: torch.Tensor) -> object:
+    def pack(self, tensor: torch.Tensor) -> object:
         found = _storage(tensor)
         if found is None:
             key, nbytes = self._anonymous, tensor.numel() * tensor.element_size()
@@ -77,7 +77,7 @@ class SavedTensorMeter:
         return _Saved(self, tensor, key)
 
     @staticmethod
-    def _unpack(packed: object) -> torch.Tensor:
+    def unpack(packed: object) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[return-value]
 
     def release(self, key: int) -> None:
@@ -93,5 +93,5 @@ class SavedTensorMeter:
     def step(self) -> Iterator[None]:
         """One step's forwards and backwards: its peak starts from what is live now."""
         self.peak = self.live
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield
