@@ -346,7 +346,6 @@ def _region(model: nn.Module, sample_shape: tuple[int, ...], pr: int, blocks: se
     return (None, problems) if problems else (layout, [])
 
 
-
 def _size(call: _Call) -> int:
     """How many calls `call` made, at any depth."""
     return sum(1 + _size(c) for c in call.inner)
