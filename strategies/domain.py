@@ -15,13 +15,20 @@ training scale past the batch size, since one sample is worked on by `Pr` ranks.
 A GPT's domain is its sequence: for a `strategies.transformer.GPT` each sequence is split over
 the model group instead (sequence parallelism, `strategies.sequence`; `kv_exchange` chooses how
 attention's keys and values travel).
+
+Any other model's sequence, by a parallel plan by module name (`strategy.plan`, styles
+`sequence` and `replicate` only: `strategies.module_plan.domain_plan`): each sample's sequence
+split over the model group in the blocks holding `sequence` modules, which run on this rank's
+positions; the blocks' other modules (the attention) run on the gathered sequence, whole on
+every rank (`strategies.plan_sequence.domain_layout`). Every weight whole, its gradient summed
+over every rank.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -39,7 +46,17 @@ from strategies.base import (
     split_model_exchanges,
 )
 from strategies.buckets import predict_gradient_ops
+from strategies.module_plan import (
+    ModulePlan,
+    build_planned_model,
+    domain_plan,
+    plan_activation_bytes,
+    plan_param_bytes,
+    plan_problems,
+    predict_plan_ops,
+)
 from strategies.norm import batch_norm_ops, distribute_batch_norms
+from strategies.plan_costs import PlannedModule, plan_compute_seconds, plan_module_bytes
 from strategies.registry import register_strategy
 from strategies.sequence import (
     KV_EXCHANGES,
@@ -107,12 +124,30 @@ def spatial_end(layers: Sequence[nn.Module]) -> int:
 @register_strategy("domain")
 class DomainParallel(Strategy):
     def __init__(self, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 overlap: bool = True, kv_exchange: str = "auto", *,
+                 overlap: bool = True, kv_exchange: str = "auto",
+                 plan: Mapping[str, str] | None = None, *,
                  pricing: PricingContext = DEFAULT_PRICING) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         self.overlap = overlap
         self.kv_exchange = kv_exchange
         self._exchanges: dict[tuple[object, ...], str] = {}  # auto's choices
+        # module-path glob pattern → sequence | replicate; config keys may come as other
+        # scalars
+        self.plan = {str(k): str(v) for k, v in (plan or {}).items()}
+
+    def plan_of(self, model: nn.Module) -> ModulePlan | None:
+        """The user's plan for `model`, its weights whole (None: none given)."""
+        return domain_plan(model, self.plan)
+
+    def plan_modules(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                     global_batch: int) -> tuple[str, list[PlannedModule]] | None:
+        """Where the plan comes from, and each of its modules with its style and predicted
+        bytes per step (None: no plan)."""
+        plan = self.plan_of(model)
+        if plan is None:
+            return None
+        return plan.source, plan_module_bytes(model, plan, sample_shape, grid, global_batch,
+                                              self.bucket_caps, self.pricing.compute_dtype)
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         if self.kv_exchange not in KV_EXCHANGES:
@@ -149,6 +184,9 @@ class DomainParallel(Strategy):
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
+        if (by_name := self.plan_of(model)) is not None:
+            return [f"strategy=domain: {p}"
+                    for p in plan_problems(by_name, model, sample_shape, grid.pr, grid.pc)]
         if is_gpt(model):
             assert isinstance(model, GPT)
             return sequence_problems(model, sample_shape, grid)
@@ -187,6 +225,9 @@ class DomainParallel(Strategy):
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
+        if (by_name := self.plan_of(model)) is not None:
+            return build_planned_model(model, by_name, sample_shape, grid, sync_replica_gradients,
+                                       self.bucket_cap_bytes, self.first_bucket_bytes)
         if is_gpt(model):
             assert isinstance(model, GPT)
             return build_sequence_parallel(model, sample_shape, grid,
@@ -223,6 +264,9 @@ class DomainParallel(Strategy):
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
+        if (by_name := self.plan_of(model)) is not None:
+            return predict_plan_ops(model, by_name, sample_shape, grid, global_batch,
+                                    self.bucket_caps, self.pricing.compute_dtype)
         if is_gpt(model):
             assert isinstance(model, GPT)
             rows = Partition(global_batch, grid.pc).sizes[0]
@@ -274,6 +318,8 @@ class DomainParallel(Strategy):
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
+        if (by_name := self.plan_of(model)) is not None:
+            return plan_param_bytes(model, by_name, grid.pr)
         if is_gpt(model):
             return sequence_param_bytes(model)
         if not isinstance(model, nn.Sequential):
@@ -282,6 +328,9 @@ class DomainParallel(Strategy):
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
+        if (by_name := self.plan_of(model)) is not None:
+            return plan_activation_bytes(model, by_name, sample_shape, grid, global_batch,
+                                         self.pricing.compute_dtype)
         if is_gpt(model):
             assert isinstance(model, GPT)
             rows = Partition(global_batch, grid.pc).sizes[0]
@@ -308,6 +357,9 @@ class DomainParallel(Strategy):
 
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:
+        if (by_name := self.plan_of(model)) is not None:
+            return plan_compute_seconds(model, by_name, sample_shape, grid, global_batch,
+                                        self.pricing.rates)
         if is_gpt(model):
             assert isinstance(model, GPT)
             return sequence_compute_seconds(model, int(sample_shape[0]), grid,

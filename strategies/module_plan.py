@@ -49,7 +49,13 @@ from strategies.norm import (
 )
 from strategies.plan_checks import pairing_problems, shape_problems
 from strategies.plan_derive import candidate_groups, owner_calls, signature, trial
-from strategies.plan_sequence import SequenceShards, install_sequence, sequence_layout
+from strategies.plan_sequence import (
+    SequenceLayout,
+    SequenceShards,
+    domain_layout,
+    install_sequence,
+    sequence_layout,
+)
 from strategies.plan_styles import STYLES, PlanStyle, Projection, ReplicatedKeyValue
 from strategies.probe import EMBEDDINGS, logits_of, probe
 from strategies.sharded import activation_itemsize
@@ -99,6 +105,9 @@ class ModulePlan:
     source: str
     styles: dict[str, PlanStyle] = field(default_factory=dict)
     given_problems: list[str] = field(default_factory=list)
+    # strategy=domain: every weight whole, the blocks' modules other than the sequence ones
+    # run on the gathered sequence (`strategies.plan_sequence.domain_layout`)
+    whole_weights: bool = False
 
     @property
     def layouts(self) -> dict[str, str]:
@@ -193,6 +202,27 @@ def _derive(model: nn.Module, sample_shape: tuple[int, ...], pr: int) -> ModuleP
     plan = ModulePlan(DERIVED_SOURCE, {p: STYLES[styles[p]] for p, _ in model.named_modules()
                                        if p in styles})
     return None if plan_problems(plan, model, sample_shape, pr) else plan
+
+
+DOMAIN_STYLES = ("sequence", "replicate")  # the styles that keep every weight whole
+
+
+def domain_plan(model: nn.Module, user_plan: Mapping[str, str]) -> ModulePlan | None:
+    """The user's plan for `strategy=domain` (None: none given): its weights all whole, each
+    sample's sequence split over the model group in the blocks of its `sequence` modules."""
+    if not user_plan:
+        return None
+    plan = match_plan(model, dict(user_plan), USER_SOURCE)
+    plan.whole_weights = True
+    return plan
+
+
+def plan_region(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, ...],
+                pr: int) -> tuple[SequenceLayout | None, list[str]]:
+    """The plan's sequence region (None: it has none), or why it cannot be split."""
+    if plan.whole_weights:
+        return domain_layout(plan.styles, model, sample_shape, pr)
+    return sequence_layout(plan.styles, model, sample_shape, pr)
 
 
 def replicated_key_values(plan: ModulePlan, model: nn.Module, pr: int | None) -> ModulePlan:
@@ -375,6 +405,13 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
     """Every reason the plan cannot split `model` over `pr` ranks (the batch over `pc`), one
     line each."""
     problems = list(plan.given_problems) + batch_norm_problems(model, pc)
+    splitting = [f"{path} ({type(model.get_submodule(path)).__name__}): {style.name} splits "
+                 f"weights; strategy=domain keeps every weight whole (its styles: "
+                 f"{', '.join(DOMAIN_STYLES)}): use strategy=grid"
+                 for path, style in plan.styles.items()
+                 if plan.whole_weights and style.name not in DOMAIN_STYLES]
+    if splitting:
+        return problems + splitting
     holders = _tied(model)
     for path, style in plan.splits().items():
         module = model.get_submodule(path)
@@ -405,7 +442,7 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
         return problems
     # the sequence region: where the hidden states are split, gathered and scattered
     # (`strategies.plan_sequence`)
-    sequence, problems = sequence_layout(plan.styles, model, sample_shape, pr)
+    sequence, problems = plan_region(plan, model, sample_shape, pr)
     if problems:
         return problems
     owners = [("" if c.owner == WHOLE_MODEL else c.owner, c.attribute, c.new) for c in changes]
@@ -489,7 +526,7 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     if problems:
         raise ValueError("; ".join(problems))
     vocab_start = _vocab_start(plan, model, grid)
-    sequence, problems = sequence_layout(plan.styles, model, sample_shape, grid.pr)
+    sequence, problems = plan_region(plan, model, sample_shape, grid.pr)
     if problems:
         raise ValueError("; ".join(problems))
     split_ids: set[int] = set()
@@ -575,7 +612,7 @@ def predict_plan_ops(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int
     styled = {id(model.get_submodule(p)): (p, s) for p, s in plan.splits().items()}
     act = activation_itemsize([model], compute_dtype)  # a projection's output
     table = activation_itemsize([model])  # an embedding's output: the table's dtype
-    sequence, _ = sequence_layout(plan.styles, model, sample_shape, grid.pr)
+    sequence, _ = plan_region(plan, model, sample_shape, grid.pr)
     ops: list[CommOp] = [] if sequence is None else sequence.ops(rows, grid.pr, act)
     for call in calls:
         if id(call.module) not in styled:
@@ -610,6 +647,9 @@ def plan_activation_bytes(model: nn.Module, plan: ModulePlan, sample_shape: tupl
     split = {id(model.get_submodule(p)) for p, s in plan.styles.items()
              if s.splits_output and p != gathered}
     split |= {id(model.get_submodule(p)) for p in vocab_heads(plan, model)}
+    if plan.whole_weights:  # the sequence region's modules on a rank's positions
+        region, _ = plan_region(plan, model, sample_shape, grid.pr)
+        split = {id(model.get_submodule(p)) for p in (region.on_pieces if region else ())}
     elements = sum(math.ceil(c.output_elements / grid.pr) if id(c.module) in split
                    else c.output_elements for c in calls)
     return rows * elements * activation_itemsize([model], compute_dtype)

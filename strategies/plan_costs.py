@@ -9,7 +9,10 @@ features, a rowwise one reads its rank's input features, a vocab table holds its
 what runs between a split output and the next rowwise projection (an MLP's activation) runs on
 the rank's features; a `sequence` module in the region runs on the rank's positions
 (`strategies.plan_sequence`); the operators a module holding colwise projections runs itself
-(attention's products and softmax) on its rank's heads; everything else runs whole.
+(attention's products and softmax) on its rank's heads; everything else runs whole. Under
+`strategy=domain` (every weight whole) the modules in the region that run on a rank's positions
+(the `sequence` ones, activations, the blocks' own operators) are priced on T/Pr positions,
+everything else (the attention, gathered) on the whole sequence.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from strategies.module_plan import (
     ModulePlan,
     gathered_path,
     plan_param_items,
+    plan_region,
     predict_plan_ops,
 )
-from strategies.plan_sequence import sequence_layout
 from strategies.plan_styles import Colwise, PlanStyle, Projection, VocabHead
 from strategies.probe import probe
 
@@ -50,12 +53,14 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
                          grid: GridShape, global_batch: int, rates: ComputeRates) -> float:
     """Rank 0's forward and backward compute per step under `plan`, at `rates`, unslowed."""
     rows = Partition(global_batch, grid.pc).sizes[0]
+    if plan.whole_weights:
+        return _domain_compute_seconds(model, plan, sample_shape, grid, rows, rates)
     with torch.random.fork_rng(devices=[]):
         calls = probe(model, sample_shape).calls
     gathered = gathered_path(plan, model, sample_shape)
     styled = {id(model.get_submodule(p)): (p, s) for p, s in plan.splits().items()}
     split_widths: set[int] = set()  # features a split output left split, until a rowwise
-    sequence, _ = sequence_layout(plan.styles, model, sample_shape, grid.pr)
+    sequence, _ = plan_region(plan, model, sample_shape, grid.pr)
     total = 0.0
     for call in calls:
         shape = (rows, *call.input_shape)
@@ -88,6 +93,27 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
     return total + operators_seconds(
         model, sample_shape, rows, rates,
         share=lambda owner: 1 / grid.pr if id(owner) in split_owners else 1.0)
+
+
+def _domain_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple[int, ...],
+                            grid: GridShape, rows: int, rates: ComputeRates) -> float:
+    """Rank 0's compute under a plan of whole weights: the region's modules on pieces of the
+    sequence on T/Pr positions, every other module whole."""
+    region, _ = plan_region(plan, model, sample_shape, grid.pr)
+    on_pieces = region.on_pieces if region is not None else set()
+    paths = {id(module): path for path, module in model.named_modules()}
+    with torch.random.fork_rng(devices=[]):
+        calls = probe(model, sample_shape).calls
+    total = 0.0
+    for call in calls:
+        shape = (rows, *call.input_shape)
+        if paths.get(id(call.module)) in on_pieces and len(shape) >= 3:
+            shape = (*shape[:-2], Partition(shape[-2], grid.pr).sizes[0], shape[-1])
+        total += layer_seconds(local_module(call.module, None, grid.pr), shape, rates,
+                               input_grad=call.input_grad)
+    return total + operators_seconds(
+        model, sample_shape, rows, rates,
+        share=lambda owner: 1 / grid.pr if paths.get(id(owner)) in on_pieces else 1.0)
 
 
 def _parent(model: nn.Module, path: str) -> nn.Module:

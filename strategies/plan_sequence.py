@@ -25,6 +25,17 @@ Anything else a block runs on the split sequence must be a `sequence` module, or
 without parameters that does not mix positions (dropout with p=0, activations); anything else
 is refused by name. The `sequence` modules' weights are whole on every rank and their gradients
 (each rank saw its tokens) summed over every rank, as a replicated layer's.
+
+Under `strategy=domain` no weight is split (`domain_layout`): a block is the smallest module (not
+the model) holding a `sequence` module, split and gathered as above. In it the `sequence`
+modules (a norm, or a whole MLP of Linears and activations) and the modules without parameters
+that do not mix positions run on this rank's piece; every other module (the attention) runs on
+the whole sequence: its hidden states gathered at its entry (`all_gather`, adjoint
+`reduce_scatter`), this rank's piece of its output taken at its exit (`take_piece`, adjoint
+`place_piece`), so its masks and positions are the whole sequence's. Each rank computes that
+module whole, redundantly; what the split saves is the token-wise modules' compute and
+activations, divided by Pr. Every gradient is partial on each rank (its positions' share) and
+summed over every rank.
 """
 
 from __future__ import annotations
@@ -142,6 +153,10 @@ class SequenceLayout:
     gathered_elements: list[int] = field(default_factory=list)  # one per tensor gathered
     rowwise: dict[str, int] = field(default_factory=dict)  # reduce-scattered: output elements
     sharded: set[str] = field(default_factory=set)  # sequence modules run on the pieces
+    # strategy=domain: modules run whole on the gathered sequence, their outputs' pieces taken
+    takes: list[str] = field(default_factory=list)
+    # strategy=domain: every module whose calls run on the pieces, blocks included (pricing)
+    on_pieces: set[str] = field(default_factory=set)
 
     def ops(self, rows: int, pr: int, itemsize: int) -> list[CommOp]:
         """The region's collectives of one forward and backward (a rowwise projection's in
@@ -274,6 +289,20 @@ def sequence_layout(styles: dict[str, PlanStyle], model: nn.Module,
             f"no module holding {'it' if len(marked) == 1 else 'them'} has one"]
     if problems:
         return None, problems
+    return _region(model, sample_shape, pr, blocks,
+                   lambda call, layout, calls: _block(call, styles, layout))
+
+
+BlockVisit = Callable[[_Call, SequenceLayout, list[_Call]], list[str]]
+
+
+def _region(model: nn.Module, sample_shape: tuple[int, ...], pr: int, blocks: set[str],
+            visit: BlockVisit) -> tuple[SequenceLayout | None, list[str]]:
+    """The region of `blocks` from one recorded forward: each block runs once, on hidden states
+    of one length that divides over `pr`; consecutive blocks form one run (split at its first
+    block's entry, gathered at its last one's exit); `visit` places each block's own
+    exchanges, or says why it cannot."""
+    problems = []
     calls = list(_flatten(_record(model, sample_shape)))
     block_calls = [c for c in calls if c.path in blocks]
     for block in sorted(blocks):
@@ -311,7 +340,7 @@ def sequence_layout(styles: dict[str, PlanStyle], model: nn.Module,
             if earlier is not None:
                 layout.exits[earlier.path] = first_tensor(earlier.output).numel()  # type: ignore[union-attr]
             layout.entries.append(call.path)
-        problems += _block(call, styles, layout)
+        problems += visit(call, layout, calls)
     last = block_calls[-1]
     layout.exits[last.path] = first_tensor(last.output).numel()  # type: ignore[union-attr]
     return (None, problems) if problems else (layout, [])
@@ -394,6 +423,97 @@ def _block(block: _Call, styles: dict[str, PlanStyle], layout: SequenceLayout) -
     return problems
 
 
+NO_SEQUENCE = ("strategy.plan marks no module sequence: strategy=domain splits each sample's "
+               "sequence over grid.pr in the blocks holding sequence modules; mark the modules "
+               "acting token by token (norms, MLPs) sequence")
+
+
+def domain_layout(styles: dict[str, PlanStyle], model: nn.Module,
+                  sample_shape: tuple[int, ...], pr: int
+                  ) -> tuple[SequenceLayout | None, list[str]]:
+    """The sequence region of a plan whose weights all stay whole (`strategy=domain`), or why
+    it cannot be split (one line each, naming the module): a block is the smallest module (not
+    the model) holding a `sequence` module; in it the `sequence` modules, and the modules
+    without parameters that do not mix positions, run on this rank's piece, and every other
+    module (the attention) on the whole sequence: its input gathered at its entry, this rank's
+    piece of its output taken at its exit."""
+    marked = [p for p, s in styles.items() if s.name == SEQUENCE]
+    if not marked:
+        return None, [NO_SEQUENCE]
+    outermost = [p for p in marked if not any(_inside(p, m) for m in marked)]
+    blocks = {b for b in (next(_ancestors(p), None) for p in outermost) if b is not None}
+    blocks = {b for b in blocks if not any(_inside(o, b) for o in blocks)}
+    if not blocks:
+        return None, [f"{', '.join(marked)}: sequence splits the positions inside a block (a "
+                      f"module holding sequence modules, not the model), and the model itself "
+                      f"holds {'it' if len(marked) == 1 else 'them'}"]
+    return _region(model, sample_shape, pr, blocks,
+                   lambda call, layout, calls: _domain_block(call, marked, layout, calls))
+
+
+def _draw_problem(call: _Call) -> str | None:
+    """Why a call, or one it makes, draws random masks in the region (None: none does)."""
+    for inner in _flatten([call]):
+        module = inner.module
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return (f"{_name(inner.path, module)}: {type(module).__name__} with p={module.p} in "
+                    f"the sequence region: each rank would draw its own masks, and gridrun "
+                    f"runs one process's draws; use p=0")
+    return None
+
+
+def _domain_block(block: _Call, marked: list[str], layout: SequenceLayout,
+                  calls: list[_Call]) -> list[str]:
+    """The gathers and takes of one block's call under `strategy=domain`, or why its modules
+    cannot run in the region."""
+    problems: list[str] = []
+
+    def on_pieces(call: _Call) -> None:  # `call` runs on this rank's piece of the sequence
+        layout.on_pieces.add(call.path)
+        for inner in call.inner:
+            if any(inner.path == m or _inside(inner.path, m) for m in marked):
+                layout.on_pieces.update(c.path for c in _flatten([inner]))
+                layout.sharded.update(c.path for c in inner.leaves())
+                continue
+            why = _draw_problem(inner)
+            if why is not None:
+                problems.append(f"{why} (in {block.path})")
+            elif any(_inside(m, inner.path) for m in marked):
+                on_pieces(inner)  # its own forward between its sequence modules, on pieces
+            elif (any(True for _ in inner.module.parameters())
+                  or mixing_problem(inner.module) is not None):
+                problems.extend(_whole(inner, block.path, layout, calls))
+            else:
+                layout.on_pieces.update(c.path for c in _flatten([inner]))
+
+    on_pieces(block)
+    return problems
+
+
+def _whole(call: _Call, block: str, layout: SequenceLayout, calls: list[_Call]) -> list[str]:
+    """Run `call`'s module on the whole sequence: gather its hidden states at its entry, take
+    this rank's piece of its output at its exit (or say why it cannot)."""
+    length, shown = layout.length, _name(call.path, call.module)
+    stream, out = call.stream, first_tensor(call.output)
+    if (not isinstance(stream, torch.Tensor) or stream.dim() < 3
+            or stream.shape[-2] != length):
+        return [f"{shown} in {block}: strategy=domain runs it on the whole sequence, gathering "
+                f"its hidden states (batch, sequence, features), its first argument or "
+                f"`{STREAM_KEYWORD}`; it has none of {length} positions"]
+    if out is None or out.dim() < 3 or out.shape[-2] != length:
+        return [f"{shown} in {block}: strategy=domain runs it on the whole sequence and takes "
+                f"this rank's positions of what it returns (a tensor of {length} positions, or "
+                f"a tuple starting with one); it returns none"]
+    count = sum(1 for c in calls if c.path == call.path)
+    if count != 1:
+        return [f"{shown} in {block}: a module run on the whole sequence in the region runs "
+                f"once a forward, this one {count} times"]
+    layout.gathers.append(call.path)
+    layout.gathered_elements.append(stream.numel())
+    layout.takes.append(call.path)
+    return []
+
+
 def install_sequence(model: nn.Module, layout: SequenceLayout, shards: SequenceShards,
                      rowwise_by_hook: bool = False) -> list[Any]:
     """Split, gather and scatter the hidden states of `model` (whose rowwise projections were
@@ -427,6 +547,9 @@ def install_sequence(model: nn.Module, layout: SequenceLayout, shards: SequenceS
     for path in dict.fromkeys(layout.gathers):
         handles.append(model.get_submodule(path).register_forward_pre_hook(
             at_input(shards.gather, "sequence in"), with_kwargs=True))
+    for path in dict.fromkeys(layout.takes):
+        handles.append(model.get_submodule(path).register_forward_hook(
+            at_output(shards.take, path + " out")))
     for path in layout.rowwise:
         module = model.get_submodule(path)
         if rowwise_by_hook:

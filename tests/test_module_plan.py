@@ -393,3 +393,132 @@ def test_llamas_final_norm_as_sequence_runs_after_the_region() -> None:
     plain = match_plan(llama, LLAMA_BLOCKS_PLAN, USER_SOURCE)
     assert (plan_compute_seconds(llama, plan, (T,), GridShape(2, 1), 8, rates)
             < plan_compute_seconds(llama, plain, (T,), GridShape(2, 1), 8, rates))
+
+
+# -- strategy=domain with a plan: the sequence split, every weight whole -------------------------
+
+BLOCK_DOMAIN_PLAN = {"blocks.*.norm?": "sequence", "blocks.*.fc?": "sequence"}
+
+
+def _domain_problems(model: nn.Module, plan: dict[str, str], length: int = T,
+                     pr: int = 2) -> list[str]:
+    problems: list[str] = STRATEGIES.get("domain")(plan=plan).check_model(
+        model, (length,), _shape(pr))
+    return problems
+
+
+def test_a_domain_plan_runs_the_attention_whole_and_the_token_wise_modules_on_pieces() -> None:
+    from runner.core.cost import DEFAULT_COSTS
+    from runner.plan.planner import make_plan
+    from strategies import PricingContext
+    from strategies.module_plan import domain_plan, plan_region, predict_plan_ops
+
+    lm = block_lm()
+    given = {**BLOCK_DOMAIN_PLAN, "norm": "sequence"}
+    assert _domain_problems(lm, given) == []
+    plan = domain_plan(lm, given)
+    assert plan is not None and plan.whole_weights
+    layout, problems = plan_region(plan, lm, (T,), 2)
+    assert problems == [] and layout is not None
+    # one run of both blocks; each attention gathered at its entry, its output's piece taken
+    # at its exit; the norms and the MLP's Linears on a rank's positions; the final norm,
+    # outside every block, on the whole sequence after the region
+    assert (layout.entries, list(layout.exits)) == (["blocks.0"], ["blocks.1"])
+    assert layout.gathers == layout.takes == ["blocks.0.attn", "blocks.1.attn"]
+    assert layout.sharded == {f"blocks.{i}.{m}" for i in (0, 1)
+                              for m in ("norm1", "norm2", "fc1", "fc2")}
+    assert "norm" not in layout.on_pieces and "blocks.0" in layout.on_pieces
+    ops = predict_plan_ops(lm, plan, (T,), _shape(2), 4, (4000, 1000))
+    whole = 4 * T * 16 * 4  # 4 rows of (T, 16) float32
+    on_model_group = [op for op in ops if op.group == "model"]
+    assert sorted(op.op for op in on_model_group) == ["allgather"] * 3 + ["reduce_scatter"] * 3
+    assert {op.nbytes for op in on_model_group} == {whole}
+    # every weight whole: the gradients summed over every rank, none over a batch group
+    assert {op.group for op in ops} == {"model", "world"}
+    domain = STRATEGIES.get("domain")(plan=given, pricing=PricingContext(global_batch=8))
+    assert domain.predict_param_bytes(lm, (T,), _shape(2)) == sum(
+        p.numel() * p.element_size() for p in lm.parameters())
+    # the token-wise modules on half the positions, the attention whole
+    one, two = (domain.predict_compute_seconds(lm, (T,), _shape(pr), 8) for pr in (1, 2))
+    assert one / 2 < two < one
+    row = next(r for r in make_plan(lm, (T,), 8, 2, {"domain": domain}, DEFAULT_COSTS).rows
+               if (r.pr, r.pc) == (2, 1))
+    assert row.plan_source == USER_SOURCE and row.plan_modules is not None
+    assert {style for _, style, _ in row.plan_modules} == {"sequence"}
+
+
+def test_a_style_that_splits_weights_is_refused_under_domain() -> None:
+    assert _domain_problems(block_lm(), {**BLOCK_DOMAIN_PLAN, "blocks.*.attn.qkv": "fused_qkv",
+                                         "head": "colwise"}) == [
+        f"strategy=domain: {path} (Linear): {style} splits weights; strategy=domain keeps "
+        f"every weight whole (its styles: sequence, replicate): use strategy=grid"
+        for path, style in (("blocks.0.attn.qkv", "fused_qkv"),
+                            ("blocks.1.attn.qkv", "fused_qkv"), ("head", "colwise"))]
+
+
+def test_a_domain_plan_without_a_sequence_module_in_a_block_is_refused() -> None:
+    assert _domain_problems(block_lm(), {"blocks.*.fc1": "replicate"}) == [
+        "strategy=domain: strategy.plan marks no module sequence: strategy=domain splits each "
+        "sample's sequence over grid.pr in the blocks holding sequence modules; mark the "
+        "modules acting token by token (norms, MLPs) sequence"]
+    assert _domain_problems(block_lm(), {"norm": "sequence"}) == [
+        "strategy=domain: norm: sequence splits the positions inside a block (a module "
+        "holding sequence modules, not the model), and the model itself holds it"]
+
+
+def test_a_domain_sequence_that_does_not_divide_is_refused() -> None:
+    torch.manual_seed(0)
+    assert _domain_problems(plan_models.UserBlockLM(VOCAB, (7,)), BLOCK_DOMAIN_PLAN, 7) == [
+        "strategy=domain: blocks.0 (UserBlock): its sequence of 7 positions does not divide "
+        "over grid.pr=2 ranks (sequence splits it evenly)"]
+
+
+def test_a_module_that_mixes_positions_is_refused_as_sequence_under_domain() -> None:
+    assert _domain_problems(block_lm(), {**BLOCK_DOMAIN_PLAN, "blocks.0.attn": "sequence"}) == [
+        "strategy=domain: blocks.0.attn (HeadsAttention): HeadsAttention mixes positions "
+        "(attention, a convolution or pooling over the sequence, a recurrence, batch "
+        "statistics): it cannot run on a rank's piece of the sequence"]
+
+
+def test_dropout_that_draws_in_a_domain_region_is_refused() -> None:
+    problems = _domain_problems(DroppingBlockLM(0.1), BLOCK_DOMAIN_PLAN)
+    assert problems[0] == (
+        "strategy=domain: blocks.0.drop (Dropout): Dropout with p=0.1 in the sequence region: "
+        "each rank would draw its own masks, and gridrun runs one process's draws; use p=0 "
+        "(in blocks.0)"), problems
+    assert _domain_problems(DroppingBlockLM(0.0), BLOCK_DOMAIN_PLAN) == []
+
+
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
+def test_llamas_whole_mlp_runs_on_a_ranks_positions_under_domain() -> None:
+    from strategies.module_plan import domain_plan, plan_region
+
+    llama = plan_models.hf_llama(VOCAB, (T,))
+    given = {"model.layers.*.*_layernorm": "sequence", "model.layers.*.mlp": "sequence",
+             "model.norm": "sequence"}
+    assert _domain_problems(llama, given) == []
+    plan = domain_plan(llama, given)
+    assert plan is not None
+    layout, _ = plan_region(plan, llama, (T,), 2)
+    assert layout is not None and layout.takes == ["model.layers.0.self_attn",
+                                                   "model.layers.1.self_attn"]
+    assert "model.layers.1.mlp.down_proj" in layout.sharded
+    assert _domain_problems(llama, {**given, "model.layers.0.self_attn": "sequence"})[0] == (
+        "strategy=domain: model.layers.0.self_attn (LlamaAttention): LlamaAttention mixes "
+        "positions (attention, a convolution or pooling over the sequence, a recurrence, batch "
+        "statistics): it cannot run on a rank's piece of the sequence")
+
+
+def test_a_domain_plan_on_the_command_line_is_validated_before_any_rank_starts() -> None:
+    from runner.cli.compose import compose
+    from runner.cli.validation import validate
+    from runner.config.schema import ConfigError
+
+    domain = [*COMMON, "strategy=domain", "grid.pr=2", "grid.pc=1"]
+    run = validate(compose([*domain, "strategy.plan={blocks.*.norm?: sequence, "
+                                     "blocks.*.fc?: sequence}"]), world_size=2)
+    assert run.strategy.options["plan"] == BLOCK_DOMAIN_PLAN
+    with pytest.raises(ConfigError, match=r"^strategy=domain: head \(Linear\): colwise splits "
+                                          r"weights; .*: use strategy=grid$"):
+        validate(compose([*domain, "strategy.plan={blocks.*.norm?: sequence, head: colwise}"]),
+                 world_size=2)

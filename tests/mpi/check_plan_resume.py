@@ -6,7 +6,9 @@ one launch: `mpiexec -n 4 python THIS [OUT]`.
   under `strategy=data` 1x4 and `strategy=model` 4x1: each gives the uninterrupted one-process
   run's losses (float64, 1e-9 relative), moving the predicted bytes every step; and a `data`
   1x4 checkpoint resumed under the plan on the grid 2x2 does too; so does the grid 2x2 one
-  resumed under `strategy=model` 2x1 with the plan's norms `sequence`.
+  resumed under `strategy=model` 2x1 with the plan's norms `sequence`. A `strategy=domain` 2x2
+  run of a plan (norms and MLPs `sequence`, every weight whole) gives the one-process losses,
+  and its checkpoint resumes under `strategy=grid` 2x2 and `strategy=data` 1x4 alike.
 - The transformers library's ViT (a plan given) and a timm-style ViT (its fused qkv Linear
   split by `fused_qkv`) under `strategy=model` 2x1 and `strategy=grid` 2x2: every step's loss
   equals one process's to 1e-9, every final parameter piece the block of one process's
@@ -70,6 +72,9 @@ SEQUENCE_PLAN = {f"model.layers.*.{path}": style for path, style in (
     ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"),
     ("input_layernorm", "sequence"), ("post_attention_layernorm", "sequence"))}
 SEQUENCE_PLAN |= {"model.norm": "sequence", "lm_head": "colwise"}
+# strategy=domain: the norms and MLPs on a rank's positions, every weight whole
+DOMAIN_PLAN = {"model.layers.*.*_layernorm": "sequence", "model.layers.*.mlp": "sequence",
+               "model.norm": "sequence"}
 
 
 def run_config(strategy: str, pr: int, pc: int, steps: int = STEPS,
@@ -107,9 +112,11 @@ def wait_for_everyone() -> None:
         time.sleep(0.005)
 
 
-def write_checkpoint(name: str, strategy: str, pr: int, pc: int) -> str:
+def write_checkpoint(name: str, strategy: str, pr: int, pc: int,
+                     plan: dict[str, str] | None = None) -> str:
     path = train_run(run_config(strategy, pr, pc, steps=CHECKPOINT_STEP,
-                                checkpoint_every=CHECKPOINT_STEP), OUT / name, GRIDS[pr, pc])
+                                checkpoint_every=CHECKPOINT_STEP, plan=plan), OUT / name,
+                     GRIDS[pr, pc])
     return str(path / "checkpoints" / f"step-{CHECKPOINT_STEP:08d}")
 
 
@@ -165,6 +172,22 @@ def an_unplanned_checkpoint_resumes_under_a_plan() -> None:
     want = uninterrupted()
     unplanned = write_checkpoint("written_data", "data", 1, 4)
     resume("resumed_grid", unplanned, "grid", 2, 2, want)
+
+
+@check
+def a_domain_planned_checkpoint_resumes_under_grid_and_data() -> None:
+    if not HAVE_TRANSFORMERS:
+        return
+    want = uninterrupted()
+    written = write_checkpoint("written_domain", "domain", 2, 2, DOMAIN_PLAN)
+    if WORLD.Get_rank() == 0:  # the domain run itself: one process's losses, bytes predicted
+        run = OUT / "written_domain"
+        assert_one_process(run, want[:CHECKPOINT_STEP], TOLERANCE, "written_domain")
+        layouts = json.loads((run / "summary.json").read_text())["layouts"]
+        assert layouts["model.layers.0.mlp"] == "sequence", layouts
+    resume("resumed_domain_grid", written, "grid", 2, 2, want)
+    resume("resumed_domain_data", written, "data", 1, 4, want)
+    wait_for_everyone()
 
 
 # -- vision transformers split by a plan, against one process ---------------------------------

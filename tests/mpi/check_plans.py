@@ -183,6 +183,24 @@ def sequence_parallel_plans_equal_one_process() -> None:
         compare(llama, LLAMA_SEQUENCE_PLAN, "grid", (2, 2), opt="adamw")
 
 
+# strategy=domain: every weight whole, the norms and MLPs on a rank's positions, the attention
+# on the gathered sequence
+LLAMA_DOMAIN_PLAN = {"model.layers.*.*_layernorm": "sequence", "model.layers.*.mlp": "sequence",
+                     "model.norm": "sequence"}
+BLOCK_DOMAIN_PLAN = {"blocks.*.norm?": "sequence", "blocks.*.fc?": "sequence", "norm": "sequence"}
+
+
+@check
+def domain_plans_equal_one_process() -> None:
+    for shape in ((2, 1), (2, 2)):
+        if HAVE_TRANSFORMERS:
+            compare(llama, LLAMA_DOMAIN_PLAN, "domain", shape)
+        compare(user_block, BLOCK_DOMAIN_PLAN, "domain", shape)
+    if HAVE_TRANSFORMERS:
+        compare(llama, LLAMA_DOMAIN_PLAN, "domain", (2, 2), opt="adamw")
+    compare(user_block, BLOCK_DOMAIN_PLAN, "domain", (2, 1), opt="adamw")
+
+
 def normed_classifier() -> nn.Module:
     return plan_models.NormedClassifier(VOCAB, CLASSES)
 
