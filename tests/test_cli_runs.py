@@ -146,7 +146,7 @@ def test_run_directory_contract(runs: Runs) -> None:
     assert [m["step"] for m in train] == list(range(1, STEPS + 1))
     for m in train:
         assert set(m) == {"step", "time_s", "loss", "lr", "step_time_s", "comm_time_s",
-                          "comm_bytes", "comm_share", "samples_per_s", "activation_bytes"}
+                          "comm_bytes", "comm_share", "samples_per_s"}
         assert m["comm_share"] == m["comm_time_s"] / m["step_time_s"]
     assert all(a["time_s"] < b["time_s"] for a, b in itertools.pairwise(train))
     assert [m["step"] for m in val] == [25, 50]

@@ -95,7 +95,6 @@ class Training(RunSetup):
                         "lr": self.optimizer.lr, "step_time_s": seconds,
                         "comm_time_s": comm.seconds, "comm_bytes": comm.nbytes,
                         "comm_share": comm.seconds / seconds, "samples_per_s": rate,
-                        "activation_bytes": self.meter.peak,
                         **({"replica_loss": True} if replica_loss else {}),
                         **({"tokens_per_s": rate * self.targets_per_sample}
                            if self.targets_per_sample > 1 else {}),
@@ -288,9 +287,14 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             # asynchronous replicas never wait for each other in a step: each step is a round
             pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
             began, before = time.perf_counter(), grid.counter.snapshot()
+            # activation memory is measured on the first step and the logged ones (the hooks
+            # cost a few microseconds per saved tensor: a quarter of a small MLP's step)
+            measured = (step == t.start.step + 1 or step % trainer.log_every == 0
+                        or step == steps)
             state.loss, stopping = train_step(t, t.batch(), step,
                                               t.loss_comm if meets else grid.model,
-                                              t.stop_request(stop.requested, meets), t.meter)
+                                              t.stop_request(stop.requested, meets),
+                                              t.meter if measured else None)
             seconds = time.perf_counter() - began
             t.log_step(step, state.loss, seconds, grid.counter.since(before), progress,
                        replica_loss=not meets and grid.pc > 1)

@@ -52,6 +52,7 @@ class SavedTensorMeter:
         self._parameters = {key for p in parameters
                             if (key := self._key_of(p)) is not None}
         self._anonymous = -1  # keys for tensors without a storage: counted each alone
+        self.active = False  # inside `step()` (a model's own hooks pass tensors on to these)
 
     @staticmethod
     def _key_of(tensor: torch.Tensor) -> int | None:
@@ -59,6 +60,8 @@ class SavedTensorMeter:
         return None if found is None else found[0]
 
     def pack(self, tensor: torch.Tensor) -> object:
+        if not self.active:
+            return tensor
         found = _storage(tensor)
         if found is None:
             key, nbytes = self._anonymous, tensor.numel() * tensor.element_size()
@@ -93,5 +96,9 @@ class SavedTensorMeter:
     def step(self) -> Iterator[None]:
         """One step's forwards and backwards: its peak starts from what is live now."""
         self.peak = self.live
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-            yield
+        self.active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self.active = False
