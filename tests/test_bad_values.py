@@ -69,6 +69,8 @@ BAD: list[tuple[list[str], str]] = [
     (["comm.cuda_aware=perhaps"], "comm.cuda_aware=perhaps"),
     (["strategy=data", "grid.pr=1", "strategy.batch_norm=sometimes"],
      "strategy.batch_norm=sometimes"),
+    (["model._target_=transformers.LlamaForCausalLM", "model.hiden_size=16", "dataset=tokens"],
+     "unknown option(s) model.hiden_size"),
     (["strategy=fsdp", "grid.pr=1", "grid.pc=2", "strategy.stage=4"], "strategy.stage=4"),
     (["strategy=fsdp", "grid.pr=2", "grid.pc=1"], "strategy=fsdp shards the parameters"),
     (["strategy=fsdp", "grid.pr=1", "grid.pc=2", "strategy.units=[nothing.*]"],

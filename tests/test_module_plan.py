@@ -522,3 +522,31 @@ def test_a_domain_plan_on_the_command_line_is_validated_before_any_rank_starts()
                                           r"weights; .*: use strategy=grid$"):
         validate(compose([*domain, "strategy.plan={blocks.*.norm?: sequence, head: colwise}"]),
                  world_size=2)
+
+
+# The transformers library's Llama named by its class, its configuration's fields as options
+LLAMA_BY_CLASS = ["model._target_=transformers.LlamaForCausalLM", "model.hidden_size=16",
+                  "model.num_hidden_layers=2", "model.num_attention_heads=4",
+                  "model.num_key_value_heads=2", "model.intermediate_size=32",
+                  "model.max_position_embeddings=16", "dataset=tokens", "dataset.vocab_size=64",
+                  "dataset.seq_len=8", "dataset.samples=64", "trainer.steps=3",
+                  "trainer.batch_size=8", "trainer.eval_every=null"]
+
+
+def test_a_transformers_class_named_on_the_command_line_trains_split_by_its_declared_plan(
+        tmp_path: Path) -> None:
+    jobs = [[*LLAMA_BY_CLASS, "strategy=grid", "grid.pr=2", "grid.pc=2",
+             f"hydra.run.dir={tmp_path / 'grid'}"],
+            [*LLAMA_BY_CLASS, "strategy=data", "grid.pr=1", "grid.pc=1",
+             f"hydra.run.dir={tmp_path / 'one'}"]]
+    for result in run_cli_together(*jobs):
+        assert_ok(result)
+    one, grid = train_losses(tmp_path / "one"), train_losses(tmp_path / "grid")
+    assert len(one) == len(grid) == 3
+    # float32 (the library's RMSNorm computes in float32 whatever the model's dtype)
+    assert max(abs(a - b) / abs(b) for a, b in zip(grid, one, strict=True)) <= 1e-5, (grid, one)
+    summary = read_summary(tmp_path / "grid")
+    assert summary["layouts"]["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert summary["layouts"]["model.layers.1.mlp.down_proj"] == "rowwise"
+    assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
+    assert summary["plan_source"] == "the model's declared plan"

@@ -38,6 +38,7 @@ from runner.core.registry import UnknownPluginError
 from runner.optim.sync import ReplicaOptimizer
 from runner.training.precision import HALF_TYPES
 from runner.zoo.datasets import DatasetSpec
+from runner.zoo.models import built_from_config, configured_model
 from runner.zoo.userdata import TargetDataset
 from strategies import STRATEGIES, Strategy
 from strategies.base import DEFAULT_PRICING, PricingContext
@@ -123,9 +124,13 @@ def build_dataset(plugin: Plugin, objective: str = "classify") -> Any:
 
 
 def model_factory(plugin: Plugin) -> Callable[..., nn.Module]:
+    """The registered model, or the user's class or function (`_target_`); a class built from
+    a configuration object (the transformers library's) as a factory of its fields."""
     factory = resolve(MODELS, plugin.name, plugin.target)
     if not callable(factory):
         raise UserCodeError(f"{plugin.target} is not callable")
+    if isinstance(factory, type) and built_from_config(factory):
+        return configured_model(factory)
     return cast(Callable[..., nn.Module], factory)
 
 

@@ -8,9 +8,11 @@ vocabulary size (`vocab_size`, given by `runner.training.assembly`), then its ow
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -404,3 +406,44 @@ class ZooGPT(GPT):
         super().__init__(int(vocab_size), int(context or length), int(width), int(layers),
                          int(heads), int(mlp_ratio), bool(bias), bool(tie_weights),
                          bool(sparse_embedding))
+
+
+# Class names of the transformers library's models trained on next tokens (the rest classify).
+NEXT_TOKEN_MODELS = ("ForCausalLM", "LMHeadModel")
+
+
+def built_from_config(model_class: type) -> bool:
+    """Whether `model_class` is an `nn.Module` built from a configuration object (the
+    transformers library's models: a `config_class` attribute)."""
+    return (issubclass(model_class, nn.Module)
+            and isinstance(getattr(model_class, "config_class", None), type))
+
+
+@functools.cache
+def configured_model(model_class: type) -> Callable[..., nn.Module]:
+    """A model class built from a configuration object, as a factory of keyword options: the
+    configuration's own fields (no weights are read), the dataset's vocabulary as `vocab_size`
+    where the configuration has one, and its classes as `num_labels` for a classifier. A causal
+    language model (`...ForCausalLM`, `...LMHeadModel`) trains on next tokens."""
+    config_class = model_class.config_class  # type: ignore[attr-defined]
+    fields = {k: v for k, v in config_class().to_dict().items()
+              if k.isidentifier() and not k.startswith("_")}
+    next_token = model_class.__name__.endswith(NEXT_TOKEN_MODELS)
+
+    def build(**options: Any) -> nn.Module:
+        num_classes = options.pop("num_classes", None)
+        if num_classes is not None and not next_token and "num_labels" not in options:
+            options["num_labels"] = num_classes
+        return cast(nn.Module, model_class(config_class(**options)))
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter(name, keyword, default=default)
+              for name, default in sorted(fields.items())]
+    if not next_token:
+        params.append(inspect.Parameter("num_classes", keyword, default=None))
+        if "num_labels" not in fields:
+            params.append(inspect.Parameter("num_labels", keyword, default=None))
+    build.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    build.__name__ = build.__qualname__ = model_class.__name__
+    build.objective = "next_token" if next_token else "classify"  # type: ignore[attr-defined]
+    return build
