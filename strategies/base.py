@@ -266,6 +266,16 @@ class ParallelModel(nn.Module):
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
+    def gathered_peak_bytes(self) -> int:
+        """The most bytes of whole parameters a sharded model held at once since it was built
+        (0: it gathers none)."""
+        return 0
+
+    def whole_gradient_peak_bytes(self) -> int:
+        """The most bytes of whole gradients a sharded model kept at once before scattering
+        them (ZeRO stage 1; 0: none)."""
+        return 0
+
 
 class Strategy:
     """A registered parallel strategy. Options come from the `strategy` config group."""
@@ -357,6 +367,16 @@ class Strategy:
                             grid: GridShape) -> int:
         """Parameter bytes rank 0 holds (every rank holds at most one row more per split layer)."""
         raise NotImplementedError
+
+    def predict_memory(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                       state_copies: int) -> dict[str, int]:
+        """Rank 0's bytes held for the model in a step, by what holds them: its parameters,
+        their gradients (one copy of each trained one), the optimizer's state
+        (`state_copies` parameter-shaped tensors per parameter: momentum, Adam's moments) and
+        the whole parameters a step gathers at once (a sharded strategy's; 0 here)."""
+        params = self.predict_param_bytes(model, sample_shape, grid)
+        return {"parameters": params, "gradients": params,
+                "optimizer state": state_copies * params, "gathered parameters": 0}
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:

@@ -47,6 +47,7 @@ from strategies.base import (
 from strategies.buckets import predict_gradient_ops
 from strategies.data import BATCH_NORM_MODES, DataParallel, DataParallelModel, replica_model
 from strategies.fsdp_units import (
+    HeldBytes,
     ShardedUnit,
     unit_parameters,
     unit_paths,
@@ -90,6 +91,9 @@ class ShardedDataParallelModel(DataParallelModel):
 
     def attach(self, units: list[ShardedUnit], stage: int) -> None:
         self.units, self.stage = units, stage
+        self.gathered, self.whole_gradients = HeldBytes(), HeldBytes()
+        for unit in units:  # one count for the model
+            unit.gathered, unit.whole_gradients = self.gathered, self.whole_gradients
         self._open: list[tuple[ShardedUnit, list[torch.Tensor]]] = []
         self._wholes: dict[int, tuple[ShardedUnit, int]] = {}  # storage → (unit, parameter)
         for unit in units:
@@ -100,6 +104,7 @@ class ShardedDataParallelModel(DataParallelModel):
     def _gather(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
         pieces = unit.pieces()
         wholes = unit.gather()
+        unit.gathered.add(unit.whole_bytes)
         unit.install(wholes)
         self._open.append((unit, pieces))
         for index, whole in enumerate(wholes):
@@ -111,6 +116,7 @@ class ShardedDataParallelModel(DataParallelModel):
         for key in [k for k, (u, _) in self._wholes.items() if u is unit]:
             del self._wholes[key]
         unit.reshard(pieces)
+        unit.forward_done()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         """A note in place of a whole parameter (stage 3), the parameter itself (stages 1 and 2:
@@ -119,9 +125,10 @@ class ShardedDataParallelModel(DataParallelModel):
         if found is None:
             return (self.outer_saved_hooks[0](tensor) if self.outer_saved_hooks is not None
                     else tensor)
-        if self.stage != 3:
-            return KeptWhole(tensor)
         unit, index = found
+        if self.stage != 3:
+            unit.kept = True
+            return KeptWhole(tensor)
         return SavedPiece(unit, index, tuple(tensor.size()), tuple(tensor.stride()),
                           int(tensor.storage_offset()))
 
@@ -145,6 +152,12 @@ class ShardedDataParallelModel(DataParallelModel):
         for unit in self.units:
             unit.finish()
         super().finish_gradient_sync()
+
+    def gathered_peak_bytes(self) -> int:
+        return self.gathered.peak
+
+    def whole_gradient_peak_bytes(self) -> int:
+        return self.whole_gradients.peak
 
 
 @register_strategy("fsdp")
@@ -285,6 +298,42 @@ class ShardedDataParallel(Strategy):
             ops += batch_norm_ops(model, "world", ranks, activation_itemsize([model]))
         return ops
 
+    def predict_memory(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
+                       state_copies: int) -> dict[str, int]:
+        """The pieces, their gradients and state; the whole parameters gathered at once (stage
+        3: a unit and the units enclosing it; stages 1 and 2: also every unit before it whose
+        backward reads its weights, which autograd keeps); stage 1's whole gradients of every
+        unit, kept until backward ends, count with the gradients."""
+        memory = super().predict_memory(model, sample_shape, grid, state_copies)
+        ranks = grid.size
+        if ranks == 1:
+            return memory
+        split, whole = self._split_and_whole(model, ranks)
+        trained = (sum(Partition(p.shape[0], ranks).sizes[0] * p.shape[1:].numel()
+                       * p.element_size() for params in split.values() for _, _, p in params
+                       if p.requires_grad)
+                   + sum(p.numel() * p.element_size() for _, p in whole if p.requires_grad))
+        sizes = {path: sum(p.numel() * p.element_size() for _, _, p in params)
+                 for path, params in split.items() if params}
+        events: list[tuple[str, bool]] = []
+        _, read = unit_calls(model, sample_shape, list(sizes), self.pricing.compute_dtype,
+                             events)
+        kept = ({path for path in sizes if any(id(p) in read for _, _, p in split[path])}
+                if self.stage != 3 else set())
+        live = peak = 0
+        for path, entering in events:
+            if entering:
+                live += sizes[path]
+                peak = max(peak, live)
+            elif path not in kept:
+                live -= sizes[path]
+        memory["gradients"] = trained + (
+            sum(size for path, size in sizes.items()
+                if any(p.requires_grad for _, _, p in split[path])) if self.stage == 1 else 0)
+        memory["optimizer state"] = state_copies * trained
+        memory["gathered parameters"] = peak
+        return memory
+
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
         split, whole = self._split_and_whole(model, grid.size)
@@ -303,18 +352,27 @@ class ShardedDataParallel(Strategy):
 
 
 def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str],
-               compute_dtype: torch.dtype | None = None) -> tuple[dict[str, int], set[int]]:
+               compute_dtype: torch.dtype | None = None,
+               events: list[tuple[str, bool]] | None = None) -> tuple[dict[str, int], set[int]]:
     """From one sample's forward with gradients recorded (under autocast to `compute_dtype`
     where given, as training runs): how many times each unit's module runs, and the parameters
     (by id) whose values autograd saves for backward (a view of one counts; a cast copy does
-    not: backward reads the copy)."""
+    not: backward reads the copy). `events`, where given, receives each unit's entry (path,
+    True) and exit (path, False) in the order they happen."""
     calls = dict.fromkeys(paths, 0)
     params = {id(p) for p in model.parameters()}
     read: set[int] = set()
+    order = events if events is not None else []
 
     def count(path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             calls[path] += 1
+            order.append((path, True))
+        return hook
+
+    def leave(path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            order.append((path, False))
         return hook
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -325,6 +383,8 @@ def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str]
 
     handles = [model.get_submodule(path).register_forward_pre_hook(count(path))
                for path in paths]
+    handles += [model.get_submodule(path).register_forward_hook(leave(path))
+                for path in paths]
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     modes = {m: m.training for m in model.modules()}

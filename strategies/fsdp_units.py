@@ -131,6 +131,24 @@ def _inside(path: str, unit: str) -> bool:
     return unit == ROOT or path == unit or path.startswith(unit + ".")
 
 
+@dataclass
+class HeldBytes:
+    """Bytes a sharded model holds beyond its pieces, live and at their peak: whole
+    parameters from a unit's gather until nothing needs them (its forward's end, or its
+    backward's where autograd keeps them), and stage 1's whole gradients until they are
+    scattered."""
+
+    live: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
 class DeferredGradient(Function):
     """Identity on the gathered `whole`; backward keeps its gradient in `unit.pending` (stage
     1: reduce-scattered once backward is done) and passes none on. `packed` (the pieces, which
@@ -145,7 +163,12 @@ class DeferredGradient(Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
         unit: ShardedUnit = ctx.unit
-        unit.pending = grad.clone() if unit.pending is None else unit.pending + grad
+        if unit.pending is None:
+            unit.pending = grad.clone()
+            unit.whole_gradients.add(unit.whole_bytes)
+        else:
+            unit.pending += grad
+        unit.backward_done()
         return None, None, None
 
 
@@ -173,6 +196,10 @@ class ShardedUnit:
     stage: int
     pending: torch.Tensor | None = None  # stage 1: the whole gradient of this step
     backward_copies: list[torch.Tensor] | None = field(default=None, repr=False)
+    # what the model holds beyond its pieces (shared by its units)
+    gathered: HeldBytes = field(default_factory=HeldBytes, repr=False)
+    whole_gradients: HeldBytes = field(default_factory=HeldBytes, repr=False)
+    kept: bool = False  # stages 1 and 2: autograd keeps this forward's whole parameters
 
     @staticmethod
     def split(path: str, module: nn.Module,
@@ -189,6 +216,15 @@ class ShardedUnit:
                 holder.module._parameters[holder.name] = piece
             split.append(SplitParameter(name, holders, param.shape, rows))
         return ShardedUnit(path, module, split, comm, stage)
+
+    @property
+    def whole_bytes(self) -> int:
+        """Bytes of the unit's whole parameters."""
+        return sum(p.shape.numel() for p in self.params) * self.comm_itemsize
+
+    @property
+    def comm_itemsize(self) -> int:
+        return self.pieces()[0].element_size()
 
     @property
     def label(self) -> str:
@@ -222,8 +258,9 @@ class ShardedUnit:
         else:
             whole = ScaleGradient.apply(all_gather(packed, self.comm, 0, part, self.label),
                                         1.0 / ranks)
-            if self.stage == 3:  # the reduce-scatter is done: the copies for backward go
-                packed.register_hook(lambda grad: self.release())
+            # the reduce-scatter is done: the copies for backward (stage 3) or the whole
+            # parameters autograd kept (stage 2) go
+            packed.register_hook(lambda grad: self.backward_done())
         blocks = whole.view(ranks, size)
         wholes, offset = [], 0
         for p in self.params:
@@ -248,16 +285,29 @@ class ShardedUnit:
         if self.backward_copies is None:
             with torch.no_grad():
                 self.backward_copies = self.gather()
+            self.gathered.add(self.whole_bytes)
         return self.backward_copies
 
-    def release(self) -> None:
-        self.backward_copies = None
+    def forward_done(self) -> None:
+        """The unit's forward ended: its whole parameters go unless autograd keeps them."""
+        if not self.kept:
+            self.gathered.sub(self.whole_bytes)
+
+    def backward_done(self) -> None:
+        """The unit's gradients are scattered (or kept, stage 1): what it gathered goes."""
+        if self.backward_copies is not None:
+            self.backward_copies = None
+            self.gathered.sub(self.whole_bytes)
+        if self.kept:
+            self.kept = False
+            self.gathered.sub(self.whole_bytes)
 
     def finish(self) -> None:
         """Stage 1: reduce-scatter the whole gradient kept over backward into the pieces."""
         if self.pending is None:
             return
         grad, self.pending = self.pending, None
+        self.whole_gradients.sub(self.whole_bytes)
         ranks = self.comm.size
         own = reduce_scatter_op(grad, self.comm, 0, Partition(self.width * ranks, ranks),
                                 self.label) / ranks

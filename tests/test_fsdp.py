@@ -60,6 +60,14 @@ def test_a_sharded_checkpoint_resumes_under_data_and_another_stage_exactly(
         assert_ok(result)
     summary = read_summary(sharded)
     assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"] > 0
+    # the bytes held, counted from the tensors, as predicted; half of one process's state
+    for run in (sharded, tmp_path / "stage1", whole):
+        held = read_summary(run)
+        assert held["memory_per_rank"] == held["predicted_memory_per_rank"], run
+    one = read_summary(whole)["memory_per_rank"]
+    for part in ("parameters", "optimizer state"):
+        assert summary["memory_per_rank"][part] <= 0.55 * one[part], part
+    assert 0 < summary["memory_per_rank"]["gathered parameters"] < one["parameters"]
     assert summary["layouts"] == {"1": "fsdp stage 3", "3": "fsdp stage 3", "5": "fsdp stage 3"}
     for run in (sharded, tmp_path / "data", tmp_path / "stage1"):
         losses = train_losses(run)

@@ -85,7 +85,7 @@ def one_process_setup(model: nn.Module, optimizer: _Recorder, loss_comm: Counted
         model=model, optimizer=optimizer,  # type: ignore[arg-type]
         start=Start(), loss_comm=loss_comm, predicted_ops=None, predicted_step=None,
         costs=MachineCosts(), device=torch.device("cpu"), precision=precision, scaler=scaler,
-        targets_per_sample=1)
+        targets_per_sample=1, predicted_memory=None)
 
 
 def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_taken(tmp_path: Path) -> None:

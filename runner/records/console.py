@@ -135,6 +135,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
                                 else "")),
         ("comm share of step", _fmt(summary.get("comm_time_share"), ".1%")),
         ("params / rank", _fmt_bytes(summary.get("param_bytes_per_rank"))),
+        ("memory / rank", _memory_cell(summary.get("memory_per_rank"),
+                                       summary.get("predicted_memory_per_rank"))),
         ("activations / step", f"{_fmt_bytes(summary.get('activation_bytes_peak'))} peak kept "
                                f"for backward"
                                + (f", {summary['accumulate_steps']} micro-batches"
@@ -151,3 +153,16 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
 def print_error(message: str) -> None:
     """The one line a user gets for bad input."""
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _memory_cell(held: Mapping[str, int] | None, predicted: Mapping[str, int] | None) -> str:
+    """Parameters, gradients, optimizer state and gathered parameters: counted (predicted)."""
+    if not held:
+        return ""
+    parts = []
+    for what, size in held.items():
+        guess = (predicted or {}).get(what)
+        shown = _fmt_bytes(size) + (f" ({_fmt_bytes(guess)} predicted)"
+                                    if guess is not None and guess != size else "")
+        parts.append(f"{what} {shown}")
+    return ", ".join(parts) + (" as predicted" if predicted == held else "")

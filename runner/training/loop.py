@@ -221,6 +221,9 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                      if syncs else None)
         predicted_step = (predict_step(parts.strategy, parts.model, parts.spec.input_shape,
                                        grid.shape, run.trainer.batch_size) if syncs else None)
+        predicted_memory = parts.strategy.predict_memory(
+            parts.model, parts.spec.input_shape, grid.shape,
+            parts.optimizer_cls.state_copies(run.optimizer.options))
     recomputed, problem = checkpoint_targets(parts.model, run.trainer.activation_checkpointing)
     if problem is not None:  # validation refuses it before any rank starts
         raise ValueError(problem)
@@ -252,6 +255,7 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         device=device, precision=precision, scaler=scaler,
         targets_per_sample=math.prod(parts.spec.target_shape), data=data, sampler=sampler,
         state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path),
+        predicted_memory=predicted_memory,
         meter=SavedTensorMeter(model.parameters()))
     model.outer_saved_hooks = (training.meter.pack, training.meter.unpack)
     if grid.rank == 0:

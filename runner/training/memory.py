@@ -18,6 +18,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from runner.optim.sync import ReplicaOptimizer
+from strategies.base import ParallelModel
+
 
 class _Saved:
     """A saved tensor on its way through backward; its storage's bytes leave the count when
@@ -102,3 +105,20 @@ class SavedTensorMeter:
                 yield
         finally:
             self.active = False
+
+
+def held_memory(model: ParallelModel, optimizer: ReplicaOptimizer) -> dict[str, int]:
+    """The bytes this rank holds for the model, counted from the tensors themselves, by what
+    holds them (as `Strategy.predict_memory` predicts them): its parameters, their gradients
+    (and a sharded model's whole gradients at their peak), the optimizer's per-parameter state
+    and the most whole parameters a sharded model held at once."""
+    def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    states = optimizer.param_states()
+    return {"parameters": nbytes(model.parameters()),
+            "gradients": nbytes(p.grad for p in model.parameters())
+            + model.whole_gradient_peak_bytes(),
+            "optimizer state": sum(nbytes(states[kind]) for kind in optimizer.state_kinds()
+                                   if kind in states),
+            "gathered parameters": model.gathered_peak_bytes()}

@@ -55,6 +55,8 @@ class RunSetup:
     precision: Precision
     scaler: DynamicLossScale | None  # fp16's loss scale
     targets_per_sample: int  # 1: a class per sample; T: a token id per position (next-token)
+    # rank 0's bytes for the model by what holds them (`Strategy.predict_memory`)
+    predicted_memory: dict[str, int] | None
 
     @property
     def rank(self) -> int:

@@ -11,6 +11,7 @@ from runner.config.schema import OBJECTIVES
 from runner.core.cost import comm_seconds, step_bytes
 from runner.records.logs import get_logger
 from runner.records.rundir import git_commit, versions, write_json
+from runner.training.memory import held_memory
 from runner.training.precision import DynamicLossScale, Precision
 from runner.training.state import RunSetup, TrainingState
 from strategies import ParallelModel
@@ -98,6 +99,9 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
         # strategy=auto on a module tree: what it chose and every candidate's predicted step
         "auto_choice": getattr(model, "auto_choice", None),
         "param_bytes_per_rank": model.param_bytes(),
+        # rank 0's bytes for the model by what holds them, counted and predicted
+        "memory_per_rank": held_memory(model, setup.optimizer),
+        "predicted_memory_per_rank": setup.predicted_memory,
         # the most bytes of tensors kept for backward at once in a step, rank 0's largest
         "activation_bytes_peak": max(history.activation_bytes, default=None),
         "accumulate_steps": run.trainer.accumulate_steps,
