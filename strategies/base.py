@@ -438,6 +438,15 @@ def update_passes(optimizer: str) -> float:
     return UPDATE_PASSES + EXTRA_UPDATE_PASSES.get(optimizer, 0.0)
 
 
+def predict_rank_bytes(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, ...],
+                       grid: GridShape, global_batch: int, state_copies: int) -> int:
+    """Rank 0's bytes for the model in a step: what `Strategy.predict_memory` holds, and the
+    outputs kept for backward with their gradients (twice the activation bytes)."""
+    held = strategy.predict_memory(model, sample_shape, grid, state_copies)
+    return sum(held.values()) + 2 * strategy.predict_activation_bytes(
+        model, sample_shape, grid, global_batch)
+
+
 def predict_step(strategy: Strategy, model: nn.Module, sample_shape: tuple[int, ...],
                  grid: GridShape, global_batch: int) -> StepPrediction:
     ops = strategy.predict_ops(model, sample_shape, grid, global_batch)

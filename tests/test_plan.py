@@ -281,3 +281,28 @@ def test_plan_of_a_gpt_prices_both_tensor_layouts_and_both_kv_exchanges(tmp_path
     # a rank of the sequence split keeps a quarter of the positions' activations
     assert (rows["domain kv_exchange=allgather", 4, 1]["activation_bytes_per_rank"]
             < rows["data", 1, 4]["activation_bytes_per_rank"] * 4 / 2)
+
+
+def test_a_memory_budget_names_the_smallest_world_at_which_each_strategy_fits() -> None:
+    from runner.core.cost import MachineCosts
+    from runner.plan.planner import make_plan, smallest_fits
+    from strategies import STRATEGIES
+    from strategies.transformer import GPT
+
+    with torch.device("meta"):
+        model = GPT(512, 16, width=128, layers=4, heads=4)
+    strategies = {"data": STRATEGIES.get("data")(),
+                  **{f"fsdp stage={s}": STRATEGIES.get("fsdp")(stage=s) for s in (1, 3)}}
+    plans = [make_plan(model, (16,), 8, world, strategies, MachineCosts(), state_copies=2)
+             for world in (1, 2, 4, 8)]
+    rows = {(r.strategy, r.pr, r.pc): r for r in plans[-1].feasible}
+    data, stage1, stage3 = (rows["data", 1, 8], rows["fsdp stage=1", 1, 8],
+                            rows["fsdp stage=3", 1, 8])
+    assert stage3.memory_bytes < stage1.memory_bytes < data.memory_bytes
+    # a budget between fsdp's and data's at 8 ranks: data never fits (it holds everything)
+    budget = (stage1.memory_bytes + data.memory_bytes) / 2
+    fits = {f.strategy: f for f in smallest_fits(plans, budget)}
+    assert fits["data"].row is None
+    assert fits["fsdp stage=3"].world is not None and fits["fsdp stage=1"].world is not None
+    assert fits["fsdp stage=3"].world <= fits["fsdp stage=1"].world <= 8
+    assert fits["fsdp stage=3"].row.memory_bytes <= budget

@@ -247,6 +247,10 @@ class PlanConfig:
     """Measure this machine's α and β (and local work) instead of planning."""
     calibrate_repeats: int = at_least(1, 20)
     """Repeats of each measured message size (fewer: a quicker, noisier calibration)."""
+    memory_per_rank: Optional[float] = None  # noqa: UP045
+    """Bytes a rank may hold for the model (e.g. 8e9): for each strategy (and fsdp stage), the
+    smallest world up to `world` at which it fits, its fastest grid there and the step time it
+    costs (null: no budget)."""
 
 
 @dataclass

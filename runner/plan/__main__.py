@@ -129,6 +129,8 @@ def plan_or_calibrate(cfg: DictConfig, job: str = "") -> int:
                 raise ValueError("the planner follows a model's layers in order and cannot "
                                  f"follow this one: {str(exc).splitlines()[0]}") from exc
             show_plan(plan, plan_cfg)
+            if plan_cfg.memory_per_rank is not None:
+                show_fits(cfg, plan_cfg, plan)
     except (ValueError, UnknownPluginError, TypeError, ConfigError) as exc:
         print_error(prefix + str(exc))  # a refused calibration (too few cores) among them
         return EXIT_BAD_INPUT
@@ -262,6 +264,19 @@ def show_plan(plan: Plan, plan_cfg: PlanConfig) -> None:
         console.print(f"plan written to {plan_cfg.out}")
 
 
+def show_fits(cfg: DictConfig, plan_cfg: PlanConfig, plan: Plan) -> None:
+    """For `plan.memory_per_rank`: every strategy's smallest world that fits, from plans of
+    1, 2, 4, ... ranks up to `plan.world`."""
+    from runner.plan.planner import fits_table, smallest_fits
+
+    assert plan_cfg.memory_per_rank is not None
+    worlds = sorted({1 << i for i in range(plan_cfg.world.bit_length())
+                     if 1 << i < plan_cfg.world})
+    plans = [build_plan(cfg, plan_cfg, world) for world in worlds] + [plan]
+    fits = smallest_fits(plans, plan_cfg.memory_per_rank)
+    make_console().print(fits_table(fits, plan_cfg.memory_per_rank, plan_cfg.world))
+
+
 # A transformer's variants the plan lists side by side: strategy → (option, its choices).
 TRANSFORMER_CHOICES = {"model": ("tp_layout", ("pairing", "gather")),
                        "grid": ("tp_layout", ("pairing", "gather")),
@@ -312,6 +327,10 @@ def plan_value_problems(plan_cfg: PlanConfig) -> list[str]:
         if value is not None and not (math.isfinite(value) and value >= 0):
             problems.append(f"plan.{key}={value}: must be null or a finite number of seconds "
                             f">= 0")
+    budget = plan_cfg.memory_per_rank
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        problems.append(f"plan.memory_per_rank={budget}: must be a number of bytes > 0 "
+                        f"(e.g. 8e9)")
     if plan_cfg.calibrate_repeats < 1:
         problems.append(f"plan.calibrate_repeats={plan_cfg.calibrate_repeats}: must be >= 1")
     if plan_cfg.out:
@@ -336,8 +355,9 @@ def _unwritable_file(path: Path) -> str | None:
     return None
 
 
-def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
-    """The plan for a composed config (no MPI: the model is built on the meta device)."""
+def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) -> Plan:
+    """The plan for a composed config (no MPI: the model is built on the meta device), over
+    `world` ranks (`plan.world` by default)."""
     from runner.config.machine import load_compute_rates, load_machine_costs
     from runner.config.schema import parse
     from runner.plan.planner import make_plan
@@ -349,7 +369,7 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
 
     run = parse(cfg)
     assembly.import_plugins(run)  # a model the user's `plugins` modules register
-    world, batch = plan_cfg.world, run.trainer.batch_size
+    world, batch = world or plan_cfg.world, run.trainer.batch_size
     if world < 1 or batch < 1:
         raise ValueError(f"plan.world={world} and trainer.batch_size={batch} must be >= 1")
     steps_per_epoch = rows_touched = None
@@ -394,7 +414,14 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig) -> Plan:
                 strategies[f"{name} {key}={choice}"] = strategy(name,
                                                                 {**configured(name), key: choice})
             del strategies[name]
-    return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch)
+    if "fsdp" in strategies:  # one row per stage: what each shards, and what it costs
+        for stage in (1, 2, 3):
+            strategies[f"fsdp stage={stage}"] = strategy("fsdp",
+                                                         {**configured("fsdp"), "stage": stage})
+        del strategies["fsdp"]
+    copies = assembly.optimizer_class(run.optimizer).state_copies(run.optimizer.options)
+    return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch,
+                     copies)
 
 
 # Hydra's flags that take the next word as their value (`--info` only a word of its choices).

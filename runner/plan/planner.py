@@ -12,7 +12,7 @@ from torch import nn
 
 from runner.core import GridShape
 from runner.core.cost import CommOp, MachineCosts, comm_seconds, loss_op, step_bytes
-from strategies.base import Strategy, predict_step
+from strategies.base import Strategy, predict_rank_bytes, predict_step
 
 
 @dataclass
@@ -33,6 +33,8 @@ class PlanRow:
     # modules as (path, style, predicted bytes per step)
     plan_source: str | None = None
     plan_modules: list[tuple[str, str, int]] | None = None
+    # rank 0's bytes for the model in a step (`predict_rank_bytes`)
+    memory_bytes: int = 0
 
 
 @dataclass
@@ -68,7 +70,9 @@ def factorisations(world: int) -> list[tuple[int, int]]:
 
 def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world: int,
               strategies: dict[str, Strategy], costs: MachineCosts,
-              steps_per_epoch: int | None = None) -> Plan:
+              steps_per_epoch: int | None = None, state_copies: int = 0) -> Plan:
+    """Every strategy at every factorisation of `world`, predicted; `state_copies`: the
+    optimizer's parameter-shaped tensors of state per parameter (for the memory per rank)."""
     itemsize = next(model.parameters()).element_size()
     rows = []
     for name, strategy in strategies.items():
@@ -93,7 +97,9 @@ def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world
                 layouts=describe(model, sample_shape, grid, batch) if describe else None,
                 plan_source=by_plan[0] if by_plan else None,
                 plan_modules=([(m.path, m.style, m.comm_bytes) for m in by_plan[1]]
-                              if by_plan else None)))
+                              if by_plan else None),
+                memory_bytes=predict_rank_bytes(strategy, model, sample_shape, grid, batch,
+                                                state_copies)))
     rates = next(iter(strategies.values())).pricing.rates.source if strategies else "default"
     return Plan(world, batch, costs.alpha, costs.beta, costs.source, rows, costs, rates,
                 steps_per_epoch)
@@ -125,6 +131,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                                     for path, style, n in r.plan_modules]),
                   "layers": by_layer(r, plan.costs),
                   "param_bytes_per_rank": r.param_bytes,
+                  "memory_bytes_per_rank": r.memory_bytes,
                   "activation_bytes_per_rank": r.activation_bytes}
                  for r in plan.feasible],
         "refused": [{"strategy": r.strategy, "pr": r.pr, "pc": r.pc, "reason": r.refused}
@@ -145,7 +152,7 @@ def plan_table(plan: Plan) -> Table:
              f"({plan.rates_source}); predicted step = compute + communication")
     table = Table(title=title, title_justify="left")
     headers = ["strategy", "pr x pc", "step ms", "compute ms", "comm ms", "MB / step",
-               "params MB / rank", "activations MB / rank"]
+               "params MB / rank", "activations MB / rank", "memory MB / rank"]
     if plan.steps_per_epoch:
         headers += ["MB / epoch", "comm s / epoch"]
     for header in headers:
@@ -154,7 +161,8 @@ def plan_table(plan: Plan) -> Table:
         mark = " ← best" if row is best else ""
         cells = [row.strategy + mark, f"{row.pr} x {row.pc}", f"{row.step_time * 1e3:,.3f}",
                  f"{row.compute_time * 1e3:,.3f}", f"{row.comm_time * 1e3:,.3f}",
-                 _mb(row.comm_bytes), _mb(row.param_bytes), _mb(row.activation_bytes)]
+                 _mb(row.comm_bytes), _mb(row.param_bytes), _mb(row.activation_bytes),
+                 _mb(row.memory_bytes)]
         if plan.steps_per_epoch:
             cells += [_mb(row.comm_bytes * plan.steps_per_epoch),
                       f"{row.comm_time * plan.steps_per_epoch:,.2f}"]
@@ -191,4 +199,44 @@ def plan_modules_table(row: PlanRow) -> Table:
         table.add_column(header, justify="right" if header == "MB / step" else "left")
     for path, style, nbytes in row.plan_modules or []:
         table.add_row(path, style, _mb(nbytes))
+    return table
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Where a strategy first fits a memory budget: the smallest world, its fastest grid."""
+
+    strategy: str
+    row: PlanRow | None  # None: at no world planned
+    world: int | None
+
+
+def smallest_fits(plans: list[Plan], budget: float) -> list[Fit]:
+    """For each strategy of `plans` (one plan per world, ascending), the smallest world at
+    which a grid of it needs at most `budget` bytes per rank, and the fastest such grid."""
+    names = list(dict.fromkeys(row.strategy for plan in plans for row in plan.rows))
+    found = []
+    for name in names:
+        fit = Fit(name, None, None)
+        for plan in plans:
+            rows = [r for r in plan.feasible if r.strategy == name and r.memory_bytes <= budget]
+            if rows:
+                fit = Fit(name, min(rows, key=lambda r: r.step_time), plan.world)
+                break
+        found.append(fit)
+    return found
+
+
+def fits_table(fits: list[Fit], budget: float, largest: int) -> Table:
+    table = Table(title=f"the smallest world at which each strategy fits in {_mb(budget)} MB "
+                        f"per rank (of 1 to {largest} ranks)", title_justify="left")
+    for header in ("strategy", "ranks", "pr x pc", "memory MB / rank", "step ms"):
+        table.add_column(header, justify="left" if header == "strategy" else "right")
+    for fit in sorted(fits, key=lambda f: (f.world is None, f.world or 0,
+                                           f.row.step_time if f.row else 0.0)):
+        if fit.row is None:
+            table.add_row(fit.strategy, "does not fit", "", "", "")
+        else:
+            table.add_row(fit.strategy, str(fit.world), f"{fit.row.pr} x {fit.row.pc}",
+                          _mb(fit.row.memory_bytes), f"{fit.row.step_time * 1e3:,.3f}")
     return table
