@@ -237,6 +237,16 @@ class ShardedDataParallel(Strategy):
     def splits_parameters(self, grid: GridShape) -> bool:
         return grid.size > 1
 
+    def _gather_dtype(self, params: list[Any]) -> torch.dtype | None:
+        """bf16 and fp16 training gathers the whole parameters in the half type (the pieces
+        and their optimizer state stay in the parameters' type); None: their own type."""
+        half = self.pricing.compute_dtype
+        return half if half is not None and params[0][2].is_floating_point() else None
+
+    def _gather_itemsize(self, params: list[Any]) -> int:
+        dtype = self._gather_dtype(params) or params[0][2].dtype
+        return torch.empty((), dtype=dtype).element_size()
+
     def _split_and_whole(self, model: nn.Module, ranks: int
                          ) -> tuple[dict[str, list[Any]], list[tuple[str, nn.Parameter]]]:
         """Each unit's parameters split by rows, and those of fewer rows than ranks (whole)."""
@@ -257,7 +267,8 @@ class ShardedDataParallel(Strategy):
             return pmodel
         split, whole = self._split_and_whole(model, grid.size)
         units = [ShardedUnit.split(path, model.get_submodule(path), params, grid.world,
-                                   self.stage) for path, params in split.items() if params]
+                                   self.stage, self._gather_dtype(params))
+                 for path, params in split.items() if params]
         pmodel.attach(units, self.stage)
         pmodel.reducers = gradient_exchange([p for _, p in whole if p.requires_grad],
                                             grid.world, 1.0 / grid.size, self.bucket_cap_bytes,
@@ -279,7 +290,7 @@ class ShardedDataParallel(Strategy):
             label = f"fsdp {path or '(model)'}"
             size = sum(max(Partition(p.shape[0], ranks).sizes) * p.shape[1:].numel()
                        for _, _, p in params)
-            nbytes = ranks * size * params[0][2].element_size()
+            nbytes = ranks * size * self._gather_itemsize(params)
             trained = any(p.requires_grad for _, _, p in params)
             per_call = [CommOp("allgather", "world", ranks, nbytes, label)]
             if trained:
@@ -313,7 +324,7 @@ class ShardedDataParallel(Strategy):
                        * p.element_size() for params in split.values() for _, _, p in params
                        if p.requires_grad)
                    + sum(p.numel() * p.element_size() for _, p in whole if p.requires_grad))
-        sizes = {path: sum(p.numel() * p.element_size() for _, _, p in params)
+        sizes = {path: sum(p.numel() for _, _, p in params) * self._gather_itemsize(params)
                  for path, params in split.items() if params}
         events: list[tuple[str, bool]] = []
         _, read = unit_calls(model, sample_shape, list(sizes), self.pricing.compute_dtype,
@@ -355,13 +366,22 @@ def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str]
                compute_dtype: torch.dtype | None = None,
                events: list[tuple[str, bool]] | None = None) -> tuple[dict[str, int], set[int]]:
     """From one sample's forward with gradients recorded (under autocast to `compute_dtype`
-    where given, as training runs): how many times each unit's module runs, and the parameters
-    (by id) whose values autograd saves for backward (a view of one counts; a cast copy does
-    not: backward reads the copy). `events`, where given, receives each unit's entry (path,
-    True) and exit (path, False) in the order they happen."""
+    where given, the floating parameters cast to it as the gathers cast them, as training
+    runs): how many times each unit's module runs, and the parameters (by id) whose values
+    autograd saves for backward (a view of one counts; a copy an operator casts does not:
+    backward reads the copy). `events`, where given, receives each unit's entry (path, True)
+    and exit (path, False) in the order they happen."""
     calls = dict.fromkeys(paths, 0)
-    params = {id(p) for p in model.parameters()}
+    params = {id(p): id(p) for p in model.parameters()}
     read: set[int] = set()
+    slots = [(module, name, param) for module in model.modules()
+             for name, param in module._parameters.items() if param is not None]
+    casts: dict[int, torch.Tensor] = {}
+    if compute_dtype is not None:  # what the module computes with: the gathered half copies
+        for _, _, param in slots:
+            if param.is_floating_point() and id(param) not in casts:
+                casts[id(param)] = param.to(compute_dtype)
+                params[id(casts[id(param)])] = id(param)
     order = events if events is not None else []
 
     def count(path: str) -> Callable[..., None]:
@@ -378,15 +398,15 @@ def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str]
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         base = tensor._base if tensor._base is not None else tensor
         if id(base) in params:
-            read.add(id(base))
+            read.add(params[id(base)])
         return tensor
 
     handles = [model.get_submodule(path).register_forward_pre_hook(count(path))
                for path in paths]
     handles += [model.get_submodule(path).register_forward_hook(leave(path))
                 for path in paths]
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
@@ -394,11 +414,16 @@ def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str]
         autocast: contextlib.AbstractContextManager[Any] = (
             torch.autocast(device.type, dtype=compute_dtype)
             if compute_dtype is not None and device.type != "meta" else contextlib.nullcontext())
+        for module, name, param in slots:
+            if id(param) in casts:
+                module._parameters[name] = casts[id(param)]  # type: ignore[assignment]
         with (torch.enable_grad(), autocast,
               torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
               torch.random.fork_rng(devices=[])):
             model(sample)
     finally:
+        for module, name, param in slots:
+            module._parameters[name] = param
         for handle in handles:
             handle.remove()
         for module, mode in modes.items():

@@ -200,12 +200,15 @@ class ShardedUnit:
     gathered: HeldBytes = field(default_factory=HeldBytes, repr=False)
     whole_gradients: HeldBytes = field(default_factory=HeldBytes, repr=False)
     kept: bool = False  # stages 1 and 2: autograd keeps this forward's whole parameters
+    gather_dtype: torch.dtype | None = None  # None: the parameters' own
 
     @staticmethod
     def split(path: str, module: nn.Module,
               params: list[tuple[str, list[Holder], nn.Parameter]], comm: CountedComm,
-              stage: int) -> ShardedUnit:
-        """Replace each parameter's slots by this rank's rows of it."""
+              stage: int, gather_dtype: torch.dtype | None = None) -> ShardedUnit:
+        """Replace each parameter's slots by this rank's rows of it; `gather_dtype`: the type
+        the whole parameters are gathered in (bf16 training: half the bytes, the pieces and
+        their optimizer state staying float32), None: the parameters' own."""
         split = []
         for name, holders, param in params:
             rows = Partition(param.shape[0], comm.size)
@@ -215,7 +218,7 @@ class ShardedUnit:
             for holder in holders:
                 holder.module._parameters[holder.name] = piece
             split.append(SplitParameter(name, holders, param.shape, rows))
-        return ShardedUnit(path, module, split, comm, stage)
+        return ShardedUnit(path, module, split, comm, stage, gather_dtype=gather_dtype)
 
     @property
     def whole_bytes(self) -> int:
@@ -224,7 +227,9 @@ class ShardedUnit:
 
     @property
     def comm_itemsize(self) -> int:
-        return self.pieces()[0].element_size()
+        """Bytes of one element as gathered."""
+        dtype = self.gather_dtype or self.pieces()[0].dtype
+        return torch.empty((), dtype=dtype).element_size()
 
     @property
     def label(self) -> str:
@@ -245,6 +250,8 @@ class ShardedUnit:
     def gather(self) -> list[torch.Tensor]:
         """The whole parameters, differentiable when grad mode is on (see the module doc)."""
         pieces = self.pieces()
+        if self.gather_dtype is not None:  # a cast: its backward casts the gradient back
+            pieces = [piece.to(self.gather_dtype) for piece in pieces]
         packed = torch.cat([torch.nn.functional.pad(piece.reshape(-1),
                                                     (0, p.padded - piece.numel()))
                             for p, piece in zip(self.params, pieces, strict=True)])
@@ -315,7 +322,7 @@ class ShardedUnit:
         for p, piece in zip(self.params, self.pieces(), strict=True):
             n = p.rows.sizes[self.comm.rank] * p.row_elements
             if piece.requires_grad:
-                part = own[offset:offset + n].view(piece.shape)
+                part = own[offset:offset + n].view(piece.shape).to(piece.dtype)
                 if piece.grad is None:
                     piece.grad = part.clone()
                 else:

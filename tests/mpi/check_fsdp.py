@@ -7,7 +7,8 @@ head), the transformers library's Llama, in float64, under strategy=fsdp 1x2 and
 every final piece equals the block of one process's parameter its placement names, the pieces
 tile every parameter (a checkpoint loads on any grid), and the bytes rank 0 moves every step are
 the predicted ones (under stage 3 the second gather of each unit whose backward reads its
-weights included).
+weights included); under bf16 the gathers move half the bytes and the losses stay within
+bf16's rounding of one process's under the same autocast.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from plan_harness import (
 from torch import nn
 
 from runner.core import ProcessGrid
-from runner.core.placement import placement_of
+from runner.core.placement import place_whole, placement_of
 from runner.zoo.models import mlp, resnet
-from strategies import STRATEGIES
+from strategies import STRATEGIES, PricingContext
 from strategies.probe import logits_of
 from strategies.transformer import GPT
 from tests import plan_models
@@ -135,3 +136,50 @@ def sharded_data_parallelism_equals_one_process_at_every_stage() -> None:
     if HAVE_TRANSFORMERS:
         compare(llama_net, (T,), 3, (1, 4), tokens=True, opt="adamw")
         compare(llama_net, (T,), 1, (1, 2), tokens=True, units=["LlamaDecoderLayer"])
+
+
+@check
+def bf16_training_gathers_half_the_bytes_and_trains_as_one_process() -> None:
+    """trainer.precision=bf16: the whole parameters gathered (and their gradients scattered) in
+    bf16, the pieces and AdamW's state float32; the losses within bf16's rounding of one
+    process's under the same autocast."""
+    grid: ProcessGrid | None = GRIDS[(1, 2)]
+    if grid is None:
+        return
+    half = STRATEGIES.get("fsdp")(pricing=PricingContext(compute_dtype=torch.bfloat16))
+    full = STRATEGIES.get("fsdp")()
+    torch.manual_seed(3)
+    seq = mlp_net()
+    place_whole(seq)
+    sample = (1, 4, 4)
+    ops = half.predict_ops(seq, sample, grid.shape, BATCH)
+    gathered = sum(op.nbytes for op in ops if op.op == "allgather")
+    assert 2 * gathered == sum(op.nbytes for op in full.predict_ops(seq, sample, grid.shape, BATCH)
+                               if op.op == "allgather")
+    pmodel = half.parallelize(tagged_copy(seq, False), sample, grid)
+    assert all(p.dtype == torch.float32 for p in pmodel.parameters())
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(BATCH, *sample, generator=gen)
+    y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
+    seq_opt = optimizer(list(seq.parameters()), "adamw")
+    par_opt = optimizer(list(pmodel.parameters()), "adamw")
+    predicted = Counter(op.key for op in ops)
+    grid.counter.keep_records = True
+    for step in range(3):
+        seq_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seq_loss = F.cross_entropy(seq(x), y)
+        seq_loss.backward()
+        pmodel.zero_grad()
+        grid.counter.records.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            score = pmodel.score(pmodel(x[pmodel.input_rows(BATCH)]), y[pmodel.output_rows(BATCH)])
+        (score.loss_sum * grid.size / BATCH).backward()
+        pmodel.finish_gradient_sync()
+        assert_moved_as_predicted(grid, predicted, "mlp bf16", step)
+        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / BATCH
+        assert abs(loss - seq_loss.item()) <= 2e-2 * abs(seq_loss.item()), (step, loss,
+                                                                            seq_loss.item())
+        seq_opt.step()
+        par_opt.step()
+    grid.counter.keep_records = False
