@@ -268,13 +268,19 @@ class ShardedUnit:
             # the reduce-scatter is done: the copies for backward (stage 3) or the whole
             # parameters autograd kept (stage 2) go
             packed.register_hook(lambda grad: self.backward_done())
-        blocks = whole.view(ranks, size)
-        wholes, offset = [], 0
-        for p in self.params:
-            rows = [blocks[k, offset:offset + n * p.row_elements]
-                    for k, n in enumerate(p.rows.sizes)]
-            wholes.append(torch.cat(rows).view(p.shape))
-            offset += p.padded
+        # Each parameter's column of the ranks' blocks, cut in one split: its backward writes
+        # the unit's gradient once (a view per rank and parameter would zero-fill a whole
+        # unit's buffer for each, P × parameters times).
+        columns = torch.split(whole.view(ranks, size), [p.padded for p in self.params], dim=1)
+        wholes = []
+        for p, column in zip(self.params, columns, strict=True):
+            sizes = p.rows.sizes
+            if all(n == sizes[0] for n in sizes):  # every rank's block full: one reshape
+                wholes.append(column.reshape(p.shape))
+            else:  # uneven rows: each rank's block cut to its rows
+                wholes.append(torch.cat([block[:n * p.row_elements] for block, n
+                                         in zip(column.unbind(0), sizes, strict=True)])
+                              .view(p.shape))
         return wholes
 
     def install(self, wholes: list[torch.Tensor]) -> None:
