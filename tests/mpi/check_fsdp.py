@@ -21,19 +21,17 @@ import torch
 import torch.nn.functional as F
 from harness import check, make_grids
 from plan_harness import (
-    TOLERANCE,
     assert_moved_as_predicted,
-    assert_pieces_equal,
     built,
     tagged_copy,
+    train_as_one_process,
 )
 from torch import nn
 
 from runner.core import ProcessGrid
-from runner.core.placement import place_whole, placement_of
+from runner.core.placement import place_whole
 from runner.zoo.models import mlp, resnet
 from strategies import STRATEGIES, PricingContext
-from strategies.probe import logits_of
 from strategies.transformer import GPT
 from tests import plan_models
 
@@ -71,42 +69,10 @@ def compare(factory: Callable[[], nn.Module], sample: tuple[int, ...], stage: in
     else:
         x = torch.randn(BATCH, *sample, generator=gen, dtype=torch.float64)
         y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
-    targets = y.numel()
-    scale = grid.size / targets
-    seq_opt = optimizer(list(seq.parameters()), opt)
-    par_opt = optimizer(list(pmodel.parameters()), opt)
-    x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
-    predicted = Counter(op.key for op in ops)
-    grid.counter.keep_records = True
-    for step in range(3):
-        seq_opt.zero_grad()
-        out = logits_of(seq(x))
-        seq_loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        seq_loss.backward()
-        pmodel.zero_grad()
-        grid.counter.records.clear()
-        score = pmodel.score(pmodel(x_local), y_local)
-        (score.loss_sum * scale).backward()
-        pmodel.finish_gradient_sync()
-        assert_moved_as_predicted(grid, predicted, what, step)
-        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / targets
-        assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
-            what, step, loss, seq_loss.item())
-        seq_opt.step()
-        par_opt.step()
-    grid.counter.keep_records = False
-    assert_pieces_equal(seq, pmodel, what)
-    places = {placement_of(p) for p in pmodel.parameters()}
-    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
-    for name, param in seq.named_parameters():
-        blocks = [p for p in every if p is not None and p.name == name]
-        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
-        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
     shards = sum(p.numel() for p in pmodel.parameters())
     assert shards < sum(p.numel() for p in seq.parameters()), what  # pieces, not copies
-    if grid.rank == 0:
-        print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
-              f"as predicted", flush=True)
+    train_as_one_process(seq, pmodel, grid, x, y, ops, what,
+                         lambda params: optimizer(params, opt))
 
 
 def mlp_net() -> nn.Module:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,23 +27,18 @@ import check_fsdp  # noqa: E402, F401
 import check_plan_resume  # noqa: E402, F401
 import check_plan_vocab  # noqa: E402, F401
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from harness import check, make_grids, run_checks  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from plan_harness import (  # noqa: E402
-    TOLERANCE,
-    assert_moved_as_predicted,
-    assert_pieces_equal,
     built,
     tagged_copy,
+    train_as_one_process,
 )
 from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
-from runner.core.placement import placement_of  # noqa: E402
 from strategies import STRATEGIES, PricingContext  # noqa: E402
 from strategies.module_plan import DERIVED_SOURCE  # noqa: E402
-from strategies.probe import logits_of  # noqa: E402
 from tests import plan_models  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -83,42 +77,8 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], strategy_nam
     x = torch.randint(1, VOCAB, (BATCH, T), generator=gen)
     y = (torch.randint(0, classes, (BATCH,), generator=gen) if classes
          else torch.randint(0, VOCAB, (BATCH, T), generator=gen))
-    targets = y.numel()
-    scale = grid.size / targets
-    seq_opt = optimizer(list(seq.parameters()), opt)
-    par_opt = optimizer(list(pmodel.parameters()), opt)
-    x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
-    predicted = Counter(op.key for op in ops)
-    grid.counter.keep_records = True
-    for step in range(3):
-        seq_opt.zero_grad()
-        out = logits_of(seq(x))
-        seq_loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        seq_loss.backward()
-        pmodel.zero_grad()
-        grid.counter.records.clear()
-        score = pmodel.score(pmodel(x_local), y_local)
-        (score.loss_sum * scale).backward()
-        pmodel.finish_gradient_sync()
-        assert_moved_as_predicted(grid, predicted, what, step)
-        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / targets
-        assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
-            what, step, loss, seq_loss.item())
-        seq_opt.step()
-        par_opt.step()
-    grid.counter.keep_records = False
-    assert_pieces_equal(seq, pmodel, what)
-    whole = dict(seq.named_parameters())
-    # the pieces of every parameter tile it (what a checkpoint needs to load on any grid)
-    places = {placement_of(p) for p in pmodel.parameters()}
-    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
-    for name, param in whole.items():
-        blocks = [p for p in every if p is not None and p.name == name]
-        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
-        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
-    if grid.rank == 0:
-        print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
-              f"as predicted", flush=True)
+    train_as_one_process(seq, pmodel, grid, x, y, ops, what,
+                         lambda params: optimizer(params, opt))
 
 
 # Llama's declared plan without its head (a vocabulary of 50 does not divide over 4 ranks)

@@ -11,11 +11,13 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runner.core import ProcessGrid
+from runner.core.cost import CommOp
 from runner.core.placement import place_whole, placement_of
-from strategies.probe import reads_tokens
+from strategies.probe import logits_of, reads_tokens
 
 TOLERANCE = 1e-9  # relative, in float64
 
@@ -60,3 +62,48 @@ def assert_pieces_equal(seq: nn.Module, pmodel: nn.Module, what: str) -> None:
         assert param.shape == want.shape and err <= TOLERANCE * max(want.abs().max().item(),
                                                                     1.0), (
             f"{what}: final {place} differs by {err}")
+
+
+def train_as_one_process(seq: nn.Module, pmodel: nn.Module, grid: ProcessGrid,
+                         x: torch.Tensor, y: torch.Tensor, ops: list[CommOp], what: str,
+                         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                         steps: int = 3) -> None:
+    """`steps` steps of `seq` on the whole batch and of `pmodel` on this rank's rows, each with
+    its own optimizer from `make_optimizer`: every step's loss equal to one process's, rank 0's
+    collectives the predicted `ops`; then every final piece the block of one process's
+    parameter it names, and the pieces tiling every parameter (a checkpoint loads on any
+    grid)."""
+    batch, targets = x.shape[0], y.numel()
+    scale = grid.size / targets
+    seq_opt, par_opt = make_optimizer(list(seq.parameters())), make_optimizer(
+        list(pmodel.parameters()))
+    x_local, y_local = x[pmodel.input_rows(batch)], y[pmodel.output_rows(batch)]
+    predicted = Counter(op.key for op in ops)
+    grid.counter.keep_records = True
+    for step in range(steps):
+        seq_opt.zero_grad()
+        out = logits_of(seq(x))
+        seq_loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        seq_loss.backward()
+        pmodel.zero_grad()
+        grid.counter.records.clear()
+        score = pmodel.score(pmodel(x_local), y_local)
+        (score.loss_sum * scale).backward()
+        pmodel.finish_gradient_sync()
+        assert_moved_as_predicted(grid, predicted, what, step)
+        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / targets
+        assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
+            what, step, loss, seq_loss.item())
+        seq_opt.step()
+        par_opt.step()
+    grid.counter.keep_records = False
+    assert_pieces_equal(seq, pmodel, what)
+    places = {placement_of(p) for p in pmodel.parameters()}
+    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
+    for name, param in seq.named_parameters():
+        blocks = [p for p in every if p is not None and p.name == name]
+        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
+        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
+    if grid.rank == 0:
+        print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
+              f"as predicted", flush=True)
