@@ -245,7 +245,7 @@ class ShardedDataParallel(Strategy):
 
     def _gather_itemsize(self, params: list[Any]) -> int:
         dtype = self._gather_dtype(params) or params[0][2].dtype
-        return torch.empty((), dtype=dtype).element_size()
+        return dtype.itemsize
 
     def _split_and_whole(self, model: nn.Module, ranks: int
                          ) -> tuple[dict[str, list[Any]], list[tuple[str, nn.Parameter]]]:

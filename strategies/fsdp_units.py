@@ -229,7 +229,7 @@ class ShardedUnit:
     def comm_itemsize(self) -> int:
         """Bytes of one element as gathered."""
         dtype = self.gather_dtype or self.pieces()[0].dtype
-        return torch.empty((), dtype=dtype).element_size()
+        return dtype.itemsize
 
     @property
     def label(self) -> str:

@@ -155,7 +155,8 @@ def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def _memory_cell(held: Mapping[str, int] | None, predicted: Mapping[str, int] | None) -> str:
+def _memory_cell(held: Mapping[str, int | None] | None,
+                 predicted: Mapping[str, int] | None) -> str:
     """Parameters, gradients, optimizer state and gathered parameters: counted (predicted)."""
     if not held:
         return ""

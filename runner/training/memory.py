@@ -107,18 +107,22 @@ class SavedTensorMeter:
             self.active = False
 
 
-def held_memory(model: ParallelModel, optimizer: ReplicaOptimizer) -> dict[str, int]:
+def held_memory(model: ParallelModel, optimizer: ReplicaOptimizer) -> dict[str, int | None]:
     """The bytes this rank holds for the model, counted from the tensors themselves, by what
     holds them (as `Strategy.predict_memory` predicts them): its parameters, their gradients
     (and a sharded model's whole gradients at their peak), the optimizer's per-parameter state
-    and the most whole parameters a sharded model held at once."""
+    and the most whole parameters a sharded model held at once. The state of an optimizer
+    whose replicas exchange by other means than summed gradients is not counted (None): its
+    state may live in other ranks' windows, which reading would take part in their exchange."""
     def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    states = optimizer.param_states()
+    state: int | None = None
+    if optimizer.syncs_gradients:
+        states = optimizer.param_states()
+        state = sum(nbytes(states[kind]) for kind in optimizer.state_kinds() if kind in states)
     return {"parameters": nbytes(model.parameters()),
             "gradients": nbytes(p.grad for p in model.parameters())
             + model.whole_gradient_peak_bytes(),
-            "optimizer state": sum(nbytes(states[kind]) for kind in optimizer.state_kinds()
-                                   if kind in states),
+            "optimizer state": state,
             "gathered parameters": model.gathered_peak_bytes()}
