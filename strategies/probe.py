@@ -175,23 +175,54 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class _OwnedOperatorRecorder(TorchDispatchMode):
-    """Every operator run while no leaf module runs, with the innermost module running."""
+# Torch functions as the operators they come down to, for pricing (`OperatorCall.name`).
+_FUNCTION_OPERATORS = {"__getitem__": "slice", "contiguous": "view", "linear": "mm"}
+
+
+def _as_operator(name: str, inputs: list[torch.Tensor], nbytes: int,
+                 backward: bool) -> OperatorCall:
+    """A torch function call as the operator `runner.core.compute.operator_seconds` prices: a
+    matrix product (`matmul`, `@`, `F.linear`) as the `mm` or `bmm` it comes down to, with the
+    sample's rows folded into its rows or its batch; anything else by its name."""
+    name = name.strip("_") if name.startswith("__") and name not in _FUNCTION_OPERATORS else name
+    name = _FUNCTION_OPERATORS.get(name, name)
+    shapes = tuple(tuple(t.shape) for t in inputs)
+    if name in ("matmul", "rmatmul", "mm") and len(inputs) >= 2:
+        a, b = (inputs[1], inputs[0]) if name == "rmatmul" else (inputs[0], inputs[1])
+        if name == "mm" and b.dim() == 2 and a.shape[-1] != b.shape[0]:  # F.linear: (out, in)
+            b = b.t()
+        if a.dim() >= 1 and b.dim() == 2:
+            rows = a.shape[:-1].numel()
+            return OperatorCall("mm", ((rows, a.shape[-1]), tuple(b.shape)), nbytes, backward)
+        if a.dim() >= 3 and b.dim() >= 3:
+            batch = a.shape[:-2].numel()
+            return OperatorCall("bmm", ((batch, *a.shape[-2:]), (batch, *b.shape[-2:])),
+                                nbytes, backward)
+    return OperatorCall(name, shapes, nbytes, backward)
+
+
+class _OwnedOperatorRecorder(TorchFunctionMode):
+    """Every torch function a module's own `forward` calls while no leaf module runs (a
+    function's own inner calls are its own), with the innermost module running. A function
+    mode, not a dispatch mode: the first dispatch mode of a process imports about a second of
+    torch's tracing machinery."""
 
     def __init__(self, owners: list[nn.Module], leaf_depth: list[int],
                  found: list[OwnedCall]) -> None:
         super().__init__()
         self.owners, self.leaf_depth, self.found = owners, leaf_depth, found
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+    def __torch_function__(self, func: Callable[..., Any], types: Any,
+                           args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.leaf_depth[0] == 0 and self.owners:
+        results = _tensors(out)
+        if self.leaf_depth[0] == 0 and self.owners and results:
             inputs = _tensors(list(args)) + _tensors(list((kwargs or {}).values()))
-            nbytes = sum(t.numel() * t.element_size() for t in inputs + _tensors(out))
+            nbytes = sum(t.numel() * t.element_size() for t in inputs + results)
             backward = any(t.requires_grad and t.is_floating_point() for t in inputs)
-            self.found.append(OwnedCall(self.owners[-1], OperatorCall(
-                op_name(func), tuple(tuple(t.shape) for t in inputs), nbytes, backward)))
+            self.found.append(OwnedCall(self.owners[-1], _as_operator(
+                getattr(func, "__name__", str(func)), inputs, nbytes, backward)))
         return out
 
 
