@@ -10,8 +10,10 @@ on the whole). `strategy.stage` says what lives whole during a step:
 - stage 3 (the default): a unit's whole parameters are all-gathered just before its forward
   and freed after it; what backward needs of them is kept as a note (`SavedPiece`), and the
   unit's first use in backward gathers them again, once; its gradients are reduce-scattered as
-  soon as they are ready (the gather's adjoint) and the copies freed. At most the pieces, the
-  largest unit whole and what backward needs of one unit at a time.
+  soon as they are ready (the gather's adjoint) and the copies freed. The whole model's own
+  unit (embeddings, final norm, head: what no block holds) is kept from its forward through
+  backward instead, as FSDP2 keeps its root: it would be gathered again at once. At most the
+  pieces, the model's unit, the largest block whole and what backward needs of one block.
 - stage 2: the whole parameters are gathered before a unit's forward and kept, by autograd,
   until its backward is done; the gradients reduce-scattered as soon as they are ready.
 - stage 1: as stage 2, but the whole gradients are kept until backward ends and
@@ -19,8 +21,8 @@ on the whole). `strategy.stage` says what lives whole during a step:
   sharded.
 
 Bytes per step: every unit all-gathered and reduce-scattered once (as much as `data`'s
-all-reduce moves), and under stage 3 gathered a second time where its backward reads its
-weights. The gathers block: nothing is prefetched. Parameters of fewer rows than ranks stay
+all-reduce moves), and under stage 3 each block gathered a second time where its backward reads
+its weights. The gathers block: nothing is prefetched. Parameters of fewer rows than ranks stay
 whole on every rank and are all-reduced in buckets, as under `data`.
 """
 
@@ -47,6 +49,7 @@ from strategies.base import (
 from strategies.buckets import predict_gradient_ops
 from strategies.data import BATCH_NORM_MODES, DataParallel, DataParallelModel, replica_model
 from strategies.fsdp_units import (
+    ROOT,
     HeldBytes,
     ShardedUnit,
     unit_parameters,
@@ -126,7 +129,7 @@ class ShardedDataParallelModel(DataParallelModel):
             return (self.outer_saved_hooks[0](tensor) if self.outer_saved_hooks is not None
                     else tensor)
         unit, index = found
-        if self.stage != 3:
+        if self.stage != 3 or unit.path == ROOT:  # the whole model's unit: kept, as FSDP2 does
             unit.kept = True
             return KeptWhole(tensor)
         return SavedPiece(unit, index, tuple(tensor.size()), tuple(tensor.stride()),
@@ -295,7 +298,8 @@ class ShardedDataParallel(Strategy):
             per_call = [CommOp("allgather", "world", ranks, nbytes, label)]
             if trained:
                 per_call.append(CommOp("reduce_scatter", "world", ranks, nbytes, label))
-                if self.stage == 3 and any(id(p) in read for _, _, p in params):
+                if (self.stage == 3 and path != ROOT
+                        and any(id(p) in read for _, _, p in params)):
                     per_call.append(CommOp("allgather", "world", ranks, nbytes, label))
             if trained and self.stage == 1:  # one reduce-scatter at the end, however many calls
                 ops += [op for op in per_call if op.op == "allgather"] * calls[path]
@@ -329,8 +333,8 @@ class ShardedDataParallel(Strategy):
         events: list[tuple[str, bool]] = []
         _, read = unit_calls(model, sample_shape, list(sizes), self.pricing.compute_dtype,
                              events)
-        kept = ({path for path in sizes if any(id(p) in read for _, _, p in split[path])}
-                if self.stage != 3 else set())
+        kept = {path for path in sizes if any(id(p) in read for _, _, p in split[path])
+                and (self.stage != 3 or path == ROOT)}
         live = peak = 0
         for path, entering in events:
             if entering:
