@@ -57,7 +57,7 @@ from strategies.fsdp_units import (
     unmatched_patterns,
 )
 from strategies.norm import batch_norm_ops
-from strategies.probe import sample_dtype
+from strategies.probe import one_sample
 from strategies.registry import register_strategy
 from strategies.sharded import activation_itemsize
 from strategies.sparse_exchange import sparse_tables
@@ -409,27 +409,19 @@ def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str]
                for path in paths]
     handles += [model.get_submodule(path).register_forward_hook(leave(path))
                 for path in paths]
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
-    modes = {m: m.training for m in model.modules()}
+    device = slots[0][2].device if slots else torch.device("cpu")
+    autocast: contextlib.AbstractContextManager[Any] = (
+        torch.autocast(device.type, dtype=compute_dtype)
+        if compute_dtype is not None and device.type != "meta" else contextlib.nullcontext())
+    for module, name, param in slots:
+        if id(param) in casts:
+            module._parameters[name] = casts[id(param)]  # type: ignore[assignment]
     try:
-        model.eval()
-        sample = torch.zeros(1, *sample_shape, device=device, dtype=sample_dtype(model))
-        autocast: contextlib.AbstractContextManager[Any] = (
-            torch.autocast(device.type, dtype=compute_dtype)
-            if compute_dtype is not None and device.type != "meta" else contextlib.nullcontext())
-        for module, name, param in slots:
-            if id(param) in casts:
-                module._parameters[name] = casts[id(param)]  # type: ignore[assignment]
-        with (torch.enable_grad(), autocast,
+        with (one_sample(model, sample_shape, handles) as sample, torch.enable_grad(), autocast,
               torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
               torch.random.fork_rng(devices=[])):
             model(sample)
     finally:
         for module, name, param in slots:
             module._parameters[name] = param
-        for handle in handles:
-            handle.remove()
-        for module, mode in modes.items():
-            module.train(mode)
     return calls, read

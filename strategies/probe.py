@@ -120,6 +120,26 @@ def _elements(value: Any) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def one_sample(model: nn.Module, sample_shape: tuple[int, ...] | list[int],
+               handles: list[Any]) -> Iterator[torch.Tensor]:
+    """One sample of `sample_shape` (zeros of `sample_dtype`, on the model's own device), the
+    model in evaluation mode (a BatchNorm then neither needs two samples nor moves its running
+    statistics, a Dropout draws nothing); on leaving, its modes are restored and the hooks of
+    `handles` removed, whatever the model's forward raised."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        yield torch.zeros(1, *sample_shape, device=device, dtype=sample_dtype(model))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.train(mode)
+
+
 def probe(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Probe:
     """One sample of `sample_shape` (zeros of `sample_dtype`) through `model` in evaluation
     mode on its own device (a BatchNorm then neither needs two samples nor moves its running
@@ -143,19 +163,8 @@ def probe(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Probe:
     for _, module in leaves(model):
         handles.append(module.register_forward_pre_hook(before))
         handles.append(module.register_forward_hook(after))
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            out = logits_of(model(torch.zeros(1, *sample_shape, device=device,
-                                              dtype=sample_dtype(model))))
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, mode in modes.items():
-            module.train(mode)
+    with one_sample(model, sample_shape, handles) as sample, torch.no_grad():
+        out = logits_of(model(sample))
     return Probe(calls, tuple(out.shape[1:]))
 
 
@@ -251,19 +260,9 @@ def operator_calls(model: nn.Module, sample_shape: tuple[int, ...] | list[int]
     for module in model.modules():
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        sample = torch.zeros(1, *sample_shape, device=device, dtype=sample_dtype(model))
-        with torch.enable_grad(), _OwnedOperatorRecorder(owners, leaf_depth, found):
-            model(sample)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, mode in modes.items():
-            module.train(mode)
+    with (one_sample(model, sample_shape, handles) as sample, torch.enable_grad(),
+          _OwnedOperatorRecorder(owners, leaf_depth, found)):
+        model(sample)
     return found
 
 

@@ -22,7 +22,6 @@ import importlib.util
 import json
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # `tests` is this checkout's, whatever else is installed
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from harness import (  # noqa: E402
     assert_one_process,
     check,
@@ -43,16 +41,14 @@ from harness import (  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from plan_harness import (  # noqa: E402
     TOLERANCE,
-    assert_moved_as_predicted,
-    assert_pieces_equal,
     built,
     tagged_copy,
+    train_as_one_process,
 )
 from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
 from strategies import STRATEGIES  # noqa: E402
-from strategies.probe import logits_of  # noqa: E402
 from tests import plan_vit_models  # noqa: E402
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_plan_resume")
@@ -214,32 +210,8 @@ def compare_images(factory: Callable[[], nn.Module], plan: dict[str, str],
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(BATCH, *IMAGE_SHAPE, generator=gen, dtype=torch.float64)
     y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
-    scale = grid.size / BATCH
-    seq_opt = torch.optim.SGD(seq.parameters(), lr=0.5, momentum=0.9)
-    par_opt = torch.optim.SGD(pmodel.parameters(), lr=0.5, momentum=0.9)
-    x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
-    predicted = Counter(op.key for op in ops)
-    grid.counter.keep_records = True
-    for step in range(3):
-        seq_opt.zero_grad()
-        seq_loss = F.cross_entropy(logits_of(seq(x)), y)
-        seq_loss.backward()
-        pmodel.zero_grad()
-        grid.counter.records.clear()
-        score = pmodel.score(pmodel(x_local), y_local)
-        (score.loss_sum * scale).backward()
-        pmodel.finish_gradient_sync()
-        assert_moved_as_predicted(grid, predicted, what, step)
-        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / BATCH
-        assert abs(loss - seq_loss.item()) <= TOLERANCE * abs(seq_loss.item()), (
-            what, step, loss, seq_loss.item())
-        seq_opt.step()
-        par_opt.step()
-    grid.counter.keep_records = False
-    assert_pieces_equal(seq, pmodel, what)
-    if grid.rank == 0:
-        print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
-              f"as predicted", flush=True)
+    train_as_one_process(seq, pmodel, grid, x, y, ops, what,
+                         lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9))
 
 
 def hf_vit() -> nn.Module:
