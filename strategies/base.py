@@ -126,6 +126,11 @@ class PricingContext:
     # the optimizer's name (`optimizer.name`, or a `_target_`'s class in lower case): its
     # update's passes over the parameters (`update_passes`)
     optimizer: str = "sgd"
+    # trainer.accumulate_steps: the micro-batches of a step (what a strategy keeps between them)
+    accumulate_steps: int = 1
+    # trainer.activation_checkpointing: the modules recomputed in backward (what a strategy
+    # gathers again for them)
+    activation_checkpointing: str = "none"
 
 
 DEFAULT_PRICING = PricingContext()
@@ -217,6 +222,12 @@ class ParallelModel(nn.Module):
         (`torch.utils.checkpoint`'s `context_fn`): the same modes, so that the recomputation
         draws and normalizes as the forward did."""
         return contextlib.nullcontext(), contextlib.nullcontext()
+
+    def recomputed_forward(self, module: nn.Module) -> Callable[..., Any]:
+        """What recomputing `module` runs (`strategies.recompute`): its own forward. A model
+        that prepares a module around its forward (gathers its parameters) moves that inside,
+        so that the recomputation prepares it again."""
+        return module.forward
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         # Gradients may be views into communication buckets: zero them, never drop them. A
@@ -327,11 +338,12 @@ class Strategy:
         batch, so that a step cut into micro-batches draws what the whole batch draws."""
         return False
 
-    def recompute_problem(self, grid: GridShape) -> str | None:
-        """Why recomputing modules' activations in backward (`trainer.activation_checkpointing`)
-        would not step as the run without it does, on `grid` (None: it would). Where the model
-        group splits modules, their forward's collectives would run again in backward, which
-        the predicted bytes do not hold."""
+    def recompute_problem(self, model: nn.Module, targets: list[str],
+                          grid: GridShape) -> str | None:
+        """Why recomputing the modules `targets` names in `model` in backward
+        (`trainer.activation_checkpointing`) would not step as the run without it does, on
+        `grid` (None: it would). Where the model group splits modules, their forward's
+        collectives would run again in backward, which the predicted bytes do not hold."""
         if grid.pr > 1:
             return (f"strategy={self.name} on grid.pr={grid.pr} runs collectives in the forward "
                     f"of the modules it splits, which recomputation would run again in "

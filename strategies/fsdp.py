@@ -29,7 +29,8 @@ whole on every rank and are all-reduced in buckets, as under `data`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -38,9 +39,12 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
+from runner.core.comm import GridGroup
 from runner.core.cost import CommOp
+from runner.core.standin import rank_zero_grid
 from strategies.base import (
     DEFAULT_PRICING,
+    MicroBatch,
     ParallelModel,
     PricingContext,
     Strategy,
@@ -55,9 +59,12 @@ from strategies.fsdp_units import (
     unit_parameters,
     unit_paths,
     unmatched_patterns,
+    within,
 )
+from strategies.grid import GridParallel
 from strategies.norm import batch_norm_ops
-from strategies.probe import one_sample
+from strategies.probe import one_sample, sample_dtype
+from strategies.recompute import checkpoint_targets
 from strategies.registry import register_strategy
 from strategies.sharded import activation_itemsize
 from strategies.sparse_exchange import sparse_tables
@@ -85,9 +92,11 @@ class KeptWhole:
     tensor: torch.Tensor
 
 
-class ShardedDataParallelModel(DataParallelModel):
-    """The model with its units' parameters split by rows; each unit gathered around its
-    forward (`strategies.fsdp`)."""
+class ShardedModel(ParallelModel):
+    """A parallel model with its units' parameters split by rows; each unit gathered around
+    its forward (`strategies.fsdp`). Mixed into the class of the model it shards: the whole
+    model's replica (`ShardedDataParallelModel`), or a model split over the model group
+    (`sharded_class`)."""
 
     units: list[ShardedUnit]
     stage: int
@@ -100,9 +109,22 @@ class ShardedDataParallelModel(DataParallelModel):
         self._open: list[tuple[ShardedUnit, list[torch.Tensor]]] = []
         self._wholes: dict[int, tuple[ShardedUnit, int]] = {}  # storage → (unit, parameter)
         for unit in units:
-            unit.module.register_forward_pre_hook(partial(self._gather, unit))
-            unit.module.register_forward_hook(partial(self._reshard, unit), always_call=True)
-        self.layouts = {unit.path or "(model)": f"fsdp stage {stage}" for unit in units}
+            unit.module.register_forward_pre_hook(partial(self._gather_hook, unit))
+            unit.module.register_forward_hook(partial(self._reshard_hook, unit),
+                                              always_call=True)
+        # the summary's per-module layouts: a split model's own, and each unit's sharding
+        self.layouts = {**getattr(self, "layouts", {}),
+                        **{unit.path or "(model)": f"fsdp stage {stage}" for unit in units}}
+        self.recomputing = False  # inside a recomputation in backward
+
+    def _gather_hook(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
+        if not unit.recomputed:
+            self._gather(unit, module, args)
+
+    def _reshard_hook(self, unit: ShardedUnit, module: nn.Module, args: Any,
+                      output: Any) -> None:
+        if not unit.recomputed:
+            self._reshard(unit, module, args, output)
 
     def _gather(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
         pieces = unit.pieces()
@@ -119,6 +141,8 @@ class ShardedDataParallelModel(DataParallelModel):
         for key in [k for k, (u, _) in self._wholes.items() if u is unit]:
             del self._wholes[key]
         unit.reshard(pieces)
+        if self.recomputing:  # backward reads this recomputation's whole parameters
+            unit.kept = True
         unit.forward_done()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -146,10 +170,58 @@ class ShardedDataParallelModel(DataParallelModel):
         return cast(torch.Tensor, saved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
         if self.training and torch.is_grad_enabled():
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return super().forward(x)
-        return super().forward(x)
+                out = super().forward(x)
+        else:
+            out = super().forward(x)
+        return out
+
+    @contextlib.contextmanager
+    def feeding(self, micro: MicroBatch) -> Iterator[None]:
+        """As `data`'s, and the units keep their whole gradients on the micro-batches before the
+        step's last, which reduce-scatters each unit's sum once."""
+        for unit in self.units:
+            unit.accumulating = not micro.last
+        try:
+            with super().feeding(micro):
+                yield
+        finally:
+            for unit in self.units:
+                unit.accumulating = False
+
+    def recomputed_forward(self, module: nn.Module) -> Callable[..., Any]:
+        """A unit's own module gathers its parameters inside its recomputation (the hooks,
+        outside it, would leave its recomputation the pieces); any other module recomputes the
+        units it holds by their hooks."""
+        unit = next((u for u in self.units if u.module is module), None)
+        own = module.forward
+        if unit is None:
+            return own
+        unit.recomputed = True
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._gather(unit, module, args)
+            try:
+                return own(*args, **kwargs)
+            finally:
+                self._reshard(unit, module, args, None)
+        return forward
+
+    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[None],
+                                          contextlib.AbstractContextManager[Any]]:
+        forward, again = super().recompute_contexts()
+        return forward, self._recomputing(again)
+
+    @contextlib.contextmanager
+    def _recomputing(self, inner: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        self.recomputing = True
+        try:
+            with inner:
+                yield
+        finally:
+            self.recomputing = False
 
     def finish_gradient_sync(self) -> None:
         for unit in self.units:
@@ -163,6 +235,73 @@ class ShardedDataParallelModel(DataParallelModel):
         return self.whole_gradients.peak
 
 
+class ShardedDataParallelModel(ShardedModel, DataParallelModel):
+    """The whole model as a batch replica, sharded (grid.pr=1)."""
+
+
+@dataclass
+class SplitView:
+    """What rank 0 cuts its units from: at grid.pr=1 the model itself; on a grid of Pr > 1 its
+    part of the model split over the model group by `strategy=grid`'s rules (a plan by module,
+    gridrun's GPT), built on a copy on the meta device for a stand-in grid
+    (`runner.core.standin`) — shapes only, nothing moved."""
+
+    forward: nn.Module  # what runs a forward: the split model (or the model)
+    host: nn.Module  # the module the unit paths name: the model, split in place
+    prefix: str  # the host's path in `forward`, with its dot ("" at grid.pr=1)
+    replicated: set[int]  # the parameters every rank of a model group holds whole (by id)
+    sample_dtype: torch.dtype  # what the model reads: its samples' type
+
+    def calls(self, sample_shape: tuple[int, ...], paths: list[str],
+              compute_dtype: torch.dtype | None,
+              events: list[tuple[str, bool]] | None = None) -> tuple[dict[str, int], set[int]]:
+        """`unit_calls` of the units at `paths` (of the host), keyed by those paths."""
+        found: list[tuple[str, bool]] = []
+        calls, read = unit_calls(self.forward, sample_shape, [self.prefix + p if p else
+                                                              self.prefix.rstrip(".")
+                                                              for p in paths],
+                                 compute_dtype, found, self.sample_dtype)
+        back = {self.prefix + p if p else self.prefix.rstrip("."): p for p in paths}
+        if events is not None:
+            events += [(back[path], entering) for path, entering in found]
+        return {back[path]: n for path, n in calls.items()}, read
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are on the meta device (no memory)."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            empty = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, nn.Parameter) else empty)
+    return copy.deepcopy(model, memo)
+
+
+def split_in_place(pmodel: ParallelModel, model: nn.Module) -> str | None:
+    """The path of `model` in `pmodel` with its dot, where the split kept the model's own
+    modules (a plan by module, gridrun's GPT); None where it rebuilt the model."""
+    return next((f"{name}." for name, child in pmodel.named_children() if child is model), None)
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def sharded_class(cls: type[ParallelModel]) -> type[ShardedModel]:
+    """`cls` with `ShardedModel`'s hooks: a split model's own class, sharded (made once per
+    class; a module's class is swapped in place, as PyTorch's `fully_shard` does)."""
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModel, cls), {})
+    return _SHARDED_CLASSES[cls]
+
+
+class ModelGroupSplit(GridParallel):
+    """strategy=grid's split over the model group, as fsdp uses it on a grid of Pr > 1 (its
+    problems named as fsdp's)."""
+
+    name = "fsdp"
+
+
 @register_strategy("fsdp")
 class ShardedDataParallel(Strategy):
     # its pieces are updated by the optimizer from the summed gradients: no replica optimizer
@@ -170,7 +309,8 @@ class ShardedDataParallel(Strategy):
 
     def __init__(self, stage: int = 3, units: str | list[str] = "auto",
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 batch_norm: str = "global", *,
+                 batch_norm: str = "global", plan: Mapping[str, str] | None = None,
+                 tp_layout: str = "auto", *,
                  pricing: PricingContext = DEFAULT_PRICING) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         # 1: optimizer state sharded; 2: also the gradients; 3: also the parameters
@@ -179,10 +319,33 @@ class ShardedDataParallel(Strategy):
         self.units = units if isinstance(units, str) else [str(u) for u in units]
         # as `data`'s: global (one process's statistics) or local
         self.batch_norm = batch_norm
+        # grid.pr > 1: the split over the model group, as strategy=grid's (its plan by
+        # module, a GPT's tensor-parallel layout)
+        self.splitter = ModelGroupSplit(bucket_cap_mb, first_bucket_mb, tp_layout, plan,
+                                        pricing=pricing)
+        self._views: dict[tuple[object, ...], tuple[nn.Module, SplitView | None]] = {}
 
     def _replica(self) -> DataParallel:
         return DataParallel(self.bucket_cap_bytes / 2**20, self.first_bucket_bytes / 2**20,
                             sparse="dense", batch_norm=self.batch_norm, pricing=self.pricing)
+
+    def split_view(self, model: nn.Module, sample_shape: tuple[int, ...],
+                   grid: GridShape) -> SplitView | None:
+        """Rank 0's model to cut units from on `grid` (None: the split rebuilds the model, whose
+        modules are no longer the user's)."""
+        if grid.pr == 1:
+            return SplitView(model, model, "", {id(p) for p in model.parameters()},
+                             sample_dtype(model))
+        key = (id(model), grid, tuple(sample_shape))
+        if key not in self._views:  # the model is kept with its view: its id stays its own
+            twin = _meta_copy(model)
+            pmodel = self.splitter.parallelize(twin, sample_shape, rank_zero_grid(grid))
+            prefix = split_in_place(pmodel, twin)
+            view = None if prefix is None else SplitView(
+                pmodel, twin, prefix, {id(p) for p in pmodel.replicated_in_model_group},
+                sample_dtype(model))
+            self._views[key] = (model, view)
+        return self._views[key][1]
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         if self.stage not in FSDP_STAGES or isinstance(self.stage, bool):
@@ -191,10 +354,8 @@ class ShardedDataParallel(Strategy):
         if self.batch_norm not in BATCH_NORM_MODES:
             return [f"strategy.batch_norm={self.batch_norm}: must be one of "
                     f"{', '.join(BATCH_NORM_MODES)}"]
-        if grid.pr != 1:
-            return [f"strategy=fsdp shards the parameters over the ranks that split the batch "
-                    f"and needs grid.pr=1, got grid.pr={grid.pr} (use strategy=grid to split "
-                    f"the model)"]
+        if grid.pr > 1:
+            return self.splitter.check(grid, global_batch)
         if global_batch < grid.size:
             return [f"trainer.batch_size={global_batch} is smaller than the {grid.size} ranks: "
                     f"sharded data parallelism needs a sample per rank"]
@@ -202,15 +363,27 @@ class ShardedDataParallel(Strategy):
 
     def check_model(self, model: nn.Module, sample_shape: tuple[int, ...],
                     grid: GridShape) -> list[str]:
+        if grid.pr > 1:
+            problems = self.splitter.check_model(model, sample_shape, grid)
+            if problems:
+                return problems
+        view = self.split_view(model, sample_shape, grid)
+        if view is None:
+            return [f"strategy=fsdp on grid.pr={grid.pr} shards a model split in place over the "
+                    f"model group (by a parallel plan, strategy.plan or the model's own, or "
+                    f"gridrun's GPT); {type(model).__name__} is rebuilt by the layer rules: "
+                    f"give it strategy.plan, or use grid.pr=1"]
         problems = [f"strategy.units: {pattern} matches no module (by path or class name)"
-                    for pattern in unmatched_patterns(model, self.units)]
+                    for pattern in unmatched_patterns(view.host, self.units)]
         if grid.size == 1:
             return problems
-        problems += self._replica().check_model(model, sample_shape, grid)
+        if grid.pr == 1:
+            problems += self._replica().check_model(model, sample_shape, grid)
         problems += [f"strategy=fsdp cannot shard {name or 'the model'} "
                      f"({type(module).__name__}): its gradients are sparse (sparse=True); "
                      f"use strategy=data" for name, module in sparse_tables(model)]
-        for path, params in unit_parameters(model, unit_paths(model, self.units)).items():
+        for path, params in unit_parameters(view.host, unit_paths(view.host,
+                                                                   self.units)).items():
             dtypes = {p.dtype for _, _, p in params}
             if len(dtypes) > 1:
                 problems.append(f"strategy=fsdp: unit {path or '(model)'} holds parameters of "
@@ -220,22 +393,49 @@ class ShardedDataParallel(Strategy):
 
     def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape) -> bool:
+        if grid.pr > 1:
+            return self.splitter.reproduces_random_draws(model, sample_shape, grid)
         return True  # as `data`: every row's masks drawn alike at every P
 
     def draws_rows_alike(self, model: nn.Module, sample_shape: tuple[int, ...],
                          grid: GridShape) -> bool:
+        if grid.pr > 1:
+            return self.splitter.draws_rows_alike(model, sample_shape, grid)
         return self._replica().draws_rows_alike(model, sample_shape, grid)
 
-    def recompute_problem(self, grid: GridShape) -> str | None:
-        if grid.size > 1:
-            return ("strategy=fsdp gathers a unit's parameters around its forward, which "
-                    "recomputation would run again inside backward; not supported yet")
+    def recompute_problem(self, model: nn.Module, targets: list[str],
+                          grid: GridShape) -> str | None:
+        """A recomputed module must hold whole units: one whose parameters an enclosing unit
+        gathers outside its recomputation would be recomputed from the pieces."""
+        if grid.pr > 1:
+            return self.splitter.recompute_problem(model, targets, grid)
+        if grid.size == 1:
+            return None
+        paths = unit_paths(model, self.units)
+        owners = {id(p): path for path, params in unit_parameters(model, paths).items()
+                  for _, _, p in params}
+        for target in targets:
+            module = model.get_submodule(target)
+            outside = sorted({owners[id(p)] for p in module.parameters()
+                              if not within(owners[id(p)], target)})
+            if outside:
+                return (f"{target} holds parameters of the fsdp unit "
+                        f"{outside[0] or '(the model)'}, gathered outside its recomputation; "
+                        f"recompute whole units (strategy.units={target} or one inside it)")
         return None
 
+    def recomputed_units(self, model: nn.Module, paths: list[str]) -> set[str]:
+        """The units gathered again in backward by `trainer.activation_checkpointing` (each
+        inside or equal to a recomputed module)."""
+        targets, _ = checkpoint_targets(model, self.pricing.activation_checkpointing)
+        return {path for path in paths
+                if path != ROOT and any(within(path, target) for target in targets)}
+
     def exchanged_once(self, op: CommOp) -> bool:
-        # the buckets' all-reduces, and stage 1's reduce-scatters of the whole step's gradients;
-        # at stages 2 and 3 each micro-batch's backward reduce-scatters its own
-        return super().exchanged_once(op) or (self.stage == 1 and op.op == "reduce_scatter")
+        # the buckets' all-reduces, and the units' reduce-scatters (and the model group's sums
+        # of their pieces): the micro-batches before a step's last keep their whole gradients
+        return super().exchanged_once(op) or (op.op in ("reduce_scatter", "allreduce")
+                                              and op.layer.startswith("fsdp "))
 
     def splits_parameters(self, grid: GridShape) -> bool:
         return grid.size > 1
@@ -260,56 +460,100 @@ class ShardedDataParallel(Strategy):
             whole += [(n, p) for n, h, p in params if not (p.dim() and p.shape[0] >= ranks)]
         return split, whole
 
+    def _whole_exchanges(self, whole: list[tuple[str, nn.Parameter]], replicated: set[int],
+                         grid: GridShape) -> list[tuple[list[nn.Parameter], GridGroup, int]]:
+        """The unsharded trained parameters' gradient exchanges, as `strategy=grid` makes them:
+        those a model group splits summed over the batch group, the others over every rank."""
+        trained = [p for _, p in whole if p.requires_grad]
+        if grid.pr == 1:
+            return [(trained, "world", grid.size)]
+        return [([p for p in trained if id(p) not in replicated], "batch", grid.pc),
+                ([p for p in trained if id(p) in replicated], "world", grid.size)]
+
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:
-        pmodel = replica_model(model, sample_shape, grid, self.batch_norm,
-                               sync_replica_gradients, ShardedDataParallelModel)
-        assert isinstance(pmodel, ShardedDataParallelModel)
+        if grid.pr > 1:
+            split_model = self.splitter.parallelize(model, sample_shape, grid)
+            prefix = split_in_place(split_model, model)
+            assert prefix is not None, "check_model refuses a model the split rebuilds"
+            split_model.__class__ = sharded_class(type(split_model))
+            pmodel = cast(ShardedModel, split_model)
+            comm, replicated = grid.batch, {id(p) for p in split_model.replicated_in_model_group}
+        else:
+            replica = replica_model(model, sample_shape, grid, self.batch_norm,
+                                    sync_replica_gradients, ShardedDataParallelModel)
+            assert isinstance(replica, ShardedDataParallelModel)
+            pmodel = replica
+            comm, replicated = grid.world, {id(p) for p in model.parameters()}
         if grid.size == 1:
             pmodel.attach([], self.stage)
             return pmodel
-        split, whole = self._split_and_whole(model, grid.size)
-        units = [ShardedUnit.split(path, model.get_submodule(path), params, grid.world,
-                                   self.stage, self._gather_dtype(params))
+        split, whole = self._split_and_whole(model, comm.size)
+        units = [ShardedUnit.split(path, model.get_submodule(path), params, comm, self.stage,
+                                   self._gather_dtype(params), 1.0 / grid.size,
+                                   grid.model if grid.pr > 1 else None, frozenset(replicated))
                  for path, params in split.items() if params]
         pmodel.attach(units, self.stage)
-        pmodel.reducers = gradient_exchange([p for _, p in whole if p.requires_grad],
-                                            grid.world, 1.0 / grid.size, self.bucket_cap_bytes,
-                                            self.first_bucket_bytes)
+        comms = {"world": grid.world, "batch": grid.batch}
+        pmodel.reducers = [reducer for params, group, _ in
+                           self._whole_exchanges(whole, replicated, grid.shape)
+                           for reducer in gradient_exchange(
+                               params, comms[group], 1.0 / grid.size, self.bucket_cap_bytes,
+                               self.first_bucket_bytes)]
+        if grid.pr > 1:  # the pieces of what a model group holds whole
+            pmodel.replicated_in_model_group = (
+                [cast(nn.Parameter, piece) for unit in units
+                 for p, piece in zip(unit.params, unit.pieces(), strict=True)
+                 if p.summed_over_model]
+                + [p for _, p in whole if id(p) in replicated])
         return pmodel
 
     def predict_ops(self, model: nn.Module, sample_shape: tuple[int, ...], grid: GridShape,
                     global_batch: int) -> list[CommOp]:
-        ranks = grid.size
-        if ranks == 1:
+        if grid.size == 1:
             return []
-        split, whole = self._split_and_whole(model, ranks)
-        calls, read = unit_calls(model, sample_shape, list(split),
-                                 self.pricing.compute_dtype)
+        view = self.split_view(model, sample_shape, grid)
+        assert view is not None, "check_model refuses a model the split rebuilds"
+        group: GridGroup = "world" if grid.pr == 1 else "batch"
+        ranks = grid.size if grid.pr == 1 else grid.pc
+        split, whole = self._split_and_whole(view.host, ranks)
+        calls, read = view.calls(sample_shape, list(split), self.pricing.compute_dtype)
+        recomputed = self.recomputed_units(view.host, list(split))
         ops: list[CommOp] = []
+        if grid.pr > 1:  # the split's activation collectives; its gradient buckets are ours
+            ops += [op for op in self.splitter.predict_ops(model, sample_shape, grid,
+                                                           global_batch)
+                    if op.op != "iallreduce"]
         for path, params in split.items():
             if not params:
                 continue
             label = f"fsdp {path or '(model)'}"
-            size = sum(max(Partition(p.shape[0], ranks).sizes) * p.shape[1:].numel()
-                       for _, _, p in params)
-            nbytes = ranks * size * self._gather_itemsize(params)
+            itemsize = self._gather_itemsize(params)
+            padded = [max(Partition(p.shape[0], ranks).sizes) * p.shape[1:].numel()
+                      for _, _, p in params]
+            nbytes = ranks * sum(padded) * itemsize
+            summed = (sum(n for n, (_, _, p) in zip(padded, params, strict=True)
+                          if id(p) in view.replicated) * itemsize if grid.pr > 1 else 0)
             trained = any(p.requires_grad for _, _, p in params)
-            per_call = [CommOp("allgather", "world", ranks, nbytes, label)]
-            if trained:
-                per_call.append(CommOp("reduce_scatter", "world", ranks, nbytes, label))
-                if (self.stage == 3 and path != ROOT
-                        and any(id(p) in read for _, _, p in params)):
-                    per_call.append(CommOp("allgather", "world", ranks, nbytes, label))
-            if trained and self.stage == 1:  # one reduce-scatter at the end, however many calls
-                ops += [op for op in per_call if op.op == "allgather"] * calls[path]
-                ops.append(per_call[1])
+            gather = CommOp("allgather", group, ranks, nbytes, label)
+            scatter = ([CommOp("reduce_scatter", group, ranks, nbytes, label)]
+                       + ([CommOp("allreduce", "model", grid.pr, summed, label)]
+                          if summed else [])) if trained else []
+            # gathered again in backward: by its recomputation (every stage), or where stage 3's
+            # backward reads the weights it freed
+            again = path in recomputed or (trained and self.stage == 3 and path != ROOT
+                                           and any(id(p) in read for _, _, p in params))
+            if self.stage == 1:  # one reduce-scatter at the end, however many calls
+                ops += [gather] * ((2 if again else 1) * calls[path]) + scatter
             else:
-                ops += per_call * calls[path]
-        items = [(name.split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
-                 for name, p in whole if p.requires_grad]
-        ops += predict_gradient_ops(items, "world", ranks, *self.bucket_caps)
-        if self.batch_norm == "global":
+                ops += ([gather, *scatter] + ([gather] if again else [])) * calls[path]
+        for params, exchange_group, size in self._whole_exchanges(whole, view.replicated,
+                                                                  grid):
+            by_name = {id(p): name for name, p in whole}
+            items = [(by_name[id(p)].split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
+                     for p in params]
+            ops += predict_gradient_ops(items, exchange_group, size, *self.bucket_caps)
+        if self.batch_norm == "global" and grid.pr == 1:
             ops += batch_norm_ops(model, "world", ranks, activation_itemsize([model]))
         return ops
 
@@ -318,23 +562,30 @@ class ShardedDataParallel(Strategy):
         """The pieces, their gradients and state; the whole parameters gathered at once (stage
         3: a unit and the units enclosing it; stages 1 and 2: also every unit before it whose
         backward reads its weights, which autograd keeps); stage 1's whole gradients of every
-        unit, kept until backward ends, count with the gradients."""
-        memory = super().predict_memory(model, sample_shape, grid, state_copies)
-        ranks = grid.size
-        if ranks == 1:
-            return memory
-        split, whole = self._split_and_whole(model, ranks)
-        trained = (sum(Partition(p.shape[0], ranks).sizes[0] * p.shape[1:].numel()
-                       * p.element_size() for params in split.values() for _, _, p in params
-                       if p.requires_grad)
-                   + sum(p.numel() * p.element_size() for _, p in whole if p.requires_grad))
+        unit, kept until backward ends, count with the gradients (as every stage's do over a
+        step's micro-batches)."""
+        if grid.size == 1:
+            return super().predict_memory(model, sample_shape, grid, state_copies)
+        view = self.split_view(model, sample_shape, grid)
+        assert view is not None, "check_model refuses a model the split rebuilds"
+        ranks = grid.size if grid.pr == 1 else grid.pc
+        split, whole = self._split_and_whole(view.host, ranks)
+
+        def piece_bytes(trained_only: bool) -> int:
+            pieces: int = sum(Partition(p.shape[0], ranks).sizes[0] * p.shape[1:].numel()
+                              * p.element_size() for params in split.values()
+                              for _, _, p in params if p.requires_grad or not trained_only)
+            return pieces + sum(p.numel() * p.element_size() for _, p in whole
+                                if p.requires_grad or not trained_only)
+
+        trained = piece_bytes(True)
         sizes = {path: sum(p.numel() for _, _, p in params) * self._gather_itemsize(params)
                  for path, params in split.items() if params}
         events: list[tuple[str, bool]] = []
-        _, read = unit_calls(model, sample_shape, list(sizes), self.pricing.compute_dtype,
-                             events)
+        _, read = view.calls(sample_shape, list(sizes), self.pricing.compute_dtype, events)
+        recomputed = self.recomputed_units(view.host, list(sizes))
         kept = {path for path in sizes if any(id(p) in read for _, _, p in split[path])
-                and (self.stage != 3 or path == ROOT)}
+                and (self.stage != 3 or path == ROOT) and path not in recomputed}
         live = peak = 0
         for path, entering in events:
             if entering:
@@ -342,39 +593,51 @@ class ShardedDataParallel(Strategy):
                 peak = max(peak, live)
             elif path not in kept:
                 live -= sizes[path]
-        memory["gradients"] = trained + (
-            sum(size for path, size in sizes.items()
-                if any(p.requires_grad for _, _, p in split[path])) if self.stage == 1 else 0)
-        memory["optimizer state"] = state_copies * trained
-        memory["gathered parameters"] = peak
-        return memory
+        kept_whole = self.stage == 1 or self.pricing.accumulate_steps > 1
+        return {"parameters": piece_bytes(False),
+                "gradients": trained + (sum(size for path, size in sizes.items()
+                                            if any(p.requires_grad for _, _, p in split[path]))
+                                        if kept_whole else 0),
+                "optimizer state": state_copies * trained,
+                "gathered parameters": peak}
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
-        split, whole = self._split_and_whole(model, grid.size)
-        pieces = sum(Partition(p.shape[0], grid.size).sizes[0] * p.shape[1:].numel()
-                     * p.element_size() for params in split.values() for _, _, p in params)
-        return int(pieces) + sum(p.numel() * p.element_size() for _, p in whole)
+        view = self.split_view(model, sample_shape, grid)
+        assert view is not None, "check_model refuses a model the split rebuilds"
+        ranks = grid.size if grid.pr == 1 else grid.pc
+        split, whole = self._split_and_whole(view.host, ranks)
+        pieces: int = sum(Partition(p.shape[0], ranks).sizes[0] * p.shape[1:].numel()
+                          * p.element_size() for params in split.values() for _, _, p in params)
+        return pieces + sum(p.numel() * p.element_size() for _, p in whole)
 
     def predict_compute_seconds(self, model: nn.Module, sample_shape: tuple[int, ...],
                                 grid: GridShape, global_batch: int) -> float:
+        if grid.pr > 1:
+            return self.splitter.predict_compute_seconds(model, sample_shape, grid,
+                                                         global_batch)
         return self._replica().predict_compute_seconds(model, sample_shape, grid, global_batch)
 
     def predict_activation_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                                  grid: GridShape, global_batch: int) -> int:
+        if grid.pr > 1:
+            return self.splitter.predict_activation_bytes(model, sample_shape, grid,
+                                                          global_batch)
         return self._replica().predict_activation_bytes(model, sample_shape, grid,
                                                         global_batch)
 
 
 def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str],
                compute_dtype: torch.dtype | None = None,
-               events: list[tuple[str, bool]] | None = None) -> tuple[dict[str, int], set[int]]:
+               events: list[tuple[str, bool]] | None = None,
+               sample_dtype: torch.dtype | None = None) -> tuple[dict[str, int], set[int]]:
     """From one sample's forward with gradients recorded (under autocast to `compute_dtype`
     where given, the floating parameters cast to it as the gathers cast them, as training
     runs): how many times each unit's module runs, and the parameters (by id) whose values
     autograd saves for backward (a view of one counts; a copy an operator casts does not:
     backward reads the copy). `events`, where given, receives each unit's entry (path, True)
-    and exit (path, False) in the order they happen."""
+    and exit (path, False) in the order they happen. `sample_dtype`: the sample's (by default
+    what `model` reads, `strategies.probe.sample_dtype`)."""
     calls = dict.fromkeys(paths, 0)
     params = {id(p): id(p) for p in model.parameters()}
     read: set[int] = set()
@@ -417,7 +680,8 @@ def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str]
         if id(param) in casts:
             module._parameters[name] = casts[id(param)]  # type: ignore[assignment]
     try:
-        with (one_sample(model, sample_shape, handles) as sample, torch.enable_grad(), autocast,
+        with (one_sample(model, sample_shape, handles, sample_dtype) as sample,
+              torch.enable_grad(), autocast,
               torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
               torch.random.fork_rng(devices=[])):
             model(sample)

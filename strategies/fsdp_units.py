@@ -16,7 +16,9 @@ rank, all-gathered (`runner.core.primitives.all_gather`), and each whole paramet
 ranks' blocks. Packing, padding and cutting are autograd's own (cat, pad, views); the gather's
 backward is its adjoint, the reduce-scatter, so each rank's pieces receive the sum over the ranks
 of their rows' gradients (scaled by 1/P: the mean of the ranks' losses). Stage 1 keeps the whole
-gradient instead and reduce-scatters it once backward is done (`DeferredGradient`).
+gradient instead and reduce-scatters it once backward is done (`DeferredGradient`); so does every
+stage on a step's micro-batches before its last (`trainer.accumulate_steps`), whose backward adds
+the kept gradient to its own before the unit's one reduce-scatter of the step.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def unit_paths(model: nn.Module, units: str | list[str]) -> list[str]:
     # the outermost matches (`*` runs over dots, as in a plan's patterns: `blocks.*` is each
     # block, not each of its parts too)
     return paths + [name for name in matched
-                    if not any(_inside(name, other) for other in matched if other != name)]
+                    if not any(within(name, other) for other in matched if other != name)]
 
 
 def unmatched_patterns(model: nn.Module, units: str | list[str]) -> list[str]:
@@ -96,6 +98,9 @@ class SplitParameter:
     holders: list[Holder]
     shape: torch.Size
     rows: Partition
+    # held whole by every rank of a model group (grid.pr > 1): its pieces' gradients are
+    # summed over the model group too
+    summed_over_model: bool = False
 
     @property
     def row_elements(self) -> int:
@@ -122,12 +127,13 @@ def unit_parameters(model: nn.Module, paths: list[str]
     ordered = sorted(paths, key=lambda p: -len(p.split(".")) if p else 0)
     for name, param in model.named_parameters():
         owners = holder_paths[id(param)]
-        unit = next((u for u in ordered if all(_inside(o, u) for o in owners)), ROOT)
+        unit = next((u for u in ordered if all(within(o, u) for o in owners)), ROOT)
         found[unit].append((name, holders[id(param)], param))
     return found
 
 
-def _inside(path: str, unit: str) -> bool:
+def within(path: str, unit: str) -> bool:
+    """Whether the module at `path` is `unit`'s module or inside it."""
     return unit == ROOT or path == unit or path.startswith(unit + ".")
 
 
@@ -201,14 +207,28 @@ class ShardedUnit:
     whole_gradients: HeldBytes = field(default_factory=HeldBytes, repr=False)
     kept: bool = False  # stages 1 and 2: autograd keeps this forward's whole parameters
     gather_dtype: torch.dtype | None = None  # None: the parameters' own
+    # a micro-batch before a step's last: the whole gradient kept in `pending`, not scattered
+    accumulating: bool = False
+    # recomputed in backward (`trainer.activation_checkpointing` names its module): gathered
+    # inside its recomputation, not by the module's hooks
+    recomputed: bool = False
+    # the gradients' factor (None: 1/P of the sharding ranks: the mean of their losses; on a
+    # grid of Pr x Pc ranks 1/(Pr Pc))
+    scale: float | None = None
+    # grid.pr > 1: the model group, over which the pieces of parameters every rank of a model
+    # group holds are summed
+    model_comm: CountedComm | None = None
 
     @staticmethod
     def split(path: str, module: nn.Module,
               params: list[tuple[str, list[Holder], nn.Parameter]], comm: CountedComm,
-              stage: int, gather_dtype: torch.dtype | None = None) -> ShardedUnit:
+              stage: int, gather_dtype: torch.dtype | None = None, scale: float | None = None,
+              model_comm: CountedComm | None = None,
+              summed: frozenset[int] = frozenset()) -> ShardedUnit:
         """Replace each parameter's slots by this rank's rows of it; `gather_dtype`: the type
         the whole parameters are gathered in (bf16 training: half the bytes, the pieces and
-        their optimizer state staying float32), None: the parameters' own."""
+        their optimizer state staying float32), None: the parameters' own. `summed`: the ids
+        of the parameters whose pieces' gradients are summed over `model_comm` too."""
         split = []
         for name, holders, param in params:
             rows = Partition(param.shape[0], comm.size)
@@ -217,8 +237,10 @@ class ShardedUnit:
             place_rows(piece, param, rows.slice(comm.rank))
             for holder in holders:
                 holder.module._parameters[holder.name] = piece
-            split.append(SplitParameter(name, holders, param.shape, rows))
-        return ShardedUnit(path, module, split, comm, stage, gather_dtype=gather_dtype)
+            split.append(SplitParameter(name, holders, param.shape, rows,
+                                        model_comm is not None and id(param) in summed))
+        return ShardedUnit(path, module, split, comm, stage, gather_dtype=gather_dtype,
+                           scale=scale, model_comm=model_comm)
 
     @property
     def whole_bytes(self) -> int:
@@ -234,6 +256,34 @@ class ShardedUnit:
     @property
     def label(self) -> str:
         return f"fsdp {self.path or '(model)'}"
+
+    @property
+    def gradient_scale(self) -> float:
+        return 1.0 / self.comm.size if self.scale is None else self.scale
+
+    def sum_over_model(self, block: torch.Tensor) -> torch.Tensor:
+        """This rank's reduce-scattered gradient block (the packed layout), its parameters held
+        by every rank of a model group summed over that group (one all-reduce of their
+        padded pieces): the sum over every rank that computed a gradient of their rows."""
+        summed = [(offset, p.padded) for offset, p in zip(self._offsets(), self.params,
+                                                          strict=True) if p.summed_over_model]
+        if not summed or self.model_comm is None:
+            return block
+        together = torch.cat([block[o:o + n] for o, n in summed])
+        self.model_comm.allreduce_(together, label=self.label)
+        block = block.clone()
+        start = 0
+        for offset, n in summed:
+            block[offset:offset + n] = together[start:start + n]
+            start += n
+        return block
+
+    def _offsets(self) -> list[int]:
+        offsets, offset = [], 0
+        for p in self.params:
+            offsets.append(offset)
+            offset += p.padded
+        return offsets
 
     @property
     def width(self) -> int:
@@ -259,12 +309,16 @@ class ShardedUnit:
         part = Partition(size * ranks, ranks)
         if not (torch.is_grad_enabled() and packed.requires_grad):
             whole = all_gather_op(packed, self.comm, 0, part, self.label)
-        elif self.stage == 1:
+        elif self.stage == 1 or self.accumulating:
             whole = DeferredGradient.apply(
                 all_gather_op(packed.detach(), self.comm, 0, part, self.label), packed, self)
         else:
             whole = ScaleGradient.apply(all_gather(packed, self.comm, 0, part, self.label),
-                                        1.0 / ranks)
+                                        self.gradient_scale)
+            if any(p.summed_over_model for p in self.params):
+                packed.register_hook(self.sum_over_model)
+            if self.pending is not None:  # the earlier micro-batches' gradient joins this one's
+                whole.register_hook(self._add_pending)
             # the reduce-scatter is done: the copies for backward (stage 3) or the whole
             # parameters autograd kept (stage 2) go
             packed.register_hook(lambda grad: self.backward_done())
@@ -282,6 +336,15 @@ class ShardedUnit:
                                          in zip(column.unbind(0), sizes, strict=True)])
                               .view(p.shape))
         return wholes
+
+    def _add_pending(self, grad: torch.Tensor) -> torch.Tensor:
+        """The step's last micro-batch: the gradient kept over the earlier ones added to its
+        own before the one reduce-scatter (once, where a unit runs twice)."""
+        if self.pending is None:
+            return grad
+        kept, self.pending = self.pending, None
+        self.whole_gradients.sub(self.whole_bytes)
+        return grad + kept
 
     def install(self, wholes: list[torch.Tensor]) -> None:
         for p, whole in zip(self.params, wholes, strict=True):
@@ -316,14 +379,16 @@ class ShardedUnit:
             self.gathered.sub(self.whole_bytes)
 
     def finish(self) -> None:
-        """Stage 1: reduce-scatter the whole gradient kept over backward into the pieces."""
+        """Stage 1 (and a micro-batch's unit that the last did not run): reduce-scatter the
+        whole gradient kept over backward into the pieces."""
         if self.pending is None:
             return
         grad, self.pending = self.pending, None
         self.whole_gradients.sub(self.whole_bytes)
         ranks = self.comm.size
-        own = reduce_scatter_op(grad, self.comm, 0, Partition(self.width * ranks, ranks),
-                                self.label) / ranks
+        own = self.sum_over_model(reduce_scatter_op(
+            grad, self.comm, 0, Partition(self.width * ranks, ranks), self.label)
+            * self.gradient_scale)
         offset = 0
         for p, piece in zip(self.params, self.pieces(), strict=True):
             n = p.rows.sizes[self.comm.rank] * p.row_elements

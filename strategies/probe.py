@@ -122,8 +122,9 @@ def _elements(value: Any) -> int:
 
 @contextlib.contextmanager
 def one_sample(model: nn.Module, sample_shape: tuple[int, ...] | list[int],
-               handles: list[Any]) -> Iterator[torch.Tensor]:
-    """One sample of `sample_shape` (zeros of `sample_dtype`, on the model's own device), the
+               handles: list[Any], dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+    """One sample of `sample_shape` (zeros of `dtype`, by default `sample_dtype`'s: token ids
+    where the model reads them, on the model's own device), the
     model in evaluation mode (a BatchNorm then neither needs two samples nor moves its running
     statistics, a Dropout draws nothing); on leaving, its modes are restored and the hooks of
     `handles` removed, whatever the model's forward raised."""
@@ -132,7 +133,7 @@ def one_sample(model: nn.Module, sample_shape: tuple[int, ...] | list[int],
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        yield torch.zeros(1, *sample_shape, device=device, dtype=sample_dtype(model))
+        yield torch.zeros(1, *sample_shape, device=device, dtype=dtype or sample_dtype(model))
     finally:
         for handle in handles:
             handle.remove()

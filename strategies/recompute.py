@@ -70,7 +70,7 @@ def checkpoint_targets(model: nn.Module, setting: str) -> tuple[list[str], str |
 
 def _recomputed(module: nn.Module, pmodel: ParallelModel) -> Callable[..., Any]:
     """`module`'s own forward, recomputed in backward when it runs in training with gradients."""
-    own = module.forward
+    own = pmodel.recomputed_forward(module)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):

@@ -156,7 +156,8 @@ def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) ->
         return problems
     recomputed, problem = checkpoint_targets(model, trainer.activation_checkpointing)
     problems += [problem] if problem is not None else []
-    refused = strategy.recompute_problem(run.grid) if recomputed and grid_ok and strategy else None
+    refused = (strategy.recompute_problem(model, recomputed, run.grid)
+               if recomputed and grid_ok and strategy else None)
     if refused is not None:
         problems.append(f"trainer.activation_checkpointing={trainer.activation_checkpointing}: "
                         f"{refused}")

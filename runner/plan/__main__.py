@@ -388,7 +388,8 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) 
     costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta)
     pricing = PricingContext(costs, rows_touched, HALF_TYPES.get(run.trainer.precision),
                              load_compute_rates(), batch, plan_cfg.slowdown,
-                             assembly.optimizer_kind(run.optimizer))
+                             assembly.optimizer_kind(run.optimizer),
+                             run.trainer.accumulate_steps, run.trainer.activation_checkpointing)
 
     def strategy(name: str, options: Mapping[str, Any]) -> Strategy:
         return assembly.build_strategy(Plugin(name, options), pricing)

@@ -252,7 +252,8 @@ def assemble(run: RunConfig, costs: MachineCosts = DEFAULT_COSTS,
                     build_strategy(run.strategy, PricingContext(
                         costs, rows_touched(dataset), HALF_TYPES.get(run.trainer.precision),
                         rates, run.trainer.batch_size, slowdown,
-                        optimizer_kind(run.optimizer))),
+                        optimizer_kind(run.optimizer), run.trainer.accumulate_steps,
+                        run.trainer.activation_checkpointing)),
                     optimizer_class(run.optimizer))
 
 
@@ -321,7 +322,9 @@ def check_parts(run: RunConfig) -> CheckedParts:
             "strategy", strategy_cls, run.strategy.options, Strategy.CONTEXT_ARGUMENTS)):
         parts.strategy = build_strategy(run.strategy, PricingContext(
             compute_dtype=HALF_TYPES.get(run.trainer.precision),
-            global_batch=run.trainer.batch_size))
+            global_batch=run.trainer.batch_size,
+            accumulate_steps=run.trainer.accumulate_steps,
+            activation_checkpointing=run.trainer.activation_checkpointing))
     return parts
 
 
