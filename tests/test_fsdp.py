@@ -1,6 +1,7 @@
-"""Sharded data parallelism (`strategy=fsdp`): its units, and a sharded checkpoint resumed under
-other strategies and stages through the command line. Equality with one process at every stage,
-with real ranks, is `tests/mpi/check_fsdp.py`'s."""
+"""Sharded data parallelism (`strategy=fsdp`): its units; through the command line, accumulation,
+recomputation, the 2-D grid and sharded checkpoints resumed under other strategies, grids and
+stages. Equality with one process at every stage, with real ranks, is
+`tests/mpi/check_fsdp.py`'s."""
 
 from __future__ import annotations
 
@@ -37,39 +38,60 @@ def test_units_by_path_or_class_and_a_pattern_that_matches_nothing() -> None:
     assert unit_paths(plain, "auto") == [""]
 
 
-COMMON = ["dataset=synthetic", "trainer.batch_size=8", "trainer.dtype=float64",
-          "trainer.eval_every=null", "trainer.steps=4", "seed=2", "optimizer=adamw"]
+GPT_RUN = ["model=gpt", "model.width=32", "dataset=tokens", "dataset.vocab_size=200",
+           "dataset.seq_len=16", "dataset.samples=256", "trainer.batch_size=8",
+           "trainer.dtype=float64", "trainer.eval_every=null", "trainer.steps=4", "seed=2",
+           "optimizer=adamw"]
+FSDP = ["strategy=fsdp"]
 
 
-def test_a_sharded_checkpoint_resumes_under_data_and_another_stage_exactly(
+def test_accumulation_recomputation_2d_grids_and_sharded_checkpoints_train_as_one_process(
         tmp_path: Path) -> None:
-    sharded, whole = tmp_path / "fsdp", tmp_path / "one"
-    jobs = [[*COMMON, "strategy=fsdp", "grid.pr=1", "grid.pc=2", "trainer.checkpoint_every=2",
-             f"hydra.run.dir={sharded}"],
-            [*COMMON, "strategy=data", "grid.pr=1", "grid.pc=1", f"hydra.run.dir={whole}"]]
-    for result in run_cli_together(*jobs):
+    """With real ranks, through the command line, every loss equal to one process's (1e-9):
+    fsdp 1x2 with 2 micro-batches and the blocks recomputed (less activation memory than without
+    either), fsdp 2x2 (GPT's tensor parallelism over the model group, each part sharded over the
+    batch group) at stage 1 with accumulation; checkpoints of both resumed under data, fsdp on
+    another grid and stage, and grid, exactly. Every run moves the predicted bytes and holds the
+    predicted memory."""
+    run = {name: tmp_path / name for name in ("one", "micro", "plain", "grid2d", "data",
+                                               "stage2", "split")}
+    first = [[*GPT_RUN, "grid.pr=1", "grid.pc=1", f"hydra.run.dir={run['one']}"],
+             [*GPT_RUN, *FSDP, "grid.pr=1", "grid.pc=2", "trainer.accumulate_steps=2",
+              "trainer.activation_checkpointing=units", f"hydra.run.dir={run['micro']}"],
+             [*GPT_RUN, *FSDP, "grid.pr=1", "grid.pc=2", "trainer.checkpoint_every=2",
+              f"hydra.run.dir={run['plain']}"],
+             [*GPT_RUN, *FSDP, "strategy.stage=1", "grid.pr=2", "grid.pc=2",
+              "trainer.accumulate_steps=2", "trainer.checkpoint_every=2",
+              f"hydra.run.dir={run['grid2d']}"]]
+    for result in run_cli_together(*first):
         assert_ok(result)
-    reference = train_losses(whole)
-    assert len(reference) == 4
-    checkpoint = sharded / "checkpoints" / "step-00000002"
-    resumed = [[*COMMON, "strategy=data", "grid.pr=1", "grid.pc=2",
-                f"trainer.resume={checkpoint}", f"hydra.run.dir={tmp_path / 'data'}"],
-               [*COMMON, "strategy=fsdp", "strategy.stage=1", "grid.pr=1", "grid.pc=2",
-                f"trainer.resume={checkpoint}", f"hydra.run.dir={tmp_path / 'stage1'}"]]
+    step2 = "checkpoints/step-00000002"
+    resumed = [[*GPT_RUN, "strategy=data", "grid.pr=1", "grid.pc=2",
+                f"trainer.resume={run['plain'] / step2}", f"hydra.run.dir={run['data']}"],
+               [*GPT_RUN, *FSDP, "strategy.stage=2", "grid.pr=2", "grid.pc=2",
+                f"trainer.resume={run['plain'] / step2}", f"hydra.run.dir={run['stage2']}"],
+               [*GPT_RUN, "strategy=grid", "grid.pr=2", "grid.pc=2",
+                f"trainer.resume={run['grid2d'] / step2}", f"hydra.run.dir={run['split']}"]]
     for result in run_cli_together(*resumed):
         assert_ok(result)
-    summary = read_summary(sharded)
-    assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"] > 0
-    # the bytes held, counted from the tensors, as predicted; half of one process's state
-    for run in (sharded, tmp_path / "stage1", whole):
-        held = read_summary(run)
-        assert held["memory_per_rank"] == held["predicted_memory_per_rank"], run
-    one = read_summary(whole)["memory_per_rank"]
-    for part in ("parameters", "optimizer state"):
-        assert summary["memory_per_rank"][part] <= 0.55 * one[part], part
-    assert 0 < summary["memory_per_rank"]["gathered parameters"] < one["parameters"]
-    assert summary["layouts"] == {"1": "fsdp stage 3", "3": "fsdp stage 3", "5": "fsdp stage 3"}
-    for run in (sharded, tmp_path / "data", tmp_path / "stage1"):
-        losses = train_losses(run)
+    reference = train_losses(run["one"])
+    assert len(reference) == 4
+    for name, path in run.items():
+        losses = train_losses(path)
+        assert len(losses) == (2 if name in ("data", "stage2", "split") else 4), name
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference[-len(losses):],
-                                                      strict=True)) <= 1e-9, (run, losses)
+                                                      strict=True)) <= 1e-9, (name, losses)
+        summary = read_summary(path)
+        assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"], name
+        assert summary["memory_per_rank"] == summary["predicted_memory_per_rank"], name
+    micro, plain = read_summary(run["micro"]), read_summary(run["plain"])
+    assert micro["activation_bytes_peak"] < 0.5 * plain["activation_bytes_peak"]
+    # whole gradients kept between micro-batches: the pieces' and every unit's whole ones
+    assert micro["memory_per_rank"]["gradients"] > 2 * plain["memory_per_rank"]["gradients"]
+    one = read_summary(run["one"])["memory_per_rank"]
+    for part in ("parameters", "optimizer state"):  # half of one process's, and a unit whole
+        assert plain["memory_per_rank"][part] <= 0.55 * one[part], part
+    assert 0 < plain["memory_per_rank"]["gathered parameters"] < one["parameters"]
+    grid2d = read_summary(run["grid2d"])
+    assert grid2d["layouts"]["blocks.0"] == "fsdp stage 1"
+    assert grid2d["memory_per_rank"]["parameters"] < 0.6 * plain["memory_per_rank"]["parameters"]

@@ -3,12 +3,14 @@
 
 gridrun's MLP, ResNet (BatchNorm with one process's statistics) and GPT (tied embedding and
 head), the transformers library's Llama, in float64, under strategy=fsdp 1x2 and 1x4 at stages
-1, 2 and 3: every step's loss equals one process's to 1e-9 relative (SGD with momentum; AdamW),
-every final piece equals the block of one process's parameter its placement names, the pieces
-tile every parameter (a checkpoint loads on any grid), and the bytes rank 0 moves every step are
-the predicted ones (under stage 3 the second gather of each unit whose backward reads its
-weights included); under bf16 the gathers move half the bytes and the losses stay within
-bf16's rounding of one process's under the same autocast.
+1, 2 and 3, and on the 2x2 grid (the model split over the model group by a plan by module or
+GPT's tensor parallelism, each rank's part sharded over its batch group): every step's loss
+equals one process's to 1e-9 relative (SGD with momentum; AdamW), every final piece equals the
+block of one process's parameter its placement names, the pieces tile every parameter (a
+checkpoint loads on any grid), and the bytes rank 0 moves every step are the predicted ones
+(under stage 3 the second gather of each unit whose backward reads its weights included); under
+bf16 the gathers move half the bytes and the losses stay within bf16's rounding of one
+process's under the same autocast.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from strategies import STRATEGIES, PricingContext
 from strategies.transformer import GPT
 from tests import plan_models
 
-GRIDS = make_grids([(1, 2), (1, 4)])
+GRIDS = make_grids([(1, 2), (1, 4), (2, 2)])
 VOCAB, T, BATCH, CLASSES = 48, 8, 8, 4
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
@@ -48,13 +50,13 @@ def optimizer(params: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
 
 def compare(factory: Callable[[], nn.Module], sample: tuple[int, ...], stage: int,
             shape: tuple[int, int], tokens: bool, opt: str = "sgd",
-            units: str | list[str] = "auto") -> None:
+            units: str | list[str] = "auto", plan: dict[str, str] | None = None) -> None:
     grid: ProcessGrid | None = GRIDS[shape]
     if grid is None:
         return
     what = f"{factory.__name__} fsdp stage {stage} {shape[0]}x{shape[1]} {opt}"
     strategy = STRATEGIES.get("fsdp")(stage=stage, units=units, bucket_cap_mb=0.004,
-                                      first_bucket_mb=0.001)
+                                      first_bucket_mb=0.001, plan=plan)
     seq = built(factory, tokens)
     assert strategy.check(grid.shape, BATCH) == [], what
     assert strategy.check_model(seq, sample, grid.shape) == [], (
@@ -102,6 +104,19 @@ def sharded_data_parallelism_equals_one_process_at_every_stage() -> None:
     if HAVE_TRANSFORMERS:
         compare(llama_net, (T,), 3, (1, 4), tokens=True, opt="adamw")
         compare(llama_net, (T,), 1, (1, 2), tokens=True, units=["LlamaDecoderLayer"])
+
+
+@check
+def two_dimensional_sharding_equals_one_process() -> None:
+    """grid.pr=2: GPT split by its tensor parallelism, Llama by its declared plan, the MLP and
+    ResNet by a plan given; each rank's part sharded over its batch group, the pieces of what a
+    model group holds whole summed over the model group too."""
+    compare(gpt_net, (T,), 3, (2, 2), tokens=True)
+    compare(gpt_net, (T,), 1, (2, 2), tokens=True, opt="adamw")
+    compare(mlp_net, (1, 4, 4), 2, (2, 2), tokens=False, plan={"1": "colwise", "3": "rowwise"})
+    compare(resnet_net, (3, 8, 8), 3, (2, 2), tokens=False, plan={"fc": "colwise"})
+    if HAVE_TRANSFORMERS:
+        compare(llama_net, (T,), 2, (2, 2), tokens=True, opt="adamw")
 
 
 @check
