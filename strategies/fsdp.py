@@ -354,6 +354,10 @@ class ShardedDataParallel(Strategy):
         if self.batch_norm not in BATCH_NORM_MODES:
             return [f"strategy.batch_norm={self.batch_norm}: must be one of "
                     f"{', '.join(BATCH_NORM_MODES)}"]
+        if grid.pr > 1 and grid.pc == 1:
+            return [f"strategy=fsdp shards over the grid.pc ranks that split the batch; "
+                    f"grid.pc=1 shards nothing (use strategy=grid to split the model over "
+                    f"grid.pr={grid.pr})"]
         if grid.pr > 1:
             return self.splitter.check(grid, global_batch)
         if global_batch < grid.size:
