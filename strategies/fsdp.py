@@ -267,12 +267,15 @@ class SplitView:
         return {back[path]: n for path, n in calls.items()}, read
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are on the meta device (no memory)."""
+def _meta_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are on the meta device (no memory); the
+    floating parameters in `dtype` where given."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) not in memo:
-            empty = torch.empty_like(tensor, device="meta")
+            cast_to = (dtype if dtype is not None and isinstance(tensor, nn.Parameter)
+                       and tensor.is_floating_point() else tensor.dtype)
+            empty = torch.empty_like(tensor, device="meta", dtype=cast_to)
             memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
                                 if isinstance(tensor, nn.Parameter) else empty)
     return copy.deepcopy(model, memo)
@@ -323,7 +326,8 @@ class ShardedDataParallel(Strategy):
         # module, a GPT's tensor-parallel layout)
         self.splitter = ModelGroupSplit(bucket_cap_mb, first_bucket_mb, tp_layout, plan,
                                         pricing=pricing)
-        self._views: dict[tuple[object, ...], tuple[nn.Module, SplitView | None]] = {}
+        # rank 0's views of a model (`split_view`, `_as_gathered`), each kept with its model
+        self._views: dict[tuple[object, ...], tuple[nn.Module, Any]] = {}
 
     def _replica(self) -> DataParallel:
         return DataParallel(self.bucket_cap_bytes / 2**20, self.first_bucket_bytes / 2**20,
@@ -345,7 +349,19 @@ class ShardedDataParallel(Strategy):
                 pmodel, twin, prefix, {id(p) for p in pmodel.replicated_in_model_group},
                 sample_dtype(model))
             self._views[key] = (model, view)
-        return self._views[key][1]
+        return cast(SplitView | None, self._views[key][1])
+
+    def _as_gathered(self, model: nn.Module) -> nn.Module:
+        """The model as its units compute: under bf16 or fp16 their gathers hand them
+        half-type parameters, so what a parameter outputs outside autocast (an embedding's rows)
+        is half too (a meta copy, kept with the model)."""
+        dtype = self.pricing.compute_dtype
+        if dtype is None:
+            return model
+        key = ("gathered", id(model), dtype)
+        if key not in self._views:
+            self._views[key] = (model, _meta_copy(model, dtype))
+        return cast(nn.Module, self._views[key][1])
 
     def check(self, grid: GridShape, global_batch: int) -> list[str]:
         if self.stage not in FSDP_STAGES or isinstance(self.stage, bool):
@@ -525,8 +541,8 @@ class ShardedDataParallel(Strategy):
         recomputed = self.recomputed_units(view.host, list(split))
         ops: list[CommOp] = []
         if grid.pr > 1:  # the split's activation collectives; its gradient buckets are ours
-            ops += [op for op in self.splitter.predict_ops(model, sample_shape, grid,
-                                                           global_batch)
+            ops += [op for op in self.splitter.predict_ops(self._as_gathered(model),
+                                                           sample_shape, grid, global_batch)
                     if op.op != "iallreduce"]
         for path, params in split.items():
             if not params:

@@ -31,9 +31,11 @@ from plan_harness import (
 from torch import nn
 
 from runner.core import ProcessGrid
+from runner.core.cost import CommOp
 from runner.core.placement import place_whole
 from runner.zoo.models import mlp, resnet
 from strategies import STRATEGIES, PricingContext
+from strategies.probe import logits_of
 from strategies.transformer import GPT
 from tests import plan_models
 
@@ -123,25 +125,37 @@ def two_dimensional_sharding_equals_one_process() -> None:
 def bf16_training_gathers_half_the_bytes_and_trains_as_one_process() -> None:
     """trainer.precision=bf16: the whole parameters gathered (and their gradients scattered) in
     bf16, the pieces and AdamW's state float32; the losses within bf16's rounding of one
-    process's under the same autocast."""
-    grid: ProcessGrid | None = GRIDS[(1, 2)]
-    if grid is None:
-        return
+    process's under the same autocast. At 1x2 (the MLP) and 2x2 (GPT's tensor parallelism,
+    whose embedding all-reduce then moves the bf16 rows the gathered table gives)."""
+    for shape, factory, sample, tokens in (((1, 2), mlp_net, (1, 4, 4), False),
+                                           ((2, 2), gpt_net, (T,), True)):
+        grid: ProcessGrid | None = GRIDS[shape]
+        if grid is not None:
+            train_bf16(grid, factory, sample, tokens)
+
+
+def train_bf16(grid: ProcessGrid, factory: Callable[[], nn.Module], sample: tuple[int, ...],
+               tokens: bool) -> None:
+    what = f"{factory.__name__} bf16 {grid.pr}x{grid.pc}"
     half = STRATEGIES.get("fsdp")(pricing=PricingContext(compute_dtype=torch.bfloat16))
     full = STRATEGIES.get("fsdp")()
     torch.manual_seed(3)
-    seq = mlp_net()
+    seq = factory()
     place_whole(seq)
-    sample = (1, 4, 4)
     ops = half.predict_ops(seq, sample, grid.shape, BATCH)
-    gathered = sum(op.nbytes for op in ops if op.op == "allgather")
-    assert 2 * gathered == sum(op.nbytes for op in full.predict_ops(seq, sample, grid.shape, BATCH)
-                               if op.op == "allgather")
-    pmodel = half.parallelize(tagged_copy(seq, False), sample, grid)
+    def gathered(ops: list[CommOp]) -> int:
+        return sum(op.nbytes for op in ops if op.op == "allgather" and op.layer.startswith("fsdp"))
+
+    assert 2 * gathered(ops) == gathered(full.predict_ops(seq, sample, grid.shape, BATCH)), what
+    pmodel = half.parallelize(tagged_copy(seq, tokens), sample, grid)
     assert all(p.dtype == torch.float32 for p in pmodel.parameters())
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(BATCH, *sample, generator=gen)
-    y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
+    if tokens:
+        x = torch.randint(1, VOCAB, (BATCH, *sample), generator=gen)
+        y = torch.randint(0, VOCAB, (BATCH, *sample), generator=gen)
+    else:
+        x = torch.randn(BATCH, *sample, generator=gen)
+        y = torch.randint(0, CLASSES, (BATCH,), generator=gen)
     seq_opt = optimizer(list(seq.parameters()), "adamw")
     par_opt = optimizer(list(pmodel.parameters()), "adamw")
     predicted = Counter(op.key for op in ops)
@@ -149,17 +163,18 @@ def bf16_training_gathers_half_the_bytes_and_trains_as_one_process() -> None:
     for step in range(3):
         seq_opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            seq_loss = F.cross_entropy(seq(x), y)
+            out = logits_of(seq(x))
+            seq_loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         seq_loss.backward()
         pmodel.zero_grad()
         grid.counter.records.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             score = pmodel.score(pmodel(x[pmodel.input_rows(BATCH)]), y[pmodel.output_rows(BATCH)])
-        (score.loss_sum * grid.size / BATCH).backward()
+        (score.loss_sum * grid.size / y.numel()).backward()
         pmodel.finish_gradient_sync()
-        assert_moved_as_predicted(grid, predicted, "mlp bf16", step)
-        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / BATCH
-        assert abs(loss - seq_loss.item()) <= 2e-2 * abs(seq_loss.item()), (step, loss,
+        assert_moved_as_predicted(grid, predicted, what, step)
+        loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / y.numel()
+        assert abs(loss - seq_loss.item()) <= 2e-2 * abs(seq_loss.item()), (what, step, loss,
                                                                             seq_loss.item())
         seq_opt.step()
         par_opt.step()
