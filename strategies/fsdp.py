@@ -241,15 +241,18 @@ class ShardedDataParallelModel(DataParallelModel):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         training = self._training_forward()
-        self._finish_prefetches(self._behind)  # a backward's, which left one unused
+        # a backward's left unused, or (after a forward that raised) a forward's: never used
+        # across a step, whose optimizer may have changed the pieces since
+        self._finish_prefetches(self._behind)
+        self._finish_prefetches(self._ahead)
         self._entered, self._saved = [], []
         if training:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = super().forward(x)
         else:
             out = super().forward(x)
-        # Not reached when the forward raises: gathers left in flight are not waited for on
-        # a failing rank (its peers may never complete them).
+        # Not reached when the forward raises: a failing rank does not wait here for gathers
+        # its peers may never complete.
         self._finish_prefetches(self._ahead)
         self._orders[training] = self._entered
         self._entered = None
