@@ -7,8 +7,11 @@ head), the transformers library's Llama, in float64, under strategy=fsdp 1x2 and
 every final piece equals the block of one process's parameter its placement names, the pieces
 tile every parameter (a checkpoint loads on any grid), and the bytes rank 0 moves every step are
 the predicted ones (under stage 3 the second gather of each unit whose backward reads its
-weights included); under bf16 the gathers move half the bytes and the losses stay within
-bf16's rounding of one process's under the same autocast.
+weights included), and so are the most whole parameters held at once, with prefetch (the
+default: a unit's gather issued ahead, its buffer counted from then; a model whose backward
+holds the most) and without, none left held or in flight after the steps; under bf16 the
+gathers move half the bytes and the losses stay within bf16's rounding of one process's under
+the same autocast.
 """
 
 from __future__ import annotations
