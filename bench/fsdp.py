@@ -11,6 +11,9 @@ the ranks, in alternating rounds:
   model's blocks (the embeddings, final norm and head in the whole model's unit), over MPI;
 - `fsdp_stage3_gloo`: stage 3 with gridrun's collectives on gloo (`backend="torch"`), the
   transport FSDP2 uses here;
+- `fsdp_stage3_no_prefetch`, `fsdp_stage3_gloo_no_prefetch`: the same two with
+  `prefetch=False` (every gather waited for when its unit starts; the rows above prefetch, the
+  default);
 - `torch_fsdp2`: `fully_shard` on each block, then on the root (its defaults: each block
   resharded after its forward), on a gloo process group, CPU;
 - `torch_fsdp2_keep`: the same with `reshard_after_forward=False` (ZeRO-2, as stage 2);
@@ -211,6 +214,10 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
         "fsdp_stage3": gridrun_contender("fsdp", {"stage": 3, **units}, comm),
         "torch_fsdp2": torch_contender(fsdp2(True), rank, size),
         "fsdp_stage3_gloo": gridrun_contender("fsdp", {"stage": 3, **units}, comm, "torch"),
+        "fsdp_stage3_no_prefetch": gridrun_contender(
+            "fsdp", {"stage": 3, "prefetch": False, **units}, comm),
+        "fsdp_stage3_gloo_no_prefetch": gridrun_contender(
+            "fsdp", {"stage": 3, "prefetch": False, **units}, comm, "torch"),
         "fsdp_stage2": gridrun_contender("fsdp", {"stage": 2, **units}, comm),
         "torch_fsdp2_keep": torch_contender(fsdp2(False), rank, size),
         "fsdp_stage1": gridrun_contender("fsdp", {"stage": 1, **units}, comm),
@@ -289,6 +296,10 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
         "stage3_over_fsdp2_peak_bytes": ratio("fsdp_stage3", "torch_fsdp2", "peak_bytes"),
         "stage3_gloo_over_fsdp2_step_time": ratio("fsdp_stage3_gloo", "torch_fsdp2",
                                                   "median_step_s"),
+        "stage3_prefetch_over_no_prefetch_step_time": ratio(
+            "fsdp_stage3", "fsdp_stage3_no_prefetch", "median_step_s"),
+        "stage3_gloo_prefetch_over_no_prefetch_step_time": ratio(
+            "fsdp_stage3_gloo", "fsdp_stage3_gloo_no_prefetch", "median_step_s"),
         "stage2_over_fsdp2_keep_step_time": ratio("fsdp_stage2", "torch_fsdp2_keep",
                                                   "median_step_s"),
         "data_over_ddp_step_time": ratio("data", "ddp", "median_step_s")}))

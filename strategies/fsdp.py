@@ -22,8 +22,33 @@ on the whole). `strategy.stage` says what lives whole during a step:
 
 Bytes per step: every unit all-gathered and reduce-scattered once (as much as `data`'s
 all-reduce moves), and under stage 3 each block gathered a second time where its backward reads
-its weights. The gathers block: nothing is prefetched. Parameters of fewer rows than ranks stay
-whole on every rank and are all-reduced in buckets, as under `data`.
+its weights. Parameters of fewer rows than ranks stay whole on every rank and are all-reduced in
+buckets, as under `data`.
+
+Prefetch (`strategy.prefetch`, on by default), as FSDP2 does: a unit's gather is issued while the
+unit before it computes, and waited for when the unit starts.
+- Forward: the first forward of each kind (training with gradients; evaluation) gathers each
+  unit as it starts and records the order the units enter in; every later one, at a unit's
+  entry and after its own gather, issues the non-blocking gather of the unit that entered next
+  the time before, unless that unit is open or issued already, and that unit's entry waits for
+  it (`ShardedUnit.gather(started)`: the same all-gather, its backward the same reduce-scatter).
+  Not by module order on the first forward: the order modules are registered in need not be
+  the order they run in, and the recorded order is exact.
+- Backward (stage 3): a unit's regather (its first use in backward) issues the regather of the
+  unit whose backward comes next: the units whose forward saved notes, in reverse order (the
+  whole model's unit, kept, and a unit whose backward reads no weights have none).
+- Which gather is issued when depends only on the order of entries, the same on every rank,
+  never on timing: every rank issues the same collectives in the same order. A gather issued
+  for a unit that then does not come (the order changed) is waited for and freed at the
+  forward's end (backward's: at `finish_gradient_sync` or the next forward), so none is in
+  flight past a step and the pieces never change between issue and use (the optimizer steps
+  after backward).
+- The bytes moved are the same gathers, issued earlier; a prefetched buffer counts as gathered
+  from its issue, so about one unit more is held at once (`gathered_peak`).
+- Progress: MPI moves a non-blocking collective only inside MPI calls (MPICH runs no progress
+  thread), so under `comm.backend=mpi` a prefetched gather mostly moves when it is waited for
+  (or while another collective runs); gloo's worker threads move it while the rank computes
+  (`comm.backend=torch`). No progress thread of gridrun's own.
 """
 
 from __future__ import annotations
@@ -41,6 +66,7 @@ from torch import nn
 from runner.core import GridShape, Partition, ProcessGrid
 from runner.core.comm import GridGroup
 from runner.core.cost import CommOp
+from runner.core.primitives import GatherInFlight
 from runner.core.standin import rank_zero_grid
 from strategies.base import (
     DEFAULT_PRICING,
@@ -94,20 +120,34 @@ class KeptWhole:
 
 class ShardedModel(ParallelModel):
     """A parallel model with its units' parameters split by rows; each unit gathered around
-    its forward (`strategies.fsdp`). Mixed into the class of the model it shards: the whole
-    model's replica (`ShardedDataParallelModel`), or a model split over the model group
-    (`sharded_class`)."""
+    its forward, the next one's gather issued ahead where `prefetch` (`strategies.fsdp`).
+    Mixed into the class of the model it shards: the whole model's replica
+    (`ShardedDataParallelModel`), or a model split over the model group (`sharded_class`)."""
 
     units: list[ShardedUnit]
     stage: int
+    prefetch: bool
 
-    def attach(self, units: list[ShardedUnit], stage: int) -> None:
-        self.units, self.stage = units, stage
+    def attach(self, units: list[ShardedUnit], stage: int, prefetch: bool = True) -> None:
+        self.units, self.stage, self.prefetch = units, stage, prefetch
         self.gathered, self.whole_gradients = HeldBytes(), HeldBytes()
         for unit in units:  # one count for the model
             unit.gathered, unit.whole_gradients = self.gathered, self.whole_gradients
         self._open: list[tuple[ShardedUnit, list[torch.Tensor]]] = []
         self._wholes: dict[int, tuple[ShardedUnit, int]] = {}  # storage → (unit, parameter)
+        # Prefetch. Forward: the units' entries of the last forward of each kind (training
+        # with gradients or not), the entries of this one so far, and the gathers issued ahead
+        # of a unit's entry. Backward (stage 3): the regathers this forward's notes expect, in
+        # the order backward makes them (the units' calls reversed), how far backward got
+        # along them, and the regathers issued ahead.
+        self._orders: dict[bool, list[ShardedUnit]] = {}
+        self._entered: list[ShardedUnit] | None = None  # None: outside the model's forward
+        self._ahead: dict[int, tuple[ShardedUnit, GatherInFlight]] = {}
+        self._noted: set[int] = set()  # open units whose call has saved a note
+        self._saved: list[ShardedUnit] = []  # this forward's calls that saved notes, in order
+        self._plan: list[ShardedUnit] = []
+        self._cursor = 0
+        self._behind: dict[int, tuple[ShardedUnit, GatherInFlight]] = {}
         for unit in units:
             unit.module.register_forward_pre_hook(partial(self._gather_hook, unit))
             unit.module.register_forward_hook(partial(self._reshard_hook, unit),
@@ -128,12 +168,37 @@ class ShardedModel(ParallelModel):
 
     def _gather(self, unit: ShardedUnit, module: nn.Module, args: Any) -> None:
         pieces = unit.pieces()
-        wholes = unit.gather()
-        unit.gathered.add(unit.whole_bytes)
+        ahead = self._ahead.pop(id(unit), None)
+        if ahead is not None:  # issued at an earlier unit's entry: counted since
+            wholes = unit.gather(ahead[1])
+        else:
+            wholes = unit.gather()
+            unit.gathered.add(unit.whole_bytes)
         unit.install(wholes)
         self._open.append((unit, pieces))
+        self._noted.discard(id(unit))
         for index, whole in enumerate(wholes):
             self._wholes[whole.untyped_storage().data_ptr()] = (unit, index)
+        if self._entered is not None:
+            self._entered.append(unit)
+            self._prefetch_after(len(self._entered) - 1, unit)
+
+    def _prefetch_after(self, position: int, unit: ShardedUnit) -> None:
+        """Issue the gather of the unit that entered after `unit` in the last forward of this
+        kind, when `unit` is where that forward had it and the next one is neither open nor
+        issued already. The decision depends only on the order of entries, never on timing:
+        every rank issues the same gathers in the same order."""
+        order = self._orders.get(self._training_forward())
+        if (not self.prefetch or order is None or position + 1 >= len(order)
+                or order[position] is not unit):
+            return
+        after = order[position + 1]
+        if id(after) in self._ahead or any(u is after for u, _ in self._open):
+            return
+        self._ahead[id(after)] = (after, after.start_gather())
+
+    def _training_forward(self) -> bool:
+        return self.training and torch.is_grad_enabled()
 
     def _reshard(self, unit: ShardedUnit, module: nn.Module, args: Any, output: Any) -> None:
         opened, pieces = self._open.pop()
@@ -156,11 +221,16 @@ class ShardedModel(ParallelModel):
         if self.stage != 3 or unit.path == ROOT:  # the whole model's unit: kept, as FSDP2 does
             unit.kept = True
             return KeptWhole(tensor)
+        if id(unit) not in self._noted:  # this call's first note: a regather in backward
+            self._noted.add(id(unit))
+            self._saved.append(unit)
         return SavedPiece(unit, index, tuple(tensor.size()), tuple(tensor.stride()),
                           int(tensor.storage_offset()))
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, SavedPiece):
+            if saved.unit.backward_copies is None:
+                self._regather(saved.unit)
             whole = saved.unit.copies_for_backward()[saved.index]
             return whole.as_strided(saved.size, saved.stride, saved.offset)
         if isinstance(saved, KeptWhole):
@@ -169,13 +239,50 @@ class ShardedModel(ParallelModel):
             return self.outer_saved_hooks[1](saved)
         return cast(torch.Tensor, saved)
 
+    def _regather(self, unit: ShardedUnit) -> None:
+        """Stage 3: `unit`'s first use in backward gathers its parameters again (or waits for
+        that gather, issued ahead), then issues the regather of the unit whose backward comes
+        next along the plan, when it holds no copies yet."""
+        behind = self._behind.pop(id(unit), None)
+        unit.copies_for_backward(None if behind is None else behind[1])
+        plan = self._plan
+        position = next((i for i in range(self._cursor, len(plan)) if plan[i] is unit), None)
+        if position is None:  # not where the plan has it: nothing issued ahead
+            return
+        self._cursor = position + 1
+        if not self.prefetch or position + 1 >= len(plan):
+            return
+        after = plan[position + 1]
+        if after.backward_copies is None and id(after) not in self._behind:
+            self._behind[id(after)] = (after, after.start_gather())
+
+    def _finish_prefetches(self, issued: dict[int, tuple[ShardedUnit, GatherInFlight]]) -> None:
+        """Complete and free the gathers issued ahead that nothing used (the order of units
+        changed): none is left in flight past a forward or a step."""
+        for unit, started in issued.values():
+            unit.drop_gather(started)
+        issued.clear()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
-        if self.training and torch.is_grad_enabled():
+        training = self._training_forward()
+        # a backward's left unused, or (after a forward that raised) a forward's: never used
+        # across a step, whose optimizer may have changed the pieces since
+        self._finish_prefetches(self._behind)
+        self._finish_prefetches(self._ahead)
+        self._entered, self._saved = [], []
+        if training:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = super().forward(x)
         else:
             out = super().forward(x)
+        # Not reached when the forward raises: a failing rank does not wait here for gathers
+        # its peers may never complete.
+        self._finish_prefetches(self._ahead)
+        self._orders[training] = self._entered
+        self._entered = None
+        if training:
+            self._plan, self._cursor = self._saved[::-1], 0
         return out
 
     @contextlib.contextmanager
@@ -224,6 +331,7 @@ class ShardedModel(ParallelModel):
             self.recomputing = False
 
     def finish_gradient_sync(self) -> None:
+        self._finish_prefetches(self._behind)
         for unit in self.units:
             unit.finish()
         super().finish_gradient_sync()
@@ -313,7 +421,7 @@ class ShardedDataParallel(Strategy):
     def __init__(self, stage: int = 3, units: str | list[str] = "auto",
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  batch_norm: str = "global", plan: Mapping[str, str] | None = None,
-                 tp_layout: str = "auto", *,
+                 tp_layout: str = "auto", prefetch: bool = True, *,
                  pricing: PricingContext = DEFAULT_PRICING) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
         # 1: optimizer state sharded; 2: also the gradients; 3: also the parameters
@@ -322,6 +430,8 @@ class ShardedDataParallel(Strategy):
         self.units = units if isinstance(units, str) else [str(u) for u in units]
         # as `data`'s: global (one process's statistics) or local
         self.batch_norm = batch_norm
+        # issue the next unit's gather (and, stage 3, backward's next regather) ahead of its use
+        self.prefetch = prefetch
         # grid.pr > 1: the split over the model group, as strategy=grid's (its plan by
         # module, a GPT's tensor-parallel layout)
         self.splitter = ModelGroupSplit(bucket_cap_mb, first_bucket_mb, tp_layout, plan,
@@ -367,6 +477,9 @@ class ShardedDataParallel(Strategy):
         if self.stage not in FSDP_STAGES or isinstance(self.stage, bool):
             return [f"strategy.stage={self.stage}: must be 1 (optimizer state sharded), 2 (and "
                     f"gradients) or 3 (and parameters)"]
+        if not isinstance(cast(object, self.prefetch), bool):  # any value a config gives
+            return [f"strategy.prefetch={self.prefetch}: must be true (each unit's gather "
+                    f"issued ahead of its use) or false (each gather when its unit starts)"]
         if self.batch_norm not in BATCH_NORM_MODES:
             return [f"strategy.batch_norm={self.batch_norm}: must be one of "
                     f"{', '.join(BATCH_NORM_MODES)}"]
@@ -444,12 +557,16 @@ class ShardedDataParallel(Strategy):
                         f"recompute whole units (strategy.units={target} or one inside it)")
         return None
 
-    def recomputed_units(self, model: nn.Module, paths: list[str]) -> set[str]:
-        """The units gathered again in backward by `trainer.activation_checkpointing` (each
-        inside or equal to a recomputed module)."""
+    def recomputed_groups(self, model: nn.Module, paths: list[str]) -> dict[str, list[str]]:
+        """The units gathered again in backward by `trainer.activation_checkpointing`, by the
+        recomputed module holding them (each a unit inside or equal to it), in `paths` order."""
         targets, _ = checkpoint_targets(model, self.pricing.activation_checkpointing)
-        return {path for path in paths
-                if path != ROOT and any(within(path, target) for target in targets)}
+        groups: dict[str, list[str]] = {}
+        for path in paths:
+            target = next((t for t in targets if path != ROOT and within(path, t)), None)
+            if target is not None:
+                groups.setdefault(target, []).append(path)
+        return groups
 
     def exchanged_once(self, op: CommOp) -> bool:
         # the buckets' all-reduces, and the units' reduce-scatters (and the model group's sums
@@ -513,7 +630,7 @@ class ShardedDataParallel(Strategy):
                                    self._gather_dtype(params), 1.0 / grid.size,
                                    grid.model if grid.pr > 1 else None, frozenset(replicated))
                  for path, params in split.items() if params]
-        pmodel.attach(units, self.stage)
+        pmodel.attach(units, self.stage, self.prefetch)
         comms = {"world": grid.world, "batch": grid.batch}
         pmodel.reducers = [reducer for params, group, _ in
                            self._whole_exchanges(whole, replicated, grid.shape)
@@ -538,7 +655,8 @@ class ShardedDataParallel(Strategy):
         ranks = grid.size if grid.pr == 1 else grid.pc
         split, whole = self._split_and_whole(view.host, ranks)
         calls, read = view.calls(sample_shape, list(split), self.pricing.compute_dtype)
-        recomputed = self.recomputed_units(view.host, list(split))
+        recomputed = {path for group in self.recomputed_groups(view.host, list(split)).values()
+                      for path in group}
         ops: list[CommOp] = []
         if grid.pr > 1:  # the split's activation collectives; its gradient buckets are ours
             ops += [op for op in self.splitter.predict_ops(self._as_gathered(model),
@@ -581,9 +699,12 @@ class ShardedDataParallel(Strategy):
                        state_copies: int) -> dict[str, int]:
         """The pieces, their gradients and state; the whole parameters gathered at once (stage
         3: a unit and the units enclosing it; stages 1 and 2: also every unit before it whose
-        backward reads its weights, which autograd keeps); stage 1's whole gradients of every
-        unit, kept until backward ends, count with the gradients (as every stage's do over a
-        step's micro-batches)."""
+        backward reads its weights, which autograd keeps), with prefetch also the next unit's,
+        issued at a unit's entry, and under stage 3 backward's too (a regather and the next
+        one issued ahead, beside the units kept); a recomputed module's units from its
+        recomputation to their backward; stage 1's whole gradients of every unit, kept until
+        backward ends, count with the gradients (as every stage's do over a step's
+        micro-batches)."""
         if grid.size == 1:
             return super().predict_memory(model, sample_shape, grid, state_copies)
         view = self.split_view(model, sample_shape, grid)
@@ -603,23 +724,21 @@ class ShardedDataParallel(Strategy):
                  for path, params in split.items() if params}
         events: list[tuple[str, bool]] = []
         _, read = view.calls(sample_shape, list(sizes), self.pricing.compute_dtype, events)
-        recomputed = self.recomputed_units(view.host, list(sizes))
-        kept = {path for path in sizes if any(id(p) in read for _, _, p in split[path])
-                and (self.stage != 3 or path == ROOT) and path not in recomputed}
-        live = peak = 0
-        for path, entering in events:
-            if entering:
-                live += sizes[path]
-                peak = max(peak, live)
-            elif path not in kept:
-                live -= sizes[path]
+        recomputed = self.recomputed_groups(view.host, list(sizes))
+        inside = {path for group in recomputed.values() for path in group}
+        reads = {path for path in sizes if any(id(p) in read for _, _, p in split[path])
+                 and path not in inside}
+        kept = {path for path in reads if self.stage != 3 or path == ROOT}
+        regathered = {path for path in reads if self.stage == 3 and path != ROOT
+                      and any(p.requires_grad for _, _, p in split[path])}
         kept_whole = self.stage == 1 or self.pricing.accumulate_steps > 1
         return {"parameters": piece_bytes(False),
                 "gradients": trained + (sum(size for path, size in sizes.items()
                                             if any(p.requires_grad for _, _, p in split[path]))
                                         if kept_whole else 0),
                 "optimizer state": state_copies * trained,
-                "gathered parameters": peak}
+                "gathered parameters": gathered_peak(events, sizes, kept, regathered,
+                                                     self.prefetch, recomputed)}
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],
                             grid: GridShape) -> int:
@@ -645,6 +764,77 @@ class ShardedDataParallel(Strategy):
                                                           global_batch)
         return self._replica().predict_activation_bytes(model, sample_shape, grid,
                                                         global_batch)
+
+
+def gathered_peak(events: list[tuple[str, bool]], sizes: dict[str, int], kept: set[str],
+                  regathered: set[str], prefetch: bool,
+                  recomputed: dict[str, list[str]] | None = None) -> int:
+    """The most bytes of whole parameters held at once in a step, as the model's hooks hold
+    them (`ShardedModel`), from one forward's entries and exits of the units (`events`), each
+    unit's whole bytes, the units autograd keeps whole from their forward through backward,
+    those backward gathers again (stage 3) and those a recomputed module gathers again, by
+    module (`recomputed`).
+
+    Forward: a unit's gather at its entry, freed at its exit unless kept; with `prefetch`, at
+    each entry the next entry's gather issued too (unless that unit is open or issued
+    already), counted from then. Backward (after the forward, the kept units held
+    throughout), in the reverse order of the units' calls: a regather, freed before the next
+    one (its reduce-scatter comes first), with `prefetch` the next regather issued at each; a
+    recomputed module's units all gathered by its recomputation and freed by their backward,
+    before the module before it is recomputed (never prefetched)."""
+    entries = [path for path, entering in events if entering]
+    live = peak = 0
+    opened: list[str] = []
+    ahead: set[str] = set()
+    position = 0
+    for path, entering in events:
+        if not entering:
+            opened.pop()
+            if path not in kept:
+                live -= sizes[path]
+            continue
+        if path in ahead:
+            ahead.discard(path)
+        else:
+            live += sizes[path]
+        opened.append(path)
+        position += 1
+        if prefetch and position < len(entries):
+            after = entries[position]
+            if after not in ahead and after not in opened:
+                ahead.add(after)
+                live += sizes[after]
+        peak = max(peak, live)
+    target_of = {path: target for target, group in (recomputed or {}).items()
+                 for path in group}
+    plan = [path for path in reversed(entries) if path in regathered]
+    steps: list[str | list[str]] = []  # a regather's path, or a recomputation's units
+    for path in reversed(entries):
+        if path in regathered:
+            steps.append(path)
+        elif path in target_of and not any(isinstance(step, list) and path in step
+                                           for step in steps):
+            steps.append([p for p in entries if target_of.get(p) == target_of[path]])
+    ahead.clear()
+    position = -1
+    for step in steps:
+        if isinstance(step, list):  # a recomputation: its units whole until their backward
+            held = sum(sizes[p] for p in step)
+            peak = max(peak, live + held)
+            continue
+        path, position = step, position + 1
+        if path in ahead:
+            ahead.discard(path)
+        else:
+            live += sizes[path]
+        if prefetch and position + 1 < len(plan):
+            after = plan[position + 1]
+            if after != path and after not in ahead:
+                ahead.add(after)
+                live += sizes[after]
+        peak = max(peak, live)
+        live -= sizes[path]
+    return peak
 
 
 def unit_calls(model: nn.Module, sample_shape: tuple[int, ...], paths: list[str],

@@ -19,6 +19,11 @@ of their rows' gradients (scaled by 1/P: the mean of the ranks' losses). Stage 1
 gradient instead and reduce-scatters it once backward is done (`DeferredGradient`); so does every
 stage on a step's micro-batches before its last (`trainer.accumulate_steps`), whose backward adds
 the kept gradient to its own before the unit's one reduce-scatter of the step.
+
+A gather may also be issued ahead of its use (`start_gather`: the pieces packed and the
+all-gather started without waiting) and completed when the unit needs its parameters
+(`gather(started)`): the same collective, the same bytes, its backward the same reduce-scatter
+(`all_gather_wait`), the buffer counted as gathered from the moment it is issued.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from torch.autograd import Function
 
 from runner.core import CountedComm, Partition
 from runner.core.placement import place_rows
-from runner.core.primitives import all_gather, all_gather_op, reduce_scatter_op
+from runner.core.primitives import (
+    GatherInFlight,
+    all_gather,
+    all_gather_op,
+    all_gather_start,
+    all_gather_wait,
+    reduce_scatter_op,
+)
 
 ROOT = ""  # the path of the whole model's unit
 
@@ -297,24 +309,59 @@ class ShardedUnit:
         assert all(t is not None for t in found)
         return [t for t in found if t is not None]
 
-    def gather(self) -> list[torch.Tensor]:
-        """The whole parameters, differentiable when grad mode is on (see the module doc)."""
+    def _packed(self) -> torch.Tensor:
+        """This rank's pieces, each padded to its longest piece, in one buffer (autograd's own
+        cat and pad: differentiable when grad mode is on)."""
         pieces = self.pieces()
         if self.gather_dtype is not None:  # a cast: its backward casts the gradient back
             pieces = [piece.to(self.gather_dtype) for piece in pieces]
-        packed = torch.cat([torch.nn.functional.pad(piece.reshape(-1),
-                                                    (0, p.padded - piece.numel()))
-                            for p, piece in zip(self.params, pieces, strict=True)])
+        return torch.cat([torch.nn.functional.pad(piece.reshape(-1),
+                                                  (0, p.padded - piece.numel()))
+                          for p, piece in zip(self.params, pieces, strict=True)])
+
+    @property
+    def _partition(self) -> Partition:
+        """The ranks' blocks of the packed buffers."""
+        return Partition(self.width * self.comm.size, self.comm.size)
+
+    def start_gather(self) -> GatherInFlight:
+        """Issue this unit's gather without waiting for it (a prefetch): its buffer counts as
+        gathered from now; `gather(started)` completes it, `drop_gather` discards it. The
+        pieces must not change before then."""
+        with torch.no_grad():
+            packed = self._packed()
+        started = all_gather_start(packed, self.comm, 0, self._partition, self.label)
+        self.gathered.add(self.whole_bytes)
+        return started
+
+    def drop_gather(self, started: GatherInFlight) -> None:
+        """Complete a gather issued ahead that nothing used, and free its buffer."""
+        started.wait()
+        self.gathered.sub(self.whole_bytes)
+
+    def gather(self, started: GatherInFlight | None = None) -> list[torch.Tensor]:
+        """The whole parameters, differentiable when grad mode is on (see the module doc).
+        `started`: this unit's gather issued earlier (`start_gather`), waited for here in place
+        of a new one; where gradients are wanted, the pieces are packed again (the same
+        values) for autograd to differentiate, so that the gather's backward nodes come
+        after the computation before this use, as a blocking gather's do."""
         size, ranks = self.width, self.comm.size
-        part = Partition(size * ranks, ranks)
-        if not (torch.is_grad_enabled() and packed.requires_grad):
-            whole = all_gather_op(packed, self.comm, 0, part, self.label)
+        part = self._partition
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.pieces())
+        if not grad:
+            whole = (started.wait() if started is not None
+                     else all_gather_op(self._packed(), self.comm, 0, part, self.label))
         elif self.stage == 1 or self.accumulating:
+            packed = self._packed()
             whole = DeferredGradient.apply(
-                all_gather_op(packed.detach(), self.comm, 0, part, self.label), packed, self)
+                started.wait() if started is not None
+                else all_gather_op(packed.detach(), self.comm, 0, part, self.label),
+                packed, self)
         else:
-            whole = ScaleGradient.apply(all_gather(packed, self.comm, 0, part, self.label),
-                                        self.gradient_scale)
+            packed = self._packed()
+            whole = ScaleGradient.apply(
+                all_gather_wait(packed, started) if started is not None
+                else all_gather(packed, self.comm, 0, part, self.label), self.gradient_scale)
             if any(p.summed_over_model for p in self.params):
                 packed.register_hook(self.sum_over_model)
             if self.pending is not None:  # the earlier micro-batches' gradient joins this one's
@@ -356,12 +403,16 @@ class ShardedUnit:
             for holder in p.holders:
                 holder.module._parameters[holder.name] = piece  # type: ignore[assignment]
 
-    def copies_for_backward(self) -> list[torch.Tensor]:
-        """Stage 3: the whole parameters again, for backward (gathered once per step)."""
+    def copies_for_backward(self, started: GatherInFlight | None = None) -> list[torch.Tensor]:
+        """Stage 3: the whole parameters again, for backward (gathered once per step);
+        `started`: that gather, issued ahead (`start_gather`)."""
         if self.backward_copies is None:
             with torch.no_grad():
-                self.backward_copies = self.gather()
-            self.gathered.add(self.whole_bytes)
+                self.backward_copies = self.gather(started)
+            if started is None:
+                self.gathered.add(self.whole_bytes)
+        elif started is not None:
+            self.drop_gather(started)
         return self.backward_copies
 
     def forward_done(self) -> None:

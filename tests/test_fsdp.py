@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from runner.core import GridShape
 from runner.zoo.models import mlp
+from strategies import STRATEGIES
 from strategies.fsdp_units import unit_parameters, unit_paths, unmatched_patterns
 from strategies.transformer import GPT
 from tests.conftest import assert_ok, read_summary, run_cli_together, train_losses
@@ -36,6 +39,52 @@ def test_units_by_path_or_class_and_a_pattern_that_matches_nothing() -> None:
     assert unit_paths(net, "auto") == ["", "1", "3", "5"]
     plain = nn.Linear(4, 2)
     assert unit_paths(plain, "auto") == [""]
+
+
+class Shift(nn.Module):
+    """x + a learned offset: backward reads none of its weights."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+def test_prefetch_holds_the_next_units_gather_from_its_issue() -> None:
+    """Five units, float32, P = 2: 0 Linear(8, 32) (1152 B whole; its input needs no gradient,
+    so backward reads none of its weights), 1 Shift (128 B, reads none), 2 Linear(32, 32)
+    (4224 B), 3 Shift (128 B), 4 Linear(32, 4) (528 B)."""
+    model = nn.Sequential(nn.Linear(8, 32), Shift(32), nn.Linear(32, 32), Shift(32),
+                          nn.Linear(32, 4))
+
+    def gathered(stage: int, prefetch: bool) -> int:
+        strategy = STRATEGIES.get("fsdp")(stage=stage, prefetch=prefetch)
+        return strategy.predict_memory(model, (8,), GridShape(1, 2), 2)["gathered parameters"]
+
+    # stage 3 without: one unit at a time, the largest; with: forward holds a unit and the
+    # next one (at most 4224 + 128), backward regathers 4 then 2 (skipping 3, which it does not
+    # read) and holds 4 and 2 at once
+    assert gathered(3, False) == 4224
+    assert gathered(3, True) == 528 + 4224
+    # stages 1 and 2: autograd keeps 2 and 4 whole; without prefetch the most is at 4's entry
+    # (2, 4), with it at 3's (2, 3 and 4 issued ahead)
+    for stage in (1, 2):
+        assert gathered(stage, False) == 4224 + 528
+        assert gathered(stage, True) == 4224 + 128 + 528
+    # pieces, gradients and state do not change
+    on, off = (STRATEGIES.get("fsdp")(prefetch=p).predict_memory(model, (8,), GridShape(1, 2), 2)
+               for p in (True, False))
+    assert {k: v for k, v in on.items() if k != "gathered parameters"} == {
+        k: v for k, v in off.items() if k != "gathered parameters"}
+
+
+def test_prefetch_must_be_true_or_false() -> None:
+    strategy = STRATEGIES.get("fsdp")(prefetch="yes")  # type: ignore[arg-type]
+    assert strategy.check(GridShape(1, 2), 8) == [
+        "strategy.prefetch=yes: must be true (each unit's gather issued ahead of its use) or "
+        "false (each gather when its unit starts)"]
 
 
 GPT_RUN = ["model=gpt", "model.width=32", "dataset=tokens", "dataset.vocab_size=200",
@@ -91,7 +140,9 @@ def test_accumulation_recomputation_2d_grids_and_sharded_checkpoints_train_as_on
     one = read_summary(run["one"])["memory_per_rank"]
     for part in ("parameters", "optimizer state"):  # half of one process's, and a unit whole
         assert plain["memory_per_rank"][part] <= 0.55 * one[part], part
-    assert 0 < plain["memory_per_rank"]["gathered parameters"] < one["parameters"]
+    # gathered at once: the model's own unit, a block and (prefetched) the next: of this
+    # two-block GPT, every parameter
+    assert 0 < plain["memory_per_rank"]["gathered parameters"] <= one["parameters"]
     grid2d = read_summary(run["grid2d"])
     assert grid2d["layouts"]["blocks.0"] == "fsdp stage 1"
     assert grid2d["memory_per_rank"]["parameters"] < 0.6 * plain["memory_per_rank"]["parameters"]

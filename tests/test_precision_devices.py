@@ -124,6 +124,10 @@ def test_staging_moves_through_pooled_host_buffers_and_copies_results_back() -> 
     gathered = torch.zeros(3)
     staged.allgatherv_(torch.tensor([5.0, 6.0, 7.0]), gathered, [3])
     assert gathered.tolist() == [5.0, 6.0, 7.0]
+    started = torch.zeros(3)
+    request = staged.iallgatherv_(torch.tensor([8.0, 9.0, 1.0]), started, [3])
+    request.wait()
+    assert started.tolist() == [8.0, 9.0, 1.0] and request.test()
     received = torch.zeros(2)
     request = staged.exchange([(torch.tensor([1.0, 2.0]), 0)], [(received, 0)], tag=0)
     assert received.tolist() == [0.0, 0.0]  # copied back when the exchange completes

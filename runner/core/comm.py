@@ -194,6 +194,12 @@ class Transport(Protocol):
         """`out` = every rank's `piece` (`counts[k]` elements from rank k), by rank."""
         ...
 
+    def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor,
+                     counts: list[int]) -> Request:
+        """Start `allgatherv_(piece, out, counts)`; `out` is final once the request completes,
+        and neither buffer may be touched before."""
+        ...
+
     def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
         """`out` = block `rank` (`counts[rank]` elements) of the sum of `full` over the group."""
         ...
@@ -339,6 +345,12 @@ class MpiTransport:
     def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
         _device_ready(piece)
         self.comm.Allgatherv(_typed(piece), [_typed(out), (counts, _displacements(counts))])
+
+    def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor,
+                     counts: list[int]) -> Request:
+        _device_ready(piece)
+        return _MpiRequest(self.comm.Iallgatherv(
+            _typed(piece), [_typed(out), (counts, _displacements(counts))]))
 
     def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
         _device_ready(full)
@@ -561,6 +573,23 @@ class CountedComm:
         transport.allgatherv_(piece, out, counts)
         self._record("allgather", _nbytes(out), time.perf_counter() - start, label)
         return out
+
+    def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int],
+                     label: str = "") -> PendingOp:
+        """Start `allgatherv_(piece, out, counts)`; `wait()` completes it and records it as the
+        blocking one records ("allgather", the bytes of `out`). Neither buffer may be touched
+        until then (the pending operation keeps both alive)."""
+        _require_contiguous(piece)
+        _require_contiguous(out)
+        transport = self._moved
+        start = self._start("allgather", label)
+        request = transport.iallgatherv_(piece, out, counts)
+        self.counter.in_flight = None  # issued: in flight again only while someone waits for it
+        pending = PendingOp(self, "allgather", request, _nbytes(out), label,
+                            time.perf_counter() - start, (piece, out))
+        if self.counter.isolate:  # no overlap: the operation's own time
+            pending.wait()
+        return pending
 
     def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int],
                         label: str = "") -> torch.Tensor:

@@ -18,6 +18,10 @@ primitive, and that adjoint is its backward:
                                                    gradient is then partial on each rank, the
                                                    true one their sum)
 
+The all-gather also comes in two halves, for overlapping it with computation:
+`all_gather_start` issues it without waiting (`GatherInFlight`), and `all_gather_wait` ends it as
+`all_gather`'s forward, with the same adjoint (the reduce-scatter) as its backward.
+
 Pieces may be uneven: a `Partition` says how long each rank's piece is along the split dim.
 Every call goes through the counted communicator. Outputs are new tensors (autograd keeps them)
 on the input's device, so that both ends of every operation lie on the same device; the scratch
@@ -35,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch.autograd import Function
 
-from runner.core.comm import CountedComm, has_c_strides
+from runner.core.comm import CountedComm, PendingOp, has_c_strides
 from runner.core.partition import Partition
 
 # -- the operators and their adjoints, without autograd ------------------------------------------
@@ -101,6 +105,45 @@ def all_gather_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
     out = torch.empty((part.total, *piece.shape[1:]), dtype=x.dtype, device=x.device)
     comm.allgatherv_(piece, out, part.counts(inner), label)
     return out if dim == 0 else out.movedim(0, dim)
+
+
+class GatherInFlight:
+    """An all-gather issued and not yet waited for (`all_gather_start`). `wait()` completes it
+    (once; later calls return the same tensor) and returns what `all_gather_op` would have."""
+
+    def __init__(self, pending: PendingOp | None, result: torch.Tensor, comm: CountedComm,
+                 dim: int, part: Partition, label: str) -> None:
+        self._pending = pending
+        self._result = result  # filled once `pending` completes
+        self.adjoint_args = (comm, dim, part, label)  # reduce_scatter_op's, after the gradient
+
+    @property
+    def done(self) -> bool:
+        return self._pending is None
+
+    def wait(self) -> torch.Tensor:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        return self._result
+
+
+def all_gather_start(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
+                     label: str = "") -> GatherInFlight:
+    """`all_gather_op(x, comm, dim, part, label)` issued without waiting for it: x's values are
+    read while it is in flight (x itself where its layout allows: it must not change until the
+    gather completes; else a copy of its own). Counted when it completes, as the blocking one."""
+    _check_piece(x, dim, part, comm)
+    if comm.size == 1:
+        return GatherInFlight(None, x.detach().clone(), comm, dim, part, label)
+    moved = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
+    piece = (moved if has_c_strides(moved)
+             else torch.empty(moved.shape, dtype=moved.dtype, device=moved.device).copy_(moved))
+    inner = math.prod(piece.shape[1:])
+    out = torch.empty((part.total, *piece.shape[1:]), dtype=x.dtype, device=x.device)
+    pending = comm.iallgatherv_(piece, out, part.counts(inner), label)
+    return GatherInFlight(pending, out if dim == 0 else out.movedim(0, dim), comm, dim, part,
+                          label)
 
 
 def reduce_scatter_op(x: torch.Tensor, comm: CountedComm, dim: int, part: Partition,
@@ -245,6 +288,31 @@ def _operator(name: str, forward: Callable[..., torch.Tensor],
 
     call.__name__, call.__doc__ = name, forward.__doc__
     return call
+
+
+class AllGatherWait(Function):
+    """`all_gather`'s forward completed by waiting for a gather already in flight: forward
+    returns what `started` gathered from `x`'s values (`x` must hold the values it sent);
+    backward is `all_gather`'s, the adjoint reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, started: GatherInFlight) -> torch.Tensor:
+        ctx.args = started.adjoint_args
+        comm, dim, part, _ = ctx.args
+        _check_piece(x, dim, part, comm)
+        return started.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return reduce_scatter_op(grad, *ctx.args), None
+
+
+def all_gather_wait(x: torch.Tensor, started: GatherInFlight) -> torch.Tensor:
+    """The differentiable end of `all_gather_start(x, ...)`: `all_gather(x, ...)`'s result and
+    backward, the communication issued earlier. `x` is the tensor autograd differentiates
+    with respect to: the one whose values were sent (or an equal one, made later)."""
+    out: torch.Tensor = AllGatherWait.apply(x, started)
+    return out
 
 
 broadcast: Callable[..., torch.Tensor] = _operator(

@@ -11,9 +11,9 @@ dtype), so a step reuses the previous step's buffers.
 Ordering: the copy to the host is synchronous (the inner transport reads the buffer as soon as
 it is called, and the device tensor may still be being written by a kernel in flight); the copy
 back is synchronous too, so a buffer returned to the pool is never still being read by the
-device. A non-blocking operation (`iallreduce_`, `exchange`) copies its inputs when it is
-issued and its results when it completes (`_StagedRequest`): the transfer of a gradient bucket
-overlaps the rest of the backward, the copies do not.
+device. A non-blocking operation (`iallreduce_`, `iallgatherv_`, `exchange`) copies its inputs
+when it is issued and its results when it completes (`_StagedRequest`): the transfer of a
+gradient bucket, or of a prefetched unit, overlaps the computation, the copies do not.
 
 What the counted communicator records is unchanged (the operation's logical payload, as for
 any transport); the copies are the price of the path and are timed as part of the operation.
@@ -177,6 +177,14 @@ class StagedTransport:
         self.inner.allgatherv_(host_piece, host_out, counts)
         self._back([(out, host_out)], [host_piece, host_out])
         return None
+
+    def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor,
+                     counts: list[int]) -> Request:
+        if not self._staged(out):
+            return self.inner.iallgatherv_(piece, out, counts)
+        host_piece, host_out = self._to_host(piece), self._to_host(out, copy=False)
+        request = self.inner.iallgatherv_(host_piece, host_out, counts)
+        return _StagedRequest(request, [(out, host_out)], self.pool, [host_piece, host_out])
 
     def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
         if not self._staged(full):

@@ -139,6 +139,61 @@ def all_gather_and_reduce_scatter_uneven() -> None:
 
 
 @check
+def nonblocking_all_gather_equals_the_blocking_one() -> None:
+    """The all-gather issued without waiting (`iallgatherv_`, `all_gather_start`): the same
+    result and the same record as the blocking one (under either backend, a group of one's
+    transport included), and its differentiable end (`all_gather_wait`) the same adjoint."""
+    for grid, groups in grids():
+        keep = grid.counter.keep_records
+        grid.counter.keep_records = True
+        for group_name, comm in groups.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                # uneven pieces (gloo: an all-to-all), then even ones (gloo's own all-gather)
+                part = Partition(comm.size + 1 if dtype == torch.float32 else 2 * comm.size,
+                                 comm.size)
+                whole = seeded((part.total, 3), 210, torch.float32).to(dtype)
+                piece = whole[part.slice(comm.rank)].clone()
+                if comm.transport is not None:  # the communicator's own calls, a group of one too
+                    counts = part.counts(3)
+                    blocking = torch.empty_like(whole)
+                    comm.allgatherv_(piece, blocking, counts, "blocking")
+                    started = torch.full_like(whole, -1)
+                    pending = comm.iallgatherv_(piece, started, counts, "started")
+                    pending.wait()
+                    assert torch.equal(started, blocking) and torch.equal(blocking, whole), (
+                        group_name, dtype)
+                    both = [(r.op, r.group, r.group_size, r.nbytes) for r in grid.counter.records
+                            if r.label in ("blocking", "started")]
+                    assert both[0] == both[1] == ("allgather", comm.name, comm.size,
+                                                  whole.numel() * whole.element_size()), both
+                    grid.counter.records.clear()
+            for dim, total in ((0, 2 * comm.size + 1), (1, max(comm.size - 1, 1))):
+                dtype = torch.float64
+                part = Partition(total, comm.size)
+                full_shape = [3, 4, 2]
+                full_shape[dim] = total
+                whole = seeded(full_shape, 220 + dim, dtype)
+                piece = whole.narrow(dim, part.offsets[comm.rank], part.sizes[comm.rank])
+                started = P.all_gather_start(piece, comm, dim, part, "started")  # a view
+                blocking = P.all_gather_op(piece, comm, dim, part, "blocking")
+                assert torch.equal(started.wait(), blocking) and torch.equal(blocking, whole)
+                assert started.done and started.wait() is started.wait()
+                records = [(r.op, r.nbytes) for r in grid.counter.records
+                           if r.label in ("blocking", "started")]
+                assert records == ([] if comm.size == 1 else
+                                   [("allgather", whole.numel() * 8)] * 2), records
+                grid.counter.records.clear()
+                x = seeded(piece.shape, 230 + comm.rank, dtype)
+                y = seeded(full_shape, 240 + comm.rank, dtype)
+                dot_test(f"all_gather_wait {group_name} dim {dim} {part}", comm,
+                         lambda t, c=comm, d=dim, p=part: P.all_gather_wait(
+                             t, P.all_gather_start(t, c, d, p)),
+                         lambda t, c=comm, d=dim, p=part: P.reduce_scatter_op(t, c, d, p), x, y)
+        grid.counter.keep_records = keep
+        grid.counter.records.clear()
+
+
+@check
 def take_piece_and_place_piece_uneven() -> None:
     for where, comm, dtype in cases():
         for dim, total in ((1, comm.size + 2), (0, max(comm.size - 1, 1))):

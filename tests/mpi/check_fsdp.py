@@ -8,9 +8,11 @@ GPT's tensor parallelism, each rank's part sharded over its batch group): every 
 equals one process's to 1e-9 relative (SGD with momentum; AdamW), every final piece equals the
 block of one process's parameter its placement names, the pieces tile every parameter (a
 checkpoint loads on any grid), and the bytes rank 0 moves every step are the predicted ones
-(under stage 3 the second gather of each unit whose backward reads its weights included); under
-bf16 the gathers move half the bytes and the losses stay within bf16's rounding of one
-process's under the same autocast.
+(under stage 3 the second gather of each unit whose backward reads its weights included), and
+so are the most whole parameters held at once, with prefetch (the default: a unit's gather
+issued ahead, its buffer counted from then; a model whose backward holds the most) and
+without, none left held or in flight after the steps; under bf16 the gathers move half the
+bytes and the losses stay within bf16's rounding of one process's under the same autocast.
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ def optimizer(params: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
 
 def compare(factory: Callable[[], nn.Module], sample: tuple[int, ...], stage: int,
             shape: tuple[int, int], tokens: bool, opt: str = "sgd",
-            units: str | list[str] = "auto", plan: dict[str, str] | None = None) -> None:
+            units: str | list[str] = "auto", plan: dict[str, str] | None = None,
+            prefetch: bool = True) -> None:
     grid: ProcessGrid | None = GRIDS[shape]
     if grid is None:
         return
-    what = f"{factory.__name__} fsdp stage {stage} {shape[0]}x{shape[1]} {opt}"
+    what = (f"{factory.__name__} fsdp stage {stage} {shape[0]}x{shape[1]} {opt}"
+            f"{'' if prefetch else ' no prefetch'}")
     strategy = STRATEGIES.get("fsdp")(stage=stage, units=units, bucket_cap_mb=0.004,
-                                      first_bucket_mb=0.001, plan=plan)
+                                      first_bucket_mb=0.001, plan=plan, prefetch=prefetch)
     seq = built(factory, tokens)
     assert strategy.check(grid.shape, BATCH) == [], what
     assert strategy.check_model(seq, sample, grid.shape) == [], (
@@ -77,10 +81,37 @@ def compare(factory: Callable[[], nn.Module], sample: tuple[int, ...], stage: in
     assert shards < sum(p.numel() for p in seq.parameters()), what  # pieces, not copies
     train_as_one_process(seq, pmodel, grid, x, y, ops, what,
                          lambda params: optimizer(params, opt))
+    # the most whole parameters held at once (prefetched ones from their issue) as predicted,
+    # and none left held, nor any gather in flight, after the steps
+    gathered = strategy.predict_memory(seq, sample, grid.shape, 0)["gathered parameters"]
+    assert pmodel.gathered_peak_bytes() == gathered, (what, pmodel.gathered_peak_bytes(),
+                                                      gathered)
+    assert pmodel.gathered.live == 0 and not pmodel._ahead and not pmodel._behind, what
+    if grid.rank == 0:
+        print(f"{what}: {gathered} bytes gathered at most, as predicted", flush=True)
 
 
 def mlp_net() -> nn.Module:
     return mlp((1, 4, 4), CLASSES, hidden=(24, 24))
+
+
+class Shift(nn.Module):
+    """x + a learned offset: backward reads none of its weights (no regather at stage 3)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(width) / 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+def shifted_net() -> nn.Module:
+    """Units whose backward reads their weights (the second and third Linear) around one whose
+    backward reads none: under stage 3 backward regathers the third then the second, and with
+    prefetch holds both at once, more than forward ever holds."""
+    return nn.Sequential(nn.Linear(8, 32), Shift(32), nn.Linear(32, 32), Shift(32),
+                         nn.Linear(32, CLASSES))
 
 
 def resnet_net() -> nn.Module:
@@ -103,6 +134,10 @@ def sharded_data_parallelism_equals_one_process_at_every_stage() -> None:
     compare(mlp_net, (1, 4, 4), 3, (1, 2), tokens=False, opt="adamw")
     compare(resnet_net, (3, 8, 8), 3, (1, 2), tokens=False)
     compare(gpt_net, (T,), 2, (1, 2), tokens=True, opt="adamw", units=["blocks.*"])
+    compare(shifted_net, (8,), 3, (1, 2), tokens=False)  # backward's prefetch holds the most
+    # every gather when its unit starts, every regather when backward first reads it
+    compare(gpt_net, (T,), 3, (1, 2), tokens=True, prefetch=False)
+    compare(shifted_net, (8,), 1, (1, 2), tokens=False, prefetch=False)
     if HAVE_TRANSFORMERS:
         compare(llama_net, (T,), 3, (1, 4), tokens=True, opt="adamw")
         compare(llama_net, (T,), 1, (1, 2), tokens=True, units=["LlamaDecoderLayer"])
