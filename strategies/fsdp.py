@@ -25,6 +25,16 @@ all-reduce moves), and under stage 3 each block gathered a second time where its
 its weights. Parameters of fewer rows than ranks stay whole on every rank and are all-reduced in
 buckets, as under `data`.
 
+On a grid of Pr > 1 the model is first split over each model group as `strategy=grid` splits it
+(`ModelGroupSplit`: a plan by module, GPT's tensor parallelism), in place, and its class made a
+sharded one (`sharded_class`); each rank's part is then sharded over its batch group (the Pc ranks
+holding the same part), the pieces of what a model group holds whole summed over the model group
+too. The predictions read rank 0's part, built for a stand-in grid on a meta copy
+(`split_view`, `runner.core.standin`). Over a step's micro-batches (`trainer.accumulate_steps`)
+the units keep their whole gradients until the last, which reduce-scatters each once; a
+recomputed unit (`trainer.activation_checkpointing`) gathers its parameters inside its
+recomputation (`recomputed_forward`), so backward gathers it once more.
+
 Prefetch (`strategy.prefetch`, on by default), as FSDP2 does: a unit's gather is issued while the
 unit before it computes, and waited for when the unit starts.
 - Forward: the first forward of each kind (training with gradients; evaluation) gathers each
