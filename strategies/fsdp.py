@@ -497,6 +497,10 @@ class ShardedDataParallel(Strategy):
             return [f"strategy=fsdp shards over the grid.pc ranks that split the batch; "
                     f"grid.pc=1 shards nothing (use strategy=grid to split the model over "
                     f"grid.pr={grid.pr})"]
+        if grid.pr > 1 and self.batch_norm != "global":
+            return [f"strategy.batch_norm={self.batch_norm}: on grid.pr={grid.pr} a BatchNorm "
+                    f"takes the statistics of its batch group's rows, as under strategy=grid "
+                    f"(one process's); use strategy.batch_norm=global"]
         if grid.pr > 1:
             return self.splitter.check(grid, global_batch)
         if global_batch < grid.size:

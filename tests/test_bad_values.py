@@ -78,6 +78,8 @@ BAD: list[tuple[list[str], str]] = [
     (["strategy=fsdp", "grid.pr=2", "grid.pc=2"],
      "strategy=fsdp on grid.pr=2 shards a model split in place over the model group"),
     ([*GPT, "strategy=fsdp", "grid.pr=2", "grid.pc=1"], "grid.pc=1 shards nothing"),
+    ([*GPT, "strategy=fsdp", "grid.pr=2", "grid.pc=2", "strategy.batch_norm=local"],
+     "strategy.batch_norm=local: on grid.pr=2 a BatchNorm takes the statistics"),
     ([*GPT, "strategy=fsdp", "grid.pr=1", "grid.pc=2",
       "trainer.activation_checkpointing=blocks.0.mlp"],
      "blocks.0.mlp holds parameters of the fsdp unit blocks.0, gathered outside"),
