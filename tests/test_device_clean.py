@@ -29,10 +29,12 @@ from strategies.sparse_exchange import SparseGradientExchange
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHECKED = sorted((ROOT / "strategies").glob("*.py")) + [
-    ROOT / "runner" / "core" / name for name in ("primitives.py", "halo.py", "sparse.py")
-] + [ROOT / "runner" / "optim" / "easgd.py",
-   ROOT / "runner" / "training" / "evaluation.py"]
+CHECKED = (sorted((ROOT / "strategies").glob("*.py"))
+           + [ROOT / "runner" / "core" / name for name in ("primitives.py", "halo.py", "sparse.py",
+                                                          "rma.py", "standin.py")]
+           + sorted((ROOT / "runner" / "optim").glob("*.py"))
+           + sorted((ROOT / "runner" / "checkpoint").glob("*.py"))
+           + [ROOT / "runner" / "training" / "evaluation.py"])
 
 # torch factories whose tensor is on the CPU unless `device=` says otherwise.
 DEFAULT_CPU = frozenset({

@@ -59,12 +59,13 @@ class OneSidedVector:
         self._data_window.Lock_all(MPI.MODE_NOCHECK)
         self._counter_window.Lock_all(MPI.MODE_NOCHECK)
         self._mpi_type = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}[self.dtype]
+        # host: MPI's one-sided windows live in host memory; so do their counters
         self._one = torch.ones(1, dtype=torch.int64)
-        self._fetched = torch.zeros(1, dtype=torch.int64)
+        self._fetched = torch.zeros(1, dtype=torch.int64)  # host: the window's counter
 
     @staticmethod
     def _window_tensor(window: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.frombuffer(window.tomemory(), dtype=dtype)
+        return torch.frombuffer(window.tomemory(), dtype=dtype)  # host: the window's memory
 
     def piece(self, owner: int) -> slice:
         """Where `owner`'s piece lies in the full vector."""
