@@ -110,12 +110,19 @@ def test_an_overflowing_fp16_step_is_skipped_and_the_next_one_taken(tmp_path: Pa
 
 
 def test_device_paths_stage_device_buffers_unless_the_transport_reads_them() -> None:
-    assert not DevicePaths("cpu").staged and DevicePaths("cpu").describe("mpi") == "host"
+    assert not DevicePaths("cpu").staged and DevicePaths("cpu").describe("mpi", 4) == "host"
     assert DevicePaths("cuda").staged
-    assert DevicePaths("cuda").describe("torch") == "staged through host buffers (gloo)"
+    assert DevicePaths("cuda").describe("torch", 4) == "staged through host buffers (gloo)"
     assert not DevicePaths("cuda", direct=True).staged
-    assert DevicePaths("cuda", direct=True).describe("torch") == "direct (NCCL)"
+    assert DevicePaths("cuda", direct=True).describe("torch", 2) == "direct (NCCL)"
     assert DevicePaths("cpu", stage_host=True).staged
+    # one rank: no process group, no collective, whatever the backend would have used
+    assert DevicePaths("cuda", direct=True).describe("torch", 1) == "none: one rank"
+    many = DevicePaths("cuda", shared=tuple((f"GPU-{i} on n", (i, i + 6)) for i in range(6)))
+    assert many.describe("mpi", 12) == (
+        "staged through host buffers (MPI); 2 ranks share GPU-0 on n (ranks 0, 6); "
+        "2 ranks share GPU-1 on n (ranks 1, 7); 2 ranks share GPU-2 on n (ranks 2, 8); "
+        "2 ranks share GPU-3 on n (ranks 3, 9); and 2 more GPUs are shared")
 
 
 def test_staging_moves_through_pooled_host_buffers_and_copies_results_back() -> None:
