@@ -17,14 +17,19 @@ likely, not surely, see it).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from runner.core.staging import StagedTransport
+from runner.training.devices import place_rank
 from strategies.probe import draw_plan
 from strategies.whole_batch import RandomDrawError, RowDraws, forward_key
-from tests.conftest import RunCache, read_metrics, read_summary, train_losses
+from tests.conftest import ROOT, RunCache, read_metrics, read_summary, train_losses
 from tests.test_whole_batch import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -47,8 +52,11 @@ RUNS: dict[str, list[str]] = {
     # ranks that share a GPU cannot use NCCL: gloo, through host copies
     "cuda_data_1x4_torch": [*DATA, "grid.pc=4", *CUDA, "comm.backend=torch",
                             f"trainer.steps={STEPS}"],
-    # one rank with a GPU of its own: NCCL
+    # one rank: no process group at all (the summary says no collective ran)
     "cuda_p1_torch": [*DATA, "grid.pc=1", *CUDA, "comm.backend=torch", f"trainer.steps={STEPS}"],
+    # two ranks, each seeing every GPU, on a machine of two or more: one GPU each, NCCL
+    "cuda_data_1x2_torch": [*DATA, "grid.pc=2", *CUDA, "comm.backend=torch",
+                            f"trainer.steps={STEPS}"],
     "cuda_fp32_long": [*DATA, "grid.pc=1", *CUDA, "trainer.precision=fp32",
                        f"trainer.steps={LONG_STEPS}"],
     "cuda_bf16_long": [*DATA, "grid.pc=1", *CUDA, "trainer.precision=bf16",
@@ -129,10 +137,149 @@ def test_the_torch_backend_on_one_gpu_runs_and_equals_the_mpi_run(gpu_runs: Runs
     run_dir = gpu_runs("cuda_p1_torch")
     summary = read_summary(run_dir)
     assert summary["comm_backend"] == "torch"
-    _check_buffers(summary, "direct (NCCL)")
+    assert summary["device_buffers"] == "none: one rank"  # no process group at one rank
     losses = train_losses(run_dir)
     assert len(losses) == STEPS
     assert _relative_gap(train_losses(gpu_runs("cuda_p1")), losses) <= GAP
+
+
+def test_ranks_sharing_the_gpu_are_named_by_its_uuid_in_the_summary_and_one_warning(
+        gpu_runs: Runs) -> None:
+    run_dir = gpu_runs("cuda_data_1x4_torch")
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    buffers = read_summary(run_dir)["device_buffers"]
+    assert buffers.startswith("staged through host buffers (gloo); 4 ranks share "), buffers
+    assert uuid in buffers and buffers.endswith("(ranks 0, 1, 2, 3)"), buffers
+    warned = [line for line in gpu_runs.results["cuda_data_1x4_torch"].stderr.splitlines()
+              if line.startswith("warning: ") and "ranks share" in line]
+    assert len(warned) == 1 and uuid in warned[0], warned
+    assert "4 ranks share" in (run_dir / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_ranks_each_on_a_gpu_of_their_own_use_nccl_and_equal_one_process(
+        gpu_runs: Runs) -> None:
+    run_dir = gpu_runs("cuda_data_1x2_torch")
+    summary = read_summary(run_dir)
+    assert summary["device_buffers"] == "direct (NCCL)", summary["device_buffers"]
+    assert [d.split(" ")[0] for d in summary["devices"]] == ["cuda:0", "cuda:1"]
+    assert _relative_gap(train_losses(gpu_runs("cuda_p1")), train_losses(run_dir)) <= GAP
+
+
+def test_a_rank_is_placed_on_its_gpu_by_uuid() -> None:
+    placement = place_rank("cuda", None)
+    assert placement.device == torch.device("cuda", 0)
+    assert placement.uuid == str(torch.cuda.get_device_properties(0).uuid)
+    assert placement.gpus == torch.cuda.device_count()
+
+
+class _TwoRanksOnHost:
+    """A host transport for two ranks holding the same tensors: a sum doubles, at once."""
+
+    backend = "mpi"
+    rank, size = 0, 2
+
+    def iallreduce_(self, tensor: torch.Tensor) -> _Done:
+        assert tensor.device.type == "cpu" and tensor.is_pinned()
+        tensor.mul_(2)
+        return _Done()
+
+    def allreduce_(self, tensor: torch.Tensor) -> None:
+        tensor.mul_(2)
+
+
+class _Done:
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+SLEEP_CYCLES = 200_000_000  # a kernel of about 0.1 s at 2 GHz: the stream stays busy meanwhile
+
+
+class _HostWaits:
+    """Counts the host's waits for the GPU through torch.cuda's calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
+                            (torch.cuda.Stream, "synchronize")):
+            original = getattr(owner, name)
+
+            def counted(*args: Any, original: Any = original, **kwargs: Any) -> Any:
+                self.count += 1
+                return original(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, counted)
+
+
+def test_a_staged_iallreduce_issued_in_a_gradient_hook_leaves_the_host_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy to the host is queued behind the kernels before it, on a side stream: the hook
+    returns while the GPU is still busy, and nothing waits on the host."""
+    staged = StagedTransport(_TwoRanksOnHost())
+    bucket = torch.ones(1 << 20, device="cuda")
+    staged.iallreduce_(bucket).wait()  # the side stream and a pooled buffer, as after step 1
+    torch.cuda.synchronize()
+    weight = torch.nn.Parameter(torch.ones(8, device="cuda"))
+    seen: dict[str, Any] = {}
+    waits = _HostWaits(monkeypatch)
+
+    def hook(param: torch.Tensor) -> None:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        bucket.fill_(3.0)  # written by the stream before the copy: the copy must see it
+        seen["request"] = staged.iallreduce_(bucket)
+        seen["busy"] = not torch.cuda.current_stream().query()
+        seen["tested"] = seen["request"].test()  # too early: the copy is still queued
+        seen["waits"] = waits.count
+
+    weight.register_post_accumulate_grad_hook(hook)
+    (weight * 2).sum().backward()
+    assert seen["busy"] and seen["waits"] == 0 and not seen["tested"]
+    seen["request"].wait()
+    torch.cuda.synchronize()
+    assert torch.equal(bucket, torch.full_like(bucket, 6.0))
+
+
+def test_a_staged_result_is_copied_back_behind_the_stream_without_a_host_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    staged = StagedTransport(_TwoRanksOnHost())
+    tensor = torch.ones(1 << 20, device="cuda")
+    request = staged.iallreduce_(tensor)
+    torch.cuda.synchronize()  # the copy in is done: test() starts the sum and completes it
+    waits = _HostWaits(monkeypatch)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    assert request.test()
+    assert not torch.cuda.current_stream().query() and waits.count == 0
+    after = tensor * 1  # on the current stream: runs after the copy back
+    assert torch.equal(after, torch.full_like(tensor, 2.0))
+    kept = staged.pool._kept
+    assert kept and all(flat.is_pinned() for _, flat, _ in kept)
+    staged.allreduce_(tensor)  # the same size again: the pool's buffer, once its copy is done
+    assert torch.equal(tensor, torch.full_like(tensor, 4.0))
+    assert staged.pool.allocated_bytes == tensor.numel() * tensor.element_size()
+
+
+def test_a_cpu_run_on_a_gpu_machine_makes_no_cuda_context() -> None:
+    """Placement on the CPU and the staged path with host tensors (debug.stage_host_tensors)
+    leave CUDA uninitialised: nothing pinned, no stream, no query."""
+    code = (
+        "import torch\n"
+        "from runner.core.staging import StagedTransport\n"
+        "from runner.core.torchdist import LocalTransport\n"
+        "from runner.training.devices import place_rank\n"
+        "assert place_rank('cpu', None).device.type == 'cpu'\n"
+        "staged = StagedTransport(LocalTransport(), force=True)\n"
+        "x = torch.ones(8)\n"
+        "staged.allreduce_(x)\n"
+        "staged.iallreduce_(x).wait()\n"
+        "print(torch.cuda.is_initialized())\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 def test_bf16_trains_digits_to_the_accuracy_of_fp32(gpu_runs: Runs) -> None:

@@ -53,18 +53,39 @@ class DevicePaths:
     otherwise they are staged through host buffers."""
     stage_host: bool = False
     """Stage host tensors too (`debug.stage_host_tensors`: the staged path without a GPU)."""
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """The GPUs several ranks share, each as (the GPU: its UUID and node, the ranks on it)."""
+
+    SHOWN_SHARED = 4  # GPUs named one by one in `sharing`; the rest counted
 
     @property
     def staged(self) -> bool:
         return self.stage_host or (self.device_type != "cpu" and not self.direct)
 
-    def describe(self, backend: Backend) -> str:
-        """One phrase for the summary: how device buffers travel."""
+    def path(self, backend: Backend) -> str:
+        """How device buffers travel between several ranks, in a phrase."""
         if self.device_type == "cpu" and not self.stage_host:
             return "host"
         if self.staged:
             return f"staged through host buffers ({'gloo' if backend == 'torch' else 'MPI'})"
         return "direct (NCCL)" if backend == "torch" else "direct (CUDA-aware MPI)"
+
+    def sharing(self) -> str:
+        """The GPUs several ranks share, in words ("" when none)."""
+        shown = [f"{len(ranks)} ranks share {gpu} (ranks {', '.join(map(str, ranks))})"
+                 for gpu, ranks in self.shared[:self.SHOWN_SHARED]]
+        if len(self.shared) > self.SHOWN_SHARED:
+            shown.append(f"and {len(self.shared) - self.SHOWN_SHARED} more GPUs are shared")
+        return "; ".join(shown)
+
+    def describe(self, backend: Backend, ranks: int) -> str:
+        """One phrase for the summary: how device buffers travelled between the grid's `ranks`
+        ranks (one rank: no collective ran, whatever the backend), and which GPUs ranks
+        shared."""
+        if ranks == 1:
+            return "none: one rank"
+        path = self.path(backend)
+        return f"{path}; {self.sharing()}" if self.shared else path
 
 
 class ProcessGrid:

@@ -120,7 +120,7 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
                             "value": summary[run.objective]}
     logged_loss = setup.optimizer.logged_loss() if grid.pc > 1 else "global batch"
     summary.update(logged_loss=logged_loss, devices=devices,
-                   device_buffers=grid.devices.describe(grid.backend),
+                   device_buffers=grid.devices.describe(grid.backend, grid.size),
                    precision=precision_summary(setup.precision, setup.scaler))
     return summary
 
