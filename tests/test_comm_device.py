@@ -13,7 +13,13 @@ import torch
 
 from runner.core import CommCounter, CommWatchdog, CountedComm
 from runner.core import comm as comm_module
-from runner.core.torchdist import NO_TIMEOUT, cut_blocks, pad_blocks, process_group_timeout
+from runner.core.torchdist import (
+    NO_TIMEOUT,
+    cut_blocks,
+    pad_blocks,
+    padding_pays,
+    process_group_timeout,
+)
 
 
 class FakeMark:
@@ -224,6 +230,13 @@ def test_uneven_blocks_padded_to_the_longest_and_cut_back(counts: list[int]) -> 
     back = torch.empty_like(flat)
     cut_blocks(padded, counts, back)
     assert torch.equal(back, flat)
+
+
+def test_uneven_pieces_are_padded_where_the_padding_adds_little() -> None:
+    assert padding_pays([3, 3, 2, 2], 4)  # a balanced partition: 2 of 10 more
+    assert padding_pays([1, 1, 1, 4000], 4)  # 3 times the bytes, but 48 KB: latency's
+    assert not padding_pays([1, 1, 1, 40_000], 4)  # 480 KB more: as an all-to-all
+    assert padding_pays([100_000] * 3 + [75_000], 4)  # 100 KB, a fifteenth more
 
 
 def test_the_process_groups_timeout_is_a_backstop_after_the_communication_timeout() -> None:

@@ -35,15 +35,15 @@ gloo for host tensors, NCCL for CUDA tensors when the grid asks for it
 refuses two ranks on one GPU, "Duplicate GPU detected"). Otherwise the grid stages CUDA tensors
 through host buffers into gloo (`runner.core.staging`).
 
-Under NCCL nothing of an operation goes through the host: every collective is NCCL's own call
-on the device tensors, and point-to-point exchanges (halos, ring attention, sparse rows) are
-one `batch_isend_irecv` per exchange. NCCL's communicator is connected when the group is made
-(collective over its ranks then), so an exchange in which some ranks have nothing to send or
-receive never makes the connection with only part of the group. The host does not wait for an
-NCCL operation: `work.wait()` makes the current stream wait for it and returns. So the transport
-says so (`stream_ordered`): `CountedComm` times such an operation with CUDA events on the current
-stream and the watchdog sees it in flight until the device has completed it
-(`runner.core.comm`).
+Under NCCL nothing of an operation goes through the host: every collective is NCCL's own call on
+the device tensors (the sparse exchange's rows travel by all-to-all), and point-to-point
+exchanges (halos, ring attention) are one `batch_isend_irecv` per exchange. NCCL's communicator
+is connected when the group is made (collective over its ranks then), so an exchange in which
+some ranks have nothing to send or receive never makes the connection with only part of the
+group. The host does not wait for an NCCL operation: `work.wait()` makes the current stream wait
+for it and returns. The transport names such operations (`stream_ordered`): `CountedComm` times
+them with CUDA events on the current stream and the watchdog sees each in flight until the
+device has completed it (`runner.core.comm`).
 
 Speed on host tensors: gloo on one host goes through TCP on the loopback and hands every
 operation to a worker thread. Measured on 2 cores, a 1 KiB all-reduce takes 1.2–2 ms on 2 ranks
@@ -66,19 +66,23 @@ payload is `CountedComm`'s, the same as under MPI, whatever moves physically:
 - all-gather with uneven pieces. Under NCCL: each piece padded to the longest, one
   `all_gather_single` into a P·longest buffer, then each rank's piece cut out into the output.
   Not the list form (`all_gather` with pieces of their own sizes): NCCL runs that as P
-  broadcasts in a group, where one all-gather runs NCCL's own algorithm; gridrun's pieces come
-  from balanced partitions, which differ by at most one slice, so the padding moves almost
-  nothing more; and gloo refuses the list form with uneven pieces, so the CPU could not check
-  it. gloo's all-gather would move P·longest too, and is slower than an all-to-all-v here, so
-  host tensors go as an all-to-all-v in which each rank sends its piece to every rank: each
-  rank sends (P−1)·its piece and receives exactly the others' pieces, the bytes of MPI's
+  broadcasts in a group, where one all-gather runs NCCL's own algorithm; most of gridrun's
+  pieces come from balanced partitions (shards, activations), which differ by at most one
+  slice, so the padding moves almost nothing more; and gloo refuses the list form with uneven
+  pieces, so the CPU could not check it. Where padding would add more than a quarter to the
+  bytes and over 64 KiB (`padding_pays`: pieces far apart, as the sparse exchange's rows can
+  be), the pieces go as the all-to-all-v below, which moves only the pieces. gloo's
+  all-gather would move P·longest too, and is slower than an all-to-all-v here, so host
+  tensors go as an all-to-all-v in which each rank sends its piece to every rank: each rank
+  sends (P−1)·its piece and receives exactly the others' pieces, the bytes of MPI's
   Allgatherv (measured on 4 ranks with one piece twice the others: 1.5 ms against 4.1 ms for
   20 KiB, 32 ms against 80 ms for 20 MiB). The non-blocking all-gather (`iallgatherv_`)
   issues the same work without waiting for it (gloo's worker threads, or the GPU, move it
   while the caller computes); the padded form's cut runs when it completes.
 - reduce-scatter. Under NCCL: `reduce_scatter_single` (`reduce_scatter_tensor` before torch
   2.13); with uneven blocks each block padded to the longest first and this rank's cut from
-  the result. gloo has no reduce-scatter of its own in torch 2.13: its `reduce_scatter_single`
+  the result (where the padding pays, as for the all-gather; else the host path below). gloo
+  has no reduce-scatter of its own in torch 2.13: its `reduce_scatter_single`
   all-reduces a copy of the whole tensor and keeps this rank's chunk, about twice the bytes of
   a reduce-scatter. Host tensors take the direct (pairwise) algorithm: an all-to-all-v sends
   block k of each rank's tensor to rank k (n − n_k elements sent per rank, the least a
@@ -428,6 +432,19 @@ def _started(work: Any) -> dist.Work:
     return cast(dist.Work, work)
 
 
+# The most padding an uneven all-gather or reduce-scatter takes under NCCL: a quarter of the
+# bytes, or any amount under 64 KiB (latency, not bytes, prices such a call).
+PAD_SHARE = 0.25
+PAD_BYTES = 64 * 1024
+
+
+def padding_pays(counts: list[int], element_size: int) -> bool:
+    """Whether uneven pieces of `counts` elements go padded to the longest (module docstring):
+    the padding adds at most `PAD_SHARE` of the bytes, or at most `PAD_BYTES`."""
+    padding = len(counts) * max(counts) - sum(counts)
+    return padding <= PAD_SHARE * sum(counts) or padding * element_size <= PAD_BYTES
+
+
 def pad_blocks(flat: torch.Tensor, counts: list[int], padded: torch.Tensor) -> None:
     """Block k of `flat` (`counts[k]` elements, in order) into row k of `padded` (P × longest);
     the rest of each row is left as it is (it never reaches a result)."""
@@ -568,7 +585,7 @@ class TorchTransport:
         if all(count == mine for count in counts):
             return _TorchRequest([_started(_all_gather_single(flat_out, flat_piece, group=group,
                                                               async_op=True))])
-        if self._native(out):
+        if self._native(out) and padding_pays(counts, out.element_size()):
             # Padded to the longest piece, then cut (module docstring). In place: this rank's
             # piece in its own row of the padded buffer is the input.
             longest = max(counts)
@@ -579,7 +596,7 @@ class TorchTransport:
             work = _started(_all_gather_single(padded, own, group=group, async_op=True))
             return _TorchRequest([work], (padded,),
                                  lambda: cut_blocks(padded, counts, flat_out))
-        # Uneven, on gloo: each rank's piece to every rank (see the module's docstring).
+        # Uneven, on gloo or far apart: each rank's piece to every rank (module docstring).
         copies = (self._buffer("allgather.send", self.size * mine, piece) if scratch
                   else piece.new_empty(self.size * mine))
         copies.view(self.size, mine).copy_(flat_piece.expand(self.size, mine))
@@ -599,8 +616,9 @@ class TorchTransport:
         if total == 0:
             return
         group = self._group(full)
-        if self._native(full):
-            if all(count == mine for count in counts):
+        even = all(count == mine for count in counts)
+        if self._native(full) and (even or padding_pays(counts, full.element_size())):
+            if even:
                 _started(_reduce_scatter_single(_flat(out, mine), _flat(full, total),
                                                 group=group, async_op=True)).wait()
                 return
@@ -612,7 +630,7 @@ class TorchTransport:
             _started(_reduce_scatter_single(result, padded, group=group, async_op=True)).wait()
             _flat(out, mine).copy_(result[:mine])
             return
-        # On gloo: block k to rank k, then this rank's P blocks summed (module docstring).
+        # On gloo, or far apart: block k to rank k, then this rank's P blocks summed.
         blocks = self._buffer("reduce_scatter.recv", self.size * mine, full)
         _started(dist.all_to_all_single(blocks, _flat(full, total), [mine] * self.size, counts,
                                         group=group, async_op=True)).wait()
