@@ -19,12 +19,13 @@ import sys
 import time
 
 import torch
-from harness import BACKEND, check, run_checks
+from harness import BACKEND, COMM_TIMEOUT_S, check, run_checks
 from mpi4py import MPI
 
 from runner.core import CommWatchdog, DevicePaths, Partition, ProcessGrid
 from runner.core import halo as H
 from runner.core import primitives as P
+from runner.core.torchdist import process_group_timeout
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -70,6 +71,7 @@ def on_both(grid: ProcessGrid, run) -> None:
 
 @check
 def the_groups_move_gpu_tensors_by_nccl_and_host_tensors_by_gloo() -> None:
+    """Not staged; each backend with the process groups' timeout."""
     for grid in GRIDS:
         for comm in (grid.world, grid.model, grid.batch):
             if comm.size == 1:
@@ -79,6 +81,8 @@ def the_groups_move_gpu_tensors_by_nccl_and_host_tensors_by_gloo() -> None:
             backends = transport.groups.backends  # type: ignore[union-attr]
             assert sorted(backends) == ["cpu", "cuda"], backends
             assert type(backends["cuda"]).__name__ == "ProcessGroupNCCL", backends
+            for backend in backends.values():  # from the communication timeout, both
+                assert backend.options._timeout == process_group_timeout(COMM_TIMEOUT_S)
             assert transport.stream_ordered(torch.zeros(1, device=DEVICE))  # type: ignore[union-attr]
             assert not transport.stream_ordered(torch.zeros(1))  # type: ignore[union-attr]
 
