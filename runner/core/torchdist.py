@@ -557,8 +557,11 @@ class TorchTransport:
         batch holds the complementary pair. Messages between two ranks in one direction match
         in the order they are posted; every rank of the group issues its exchanges in the same
         program order (an exchange is collective over the group), so the k-th exchange of a
-        rank meets the k-th of its peers: the halo, ring and sparse exchanges post each
-        message to a peer in the order that peer posts its receive."""
+        rank meets the k-th of its peers, and the halo and ring exchanges post at most one
+        message to each peer. A rank with nothing to send or receive skips the exchange; the
+        others' batches do not involve it, and the communicator is already connected (made
+        with the group), so nobody waits for it.
+        """
         works: list[dist.Work] = []
         for kind in dict.fromkeys(buf.device.type for buf, _ in recvs + sends):
             group = self._group_for(kind)
