@@ -1,6 +1,9 @@
 """On a GPU, through the real command line: devices, staging, NCCL and mixed precision.
 
-Skipped where torch sees no GPU (CI, a CPU-only machine): the whole module is marked.
+Skipped where torch sees no GPU (CI, a CPU-only machine): the whole module is marked. The
+tests of NCCL between GPUs (one rank per GPU: NCCL refuses two ranks on one GPU) are skipped
+where the machine has fewer GPUs than they have ranks; on one GPU the NCCL tests are those of a
+one-rank group and of CUDA-event timing.
 On a GPU machine every run is small (the default 64→128→128→10 MLP on digits), so the module
 takes about a minute, most of it interpreters importing torch and initialising CUDA.
 
@@ -19,17 +22,29 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from runner.core import CommCounter, CommWatchdog, CountedComm, torchdist
 from runner.core.staging import StagedTransport
 from runner.training.devices import place_rank
 from strategies.probe import draw_plan
 from strategies.whole_batch import RandomDrawError, RowDraws, forward_key
-from tests.conftest import ROOT, RunCache, read_metrics, read_summary, train_losses
+from tests.conftest import (
+    ROOT,
+    RunCache,
+    read_metrics,
+    read_summary,
+    run_mpi_script,
+    train_losses,
+)
+from tests.test_failures import finish, job_processes, start_cli, wait_for_step
+from tests.test_mpi_checks import _declared_checks
 from tests.test_whole_batch import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -368,3 +383,154 @@ def test_on_cuda_a_model_split_by_its_plan_reproduces_one_process(
     assert len(losses) == STEPS
     assert _relative_gap(train_losses(gpu_runs(reference)), losses) <= gap
     assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"] > 0
+
+
+# -- NCCL: one rank per GPU ------------------------------------------------------------------------
+
+NCCL_CHECKS = "tests/mpi/check_nccl.py"
+
+
+def _one_gpu_per_rank(ranks: int) -> None:
+    gpus = torch.cuda.device_count()
+    if gpus < ranks:
+        pytest.skip(f"NCCL needs a GPU per rank (it refuses two ranks on one GPU): {ranks} "
+                    f"ranks, {gpus} GPU(s) here")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_nccl_collectives_and_exchanges_equal_the_host_path(ranks: int) -> None:
+    """Every operation of the counted communicator on GPU tensors through NCCL (the padded
+    uneven all-gather and reduce-scatter, all-to-all-v, halos and the ring shift by
+    `batch_isend_irecv`) against the same grid's gloo path on host tensors: equal results, equal
+    records (bytes), nothing staged, seconds from CUDA events (tests/mpi/check_nccl.py). Skipped
+    where the machine has fewer GPUs than `ranks`: NCCL needs one GPU per rank."""
+    _one_gpu_per_rank(ranks)
+    result = run_mpi_script(NCCL_CHECKS, ranks, "--backend=torch")
+    passed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
+    missing = [name for name in _declared_checks(NCCL_CHECKS) if name not in passed]
+    assert result.returncode == 0 and not missing, (
+        f"exit {result.returncode}, not passed: {missing}\n{result.stderr[-4000:]}")
+
+
+def test_a_collective_hung_on_the_gpus_ends_the_job_within_the_timeout() -> None:
+    """Rank 1 sleeps outside any collective; rank 0's all-reduce through NCCL returns at once
+    and its host waits on the device (`torch.cuda.synchronize()`, as a loss read): its watchdog
+    (1 s) still sees the operation in flight and ends the job. Skipped with fewer than 2 GPUs:
+    NCCL needs one GPU per rank."""
+    _one_gpu_per_rank(2)
+    started = time.monotonic()
+    result = run_mpi_script(NCCL_CHECKS, 2, "hang", "--backend=torch", timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.stdout.splitlines() == ["issued"], result.stdout
+    assert result.returncode != 0, result.stderr
+    assert ("rank 0: allreduce 'hang' on group world (2 ranks) did not complete within 1 s"
+            in result.stderr), result.stderr
+    assert elapsed < 60, f"the job took {elapsed:.1f} s to end"  # start-up included
+
+
+def test_under_nccl_a_hung_rank_is_named_and_the_job_ends_within_the_timeout(
+        tmp_path: Path) -> None:
+    """The command line on 2 GPUs under NCCL: rank 1 hangs in step 3 outside any collective;
+    rank 0 names it from its watchdog within `trainer.comm_timeout_s` of the collective its
+    device never completes, as tests/test_failures.py checks on the CPU. Skipped with fewer
+    than 2 GPUs: NCCL needs one GPU per rank."""
+    _one_gpu_per_rank(2)
+    run_dir = tmp_path / "nccl_hung"
+    timeout = 5
+    job = start_cli(*DATA, "grid.pc=2", *CUDA, "comm.backend=torch", "trainer.steps=100",
+                    "trainer.eval_every=null", "debug.fail_at_step=3", "debug.fail_on_rank=1",
+                    "debug.fail_mode=hang", f"trainer.comm_timeout_s={timeout}",
+                    f"hydra.run.dir={run_dir}")
+    seen = wait_for_step(job, run_dir, 2)
+    out, err, ended = finish(job, run_dir, timeout=timeout + 60)
+    assert job.returncode not in (0, 2), f"exit {job.returncode}\n{out}\n{err}"
+    assert ended - seen < timeout + 15, f"{ended - seen:.1f} s after step 2\n{err}"
+    summary = read_summary(run_dir)
+    timed_out = summary["timed_out"]
+    assert timed_out["rank"] == 0 and timed_out["missing_ranks"] == [1], timed_out
+    assert "in step 3 did not complete within 5 s" in summary["error"], summary["error"]
+    assert "rank 1 did not arrive" in summary["error"], summary["error"]
+    assert not job_processes(run_dir)
+
+
+class SpinningTransport:
+    """Stands for NCCL on the one GPU a machine may have: its all-reduce queues a kernel that
+    spins for `cycles` GPU clock cycles on the current stream and returns at once."""
+
+    backend = "torch"
+    rank, size = 0, 2
+
+    def __init__(self) -> None:
+        self.cycles = 0
+
+    def stream_ordered(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    def allreduce_(self, tensor: torch.Tensor) -> None:
+        torch.cuda._sleep(self.cycles)
+
+
+def test_on_one_gpu_operations_the_host_does_not_wait_for_are_timed_and_watched() -> None:
+    """Real CUDA events (`runner.core.comm.cuda_mark`): an operation left to the stream counts
+    at once and its seconds when the totals are read; one the device does not complete in
+    time fires the watchdog while the host has moved on."""
+    transport = SpinningTransport()
+    counter = CommCounter(keep_records=True)
+    comm = CountedComm(None, counter, "world", transport)  # type: ignore[arg-type]
+    x = torch.zeros(4, device="cuda")
+    fired: list[str] = []
+    with CommWatchdog(counter, 0.3, 0, lambda message, _: fired.append(message),
+                      interval=0.02):
+        before = counter.snapshot()
+        transport.cycles = 10**6  # about a millisecond
+        comm.allreduce_(x, label="short")
+        assert counter.totals.calls == 1 and counter._on_device
+        spent = counter.since(before)
+        assert 0 < spent.seconds < 0.3 and not counter._on_device, spent
+        transport.cycles = 4 * 10**9  # seconds at any GPU's clock
+        issued = time.monotonic()
+        comm.allreduce_(x, label="long")
+        assert time.monotonic() - issued < 0.1, "the host waited for the device"
+        assert counter.in_flight is None and counter.watched() is not None
+        time.sleep(1.0)
+        assert fired == ["rank 0: allreduce 'long' on group world (2 ranks) did not complete "
+                         "within 0.3 s (the communication timeout); a peer may have hung or "
+                         "died"], fired
+    torch.cuda.synchronize()
+    assert counter.since(before).seconds > 1.0
+    assert [r.label for r in counter.records] == ["short", "long"]
+    assert counter.records[1].seconds > 1.0
+
+
+def test_on_one_gpu_a_one_rank_nccl_group_takes_the_native_calls() -> None:
+    """The one NCCL group a single GPU allows: one rank, made as a grid's are (an NCCL backend
+    on the group, connected at once), outside an MPI job (the session set by hand). Its
+    all-gather, reduce-scatter and all-to-all are NCCL's on the device tensors, timed by CUDA
+    events; the multi-rank paths are in tests/mpi/check_nccl.py."""
+    torch.cuda.set_device(0)
+    assert torchdist._session is None
+    torchdist._session = torchdist._Session(0, 1, None, dist.HashStore(),
+                                            torchdist.process_group_timeout(60), False)
+    try:
+        transport = torchdist.TorchTransport([0], ("cpu", "cuda"))
+        assert type(transport.groups.backends["cuda"]).__name__ == "ProcessGroupNCCL"
+        counter = CommCounter(keep_records=True)
+        comm = CountedComm(None, counter, "world", transport)
+        x = torch.arange(6.0, device="cuda")
+        results: list[Any] = []
+        for run in (lambda out: comm.allgatherv_(x, out, [6], "gather"),
+                    lambda out: comm.reduce_scatter_(x, out, [6], "scatter"),
+                    lambda out: comm.alltoallv_(x, [6], out, [6], "all-to-all")):
+            out = torch.full_like(x, -1)
+            run(out)
+            results.append(out)
+        assert len(counter._on_device) == 3  # timed on the device
+        counter.snapshot()
+        assert not counter._on_device
+        for out in results:
+            assert torch.equal(out, x)
+        assert [(r.op, r.nbytes) for r in counter.records] == [
+            ("allgather", 24), ("reduce_scatter", 24), ("alltoall", 24)]
+        assert all(r.seconds > 0 for r in counter.records), counter.records
+    finally:
+        torchdist.shutdown_torch_distributed(barrier=False)

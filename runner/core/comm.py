@@ -14,6 +14,15 @@ Every blocking call (and the wait of a non-blocking one) also marks itself in fl
 counter, for the watchdog (`runner.core.watchdog`): one tuple written before the transport's
 call, None after it; no lock, since the watchdog thread only reads the attribute (an atomic read).
 
+Operations the device completes after the host has moved on (NCCL's: `work.wait()` makes the
+current stream wait, not the host; the transport says which, `stream_ordered`) are timed on the
+device instead: a CUDA event is recorded on the current stream before the call (before the wait,
+for a non-blocking one) and one after it, and the counter keeps the pair. Calls and bytes count
+at once; the seconds (the time the stream was held) are resolved when the totals are read
+(`CommCounter.snapshot`, `since`: the training loop reads them after each step), which waits for
+the device there and nowhere inside a step. Until its end event has completed, the operation is
+in flight for the watchdog (`CommCounter.watched`). On the host nothing of this runs.
+
 The data itself moves through the group's *transport* (`Transport`): mpi4py (`MpiTransport`,
 the default) or torch.distributed process groups (`runner.core.torchdist`, chosen per grid with
 `ProcessGrid(..., backend="torch")`). Records are made here, above the transport, from the
@@ -25,8 +34,11 @@ and no true reduce-scatter: see `runner.core.torchdist`).
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -75,6 +87,45 @@ class CommTotals:
 InFlight = tuple[InFlightOp, GroupName, int, str, float]
 
 
+class DeviceMark(Protocol):
+    """A point in a device's stream of work: a CUDA event with timing, recorded on the current
+    stream (`cuda_mark`)."""
+
+    def query(self) -> bool:
+        """Whether the device has reached it (never blocks)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until the device has reached it."""
+        ...
+
+    def elapsed_time(self, end_event: Any, /) -> float:
+        """Milliseconds from this mark to `end_event` (both reached)."""
+        ...
+
+
+def cuda_mark(tensor: torch.Tensor) -> DeviceMark:
+    """A CUDA event recorded now on the current stream of `tensor`'s device."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+@dataclass
+class _OnDevice:
+    """An operation counted on issue whose seconds its device will tell."""
+
+    in_flight: InFlight  # what the watchdog sees until `end` is reached
+    start: DeviceMark
+    end: DeviceMark
+    record: tuple[int, CommRecord] | None  # its record and where, when records are kept
+
+
+# Unresolved device operations kept at most before the completed ones are resolved anyway (a
+# counter nobody reads would otherwise grow for ever).
+_MAX_ON_DEVICE = 4096
+
+
 @dataclass
 class CommCounter:
     """Accumulates records from every communicator that shares it (world, row, column groups)."""
@@ -87,6 +138,14 @@ class CommCounter:
     in_flight: InFlight | None = None
     # What the rank is doing and how long its steps take (its collectives' deadlines).
     pace: Pace = field(default_factory=Pace)
+    # How device operations are marked (`DeviceMark`; a fake one in tests).
+    mark: Callable[[torch.Tensor], DeviceMark] = cuda_mark
+    # Operations timed on a device, oldest first, until their seconds are resolved: appended
+    # and removed by the thread that communicates, read by the watchdog's (under the lock).
+    _on_device: deque[_OnDevice] = field(default_factory=deque, init=False, repr=False,
+                                         compare=False)
+    _on_device_lock: threading.Lock = field(default_factory=threading.Lock, init=False,
+                                            repr=False, compare=False)
 
     def add(self, op: RecordedOp, group: GroupName, group_size: int, nbytes: int, seconds: float,
             label: str) -> None:
@@ -97,10 +156,56 @@ class CommCounter:
         if self.keep_records:  # a record object per call only when someone reads them
             self.records.append(CommRecord(op, group, group_size, nbytes, seconds, label))
 
+    def add_on_device(self, op: CollectiveOp, group: GroupName, group_size: int, nbytes: int,
+                      label: str, began: float, start: DeviceMark, end: DeviceMark) -> None:
+        """Count `op` (its call and bytes now), issued at `began` (`time.perf_counter()`), whose
+        seconds are those from `start` to `end` on its device, resolved when the totals are next
+        read."""
+        self.add(op, group, group_size, nbytes, 0.0, label)
+        record = (len(self.records) - 1, self.records[-1]) if self.keep_records else None
+        timed = _OnDevice((op, group, group_size, label, began), start, end, record)
+        with self._on_device_lock:
+            self._on_device.append(timed)
+        if len(self._on_device) > _MAX_ON_DEVICE:
+            self._resolve(wait=False)
+
+    def _resolve(self, wait: bool) -> None:
+        """Add the device operations' seconds, oldest first: all of them, waiting for the
+        device (`wait`), or those it has completed."""
+        while self._on_device:
+            timed = self._on_device[0]
+            if wait:
+                timed.end.synchronize()
+            elif not timed.end.query():
+                return
+            seconds = timed.start.elapsed_time(timed.end) / 1000
+            self.totals.seconds += seconds
+            if timed.record is not None:
+                index, record = timed.record
+                if index < len(self.records) and self.records[index] is record:  # not cleared
+                    self.records[index] = replace(record, seconds=seconds)
+            with self._on_device_lock:
+                self._on_device.popleft()
+
+    def watched(self) -> InFlight | None:
+        """What the watchdog times: the blocking operation this rank is in, or the oldest
+        operation its device has not completed, whichever began first."""
+        host = self.in_flight
+        if not self._on_device:
+            return host
+        with self._on_device_lock:
+            timed = tuple(self._on_device)
+        device = next((t.in_flight for t in timed if not t.end.query()), None)
+        if device is None or (host is not None and host[4] <= device[4]):
+            return host
+        return device
+
     def snapshot(self) -> CommTotals:
+        self._resolve(wait=True)
         return CommTotals(self.totals.calls, self.totals.nbytes, self.totals.seconds)
 
     def since(self, earlier: CommTotals) -> CommTotals:
+        self._resolve(wait=True)
         return CommTotals(
             self.totals.calls - earlier.calls,
             self.totals.nbytes - earlier.nbytes,
@@ -379,11 +484,13 @@ class MpiTransport:
 
 
 class PendingOp:
-    """A non-blocking collective in flight; `wait()` completes it and records it."""
+    """A non-blocking collective in flight; `wait()` completes it and records it. With
+    `on_device` (a tensor of the operation, when the transport's operations on it are only
+    ordered on its device's stream) the wait is timed on that device."""
 
     def __init__(self, owner: CountedComm, op: CollectiveOp, request: Request | None,
                  nbytes: int, label: str, issue_seconds: float,
-                 keepalive: tuple[Any, ...]) -> None:
+                 keepalive: tuple[Any, ...], on_device: torch.Tensor | None = None) -> None:
         self._owner = owner
         self._op = op
         self._request = request
@@ -391,6 +498,7 @@ class PendingOp:
         self._label = label
         self._seconds = issue_seconds
         self._keepalive = keepalive  # the transport reads these buffers until completion
+        self._on_device = on_device
         self.done = request is None
 
     def test(self) -> bool:
@@ -411,9 +519,16 @@ class PendingOp:
         owner = self._owner
         start = time.perf_counter()
         owner.counter.in_flight = (self._op, owner.name, owner.size, self._label, start)
+        mark = None if self._on_device is None else owner.counter.mark(self._on_device)
         self._request.wait()
-        self._seconds += time.perf_counter() - start
         self.done = True
+        if mark is not None and self._on_device is not None:
+            # the seconds the stream waits for it (what computation did not hide)
+            owner._timed_on_device(self._op, self._nbytes, self._label, start,
+                                   self._on_device, mark)
+            self._keepalive = ()
+            return
+        self._seconds += time.perf_counter() - start
         self._finish()
 
     def _finish(self) -> None:
@@ -440,6 +555,10 @@ class CountedComm:
         self.transport = transport
         self.rank: int = 0 if transport is None else transport.rank
         self.size: int = 1 if transport is None else transport.size
+        # Which tensors' operations the transport leaves to their device's stream (NCCL's on
+        # CUDA tensors): those are timed there (module docstring).
+        self._stream_ordered: Callable[[torch.Tensor], bool] | None = getattr(
+            transport, "stream_ordered", None)
         self._staging: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def __repr__(self) -> str:
@@ -482,6 +601,32 @@ class CountedComm:
         self.counter.in_flight = None
         self.counter.add(op, self.name, self.size, nbytes, seconds, label)
 
+    def _ordered(self, tensor: torch.Tensor) -> bool:
+        """Whether the transport's operation on `tensor` is only ordered on its device's stream
+        when the call returns, not complete."""
+        return self._stream_ordered is not None and self._stream_ordered(tensor)
+
+    def _mark(self, tensor: torch.Tensor) -> DeviceMark | None:
+        """A mark on `tensor`'s stream before an operation the device completes later."""
+        return self.counter.mark(tensor) if self._ordered(tensor) else None
+
+    def _done(self, op: CollectiveOp, nbytes: int, start: float, label: str,
+              tensor: torch.Tensor, mark: DeviceMark | None) -> None:
+        """Record the blocking `op` that began at `start`: the seconds the host spent in it, or
+        with `mark` (`_mark`) those its device's stream spent, resolved later."""
+        if mark is None:
+            self._record(op, nbytes, time.perf_counter() - start, label)
+        else:
+            self._timed_on_device(op, nbytes, label, start, tensor, mark)
+
+    def _timed_on_device(self, op: CollectiveOp, nbytes: int, label: str, began: float,
+                         tensor: torch.Tensor, mark: DeviceMark) -> None:
+        counter = self.counter
+        # watched as the device's before the host's mark goes: never out of sight
+        counter.add_on_device(op, self.name, self.size, nbytes, label, began, mark,
+                              counter.mark(tensor))
+        counter.in_flight = None
+
     # -- collectives on tensors -------------------------------------------------------------
 
     def allreduce_(self, tensor: torch.Tensor, label: str = "") -> torch.Tensor:
@@ -491,8 +636,9 @@ class CountedComm:
         _require_contiguous(tensor)
         transport = self._moved
         start = self._start("allreduce", label)
+        mark = self._mark(tensor)
         transport.allreduce_(tensor)
-        self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
+        self._done("allreduce", _nbytes(tensor), start, label, tensor, mark)
         return tensor
 
     def allreduce(self, tensor: torch.Tensor, out: torch.Tensor, label: str = "") -> torch.Tensor:
@@ -502,8 +648,9 @@ class CountedComm:
         _require_contiguous(tensor)
         transport = self._moved
         start = self._start("allreduce", label)
+        mark = self._mark(tensor)
         transport.allreduce(tensor, out)
-        self._record("allreduce", _nbytes(tensor), time.perf_counter() - start, label)
+        self._done("allreduce", _nbytes(tensor), start, label, tensor, mark)
         return out
 
     def reduce(self, tensor: torch.Tensor, out: torch.Tensor | None, root: int = 0,
@@ -515,8 +662,9 @@ class CountedComm:
         _require_contiguous(tensor)
         transport = self._moved
         start = self._start("reduce", label)
+        mark = self._mark(tensor)
         transport.reduce(tensor, out, root)
-        self._record("reduce", _nbytes(tensor), time.perf_counter() - start, label)
+        self._done("reduce", _nbytes(tensor), start, label, tensor, mark)
         return out
 
     def iallreduce_(self, tensor: torch.Tensor, label: str = "") -> PendingOp:
@@ -529,7 +677,8 @@ class CountedComm:
         request = transport.iallreduce_(tensor)
         self.counter.in_flight = None  # issued: in flight again only while someone waits for it
         pending = PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
-                            time.perf_counter() - start, (tensor,))
+                            time.perf_counter() - start, (tensor,),
+                            tensor if self._ordered(tensor) else None)
         if self.counter.isolate:  # no overlap: the operation's own time
             pending.wait()
         return pending
@@ -547,8 +696,10 @@ class CountedComm:
         request = transport.exchange(sends, recvs, tag)
         self.counter.in_flight = None
         nbytes = sum(_nbytes(buf) for buf, _ in sends)
+        buffers = tuple(buf for buf, _ in sends + recvs)
         pending = PendingOp(self, "exchange", request, nbytes, label,
-                            time.perf_counter() - start, tuple(buf for buf, _ in sends + recvs))
+                            time.perf_counter() - start, buffers,
+                            buffers[0] if self._ordered(buffers[0]) else None)
         if self.counter.isolate:
             pending.wait()
         return pending
@@ -559,8 +710,9 @@ class CountedComm:
         _require_contiguous(tensor)
         transport = self._moved
         start = self._start("bcast", label)
+        mark = self._mark(tensor)
         transport.bcast_(tensor, root)
-        self._record("bcast", _nbytes(tensor), time.perf_counter() - start, label)
+        self._done("bcast", _nbytes(tensor), start, label, tensor, mark)
         return tensor
 
     def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int],
@@ -570,8 +722,9 @@ class CountedComm:
         _require_contiguous(out)
         transport = self._moved
         start = self._start("allgather", label)
+        mark = self._mark(out)
         transport.allgatherv_(piece, out, counts)
-        self._record("allgather", _nbytes(out), time.perf_counter() - start, label)
+        self._done("allgather", _nbytes(out), start, label, out, mark)
         return out
 
     def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int],
@@ -586,7 +739,8 @@ class CountedComm:
         request = transport.iallgatherv_(piece, out, counts)
         self.counter.in_flight = None  # issued: in flight again only while someone waits for it
         pending = PendingOp(self, "allgather", request, _nbytes(out), label,
-                            time.perf_counter() - start, (piece, out))
+                            time.perf_counter() - start, (piece, out),
+                            out if self._ordered(out) else None)
         if self.counter.isolate:  # no overlap: the operation's own time
             pending.wait()
         return pending
@@ -598,8 +752,9 @@ class CountedComm:
         _require_contiguous(out)
         transport = self._moved
         start = self._start("reduce_scatter", label)
+        mark = self._mark(full)
         transport.reduce_scatter_(full, out, counts)
-        self._record("reduce_scatter", _nbytes(full), time.perf_counter() - start, label)
+        self._done("reduce_scatter", _nbytes(full), start, label, full, mark)
         return out
 
     def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
@@ -612,8 +767,9 @@ class CountedComm:
         _require_contiguous(recv)
         transport = self._moved
         start = self._start(op, label)
+        mark = self._mark(send)
         transport.alltoallv_(send, send_counts, recv, recv_counts)
-        self._record(op, _nbytes(send), time.perf_counter() - start, label)
+        self._done(op, _nbytes(send), start, label, send, mark)
         return recv
 
     def staging(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

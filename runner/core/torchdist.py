@@ -10,9 +10,13 @@ the end).
 A grid built with `ProcessGrid(..., backend="torch")` gets process groups over the same ranks
 as its MPI Cartesian communicators, in the same order (`grid_transports`): its world, its model
 group and its batch group, each made once per process and reused by later grids over the same
-ranks. These are the core's own gloo groups (`torch.distributed.ProcessGroupGloo` on a prefix of
-the rendezvous store named after the group's ranks), made by their members only, so a grid
-carved out of part of the job needs nothing from the ranks outside it. Not
+ranks. Each is a `torch.distributed.ProcessGroup` the core assembles itself: a gloo backend
+(`ProcessGroupGloo`) for host tensors and, where asked, an NCCL one for CUDA tensors, each on a
+prefix of the rendezvous store named after the group's ranks, made by their members only, so a
+grid carved out of part of the job needs nothing from the ranks outside it. The functional
+collectives (`torch.distributed.all_reduce(..., group=...)`, `batch_isend_irecv`) take it as
+any group; it is entered in torch.distributed's tables of groups (its backend, and its ranks in
+the job: `P2POp` translates ranks through them) and taken out at shutdown. Not
 `torch.distributed.new_group`: made by members only (`use_local_synchronization`) it names a
 group after its ranks *and the number of groups the process made before*, so a rank that sat
 out an earlier grid names the group differently from its peers and the group never forms;
@@ -21,14 +25,25 @@ creates its groups in the same order (world, model, batch), so no two wait for e
 opposite orders. The default group `init_process_group` makes stays for any other
 torch.distributed code of the run (a benchmark's DDP); the grids' traffic does not use it.
 
-Backends by device: a group's backend is chosen by the device of the tensors an operation
-moves (`backend_for`): gloo for host tensors, NCCL for CUDA tensors when the grid asks for it
+The groups' timeout comes from `trainer.comm_timeout_s` (`init_torch_distributed(timeout_s=)`,
+kept for every group of the process): a backstop later than the watchdog, which ends a hung job
+first and names the rank that did not arrive (`process_group_timeout`).
+
+Backends by device: an operation goes to the backend of its tensors' device (`backend_for`):
+gloo for host tensors, NCCL for CUDA tensors when the grid asks for it
 (`grid_transports(..., device_types=("cpu", "cuda"))`: every rank has a GPU of its own; NCCL
 refuses two ranks on one GPU, "Duplicate GPU detected"). Otherwise the grid stages CUDA tensors
-through host buffers into gloo (`runner.core.staging`). Under NCCL, point-to-point exchanges
-(halos, the sparse exchange's rows) still go through gloo on host copies: NCCL's send and
-receive must be issued as one group call on both sides, or two ranks that each post a receive
-first wait for each other for ever, and a group call of a backend object is not public API.
+through host buffers into gloo (`runner.core.staging`).
+
+Under NCCL nothing of an operation goes through the host: every collective is NCCL's own call on
+the device tensors (the sparse exchange's rows travel by all-to-all), and point-to-point
+exchanges (halos, ring attention) are one `batch_isend_irecv` per exchange. NCCL's communicator
+is connected when the group is made (collective over its ranks then), so an exchange in which
+some ranks have nothing to send or receive never makes the connection with only part of the
+group. The host does not wait for an NCCL operation: `work.wait()` makes the current stream wait
+for it and returns. The transport names such operations (`stream_ordered`): `CountedComm` times
+them with CUDA events on the current stream and the watchdog sees each in flight until the
+device has completed it (`runner.core.comm`).
 
 Speed on host tensors: gloo on one host goes through TCP on the loopback and hands every
 operation to a worker thread. Measured on 2 cores, a 1 KiB all-reduce takes 1.2–2 ms on 2 ranks
@@ -37,28 +52,47 @@ shared memory: on host tensors "mpi" is the faster backend; "torch" is there for
 rank waiting in gloo sleeps where one waiting in MPI spins: mixing the two (an MPI collective
 while peers are in gloo) takes the cores from the ranks at work on an oversubscribed machine.
 
-What gloo (torch 2.13) offers and what this transport does instead, per operation (the recorded
-payload is `CountedComm`'s, the same as under MPI, whatever moves physically):
+The calls, per operation, under NCCL and on gloo (torch 2.13). Host tensors take the same call
+as device tensors wherever gloo has it, so that the CPU suite runs the NCCL path; the recorded
+payload is `CountedComm`'s, the same as under MPI, whatever moves physically:
 
-- all-reduce, reduce, broadcast, all-to-all-v (`alltoall_base` with split sizes), point-to-point
-  send/receive with tags, barrier: gloo's own. `reduce` uses its buffer as scratch on every
-  rank, so non-roots reduce a copy.
-- all-gather with uneven pieces: gloo's all-gather needs equal pieces. Equal counts use it
-  (`_allgather_base`); uneven ones go as an all-to-all-v in which each rank sends its piece to
-  every rank, so each rank sends (P−1)·its piece and receives exactly the others' pieces: the
-  bytes of MPI's Allgatherv, with no padding (a padded all-gather would move P·max; measured on
-  4 ranks with one piece twice the others: 1.5 ms against 4.1 ms for 20 KiB, 32 ms against 80 ms
-  for 20 MiB). The non-blocking all-gather (`iallgatherv_`) issues the same work without waiting
-  for it: gloo's worker threads move it while the caller computes.
-- object all-gather: pickled, the lengths all-gathered, then the bytes as an all-gather above.
-- reduce-scatter: gloo has no reduce-scatter of its own in torch 2.13: `reduce_scatter_tensor`
-  all-reduces a copy of the whole tensor and keeps this rank's chunk (equal chunks only), the
-  list form all-reduces each block in turn; either way the whole tensor is all-reduced, about
-  twice the bytes of a reduce-scatter. Here it is the direct (pairwise) algorithm: an
-  all-to-all-v sends block k of each rank's tensor to rank k (n − n_k elements sent per rank,
-  the least a reduce-scatter can), and rank k sums the P blocks it received, in rank order.
-  Measured on 4 ranks of 2 cores: 1.3 ms against gloo's 5.7 ms for 16 KiB, 20 ms against 41 ms
-  for 16 MiB. The record is the whole tensor, as under MPI (the convention of the α–β cost).
+- all-reduce, reduce, broadcast: `all_reduce`, `reduce`, `broadcast` on both. gloo's `reduce`
+  uses its buffer as scratch on every rank, so non-roots reduce a copy (under NCCL too: one
+  path).
+- all-to-all-v: `all_to_all_single` with split sizes on both.
+- point-to-point: `batch_isend_irecv` on both; under NCCL one group call (see `exchange`).
+- all-gather with equal pieces: `all_gather_single` (`all_gather_into_tensor` before torch
+  2.13) on both.
+- all-gather with uneven pieces. Under NCCL: each piece padded to the longest, one
+  `all_gather_single` into a P·longest buffer, then each rank's piece cut out into the output.
+  Not the list form (`all_gather` with pieces of their own sizes): NCCL runs that as P
+  broadcasts in a group, where one all-gather runs NCCL's own algorithm; most of gridrun's
+  pieces come from balanced partitions (shards, activations), which differ by at most one
+  slice, so the padding moves almost nothing more; and gloo refuses the list form with uneven
+  pieces, so the CPU could not check it. Where padding would add more than a quarter to the
+  bytes and over 64 KiB (`padding_pays`: pieces far apart, as the sparse exchange's rows can
+  be), the pieces go as the all-to-all-v below, which moves only the pieces. gloo's
+  all-gather would move P·longest too, and is slower than an all-to-all-v here, so host
+  tensors go as an all-to-all-v in which each rank sends its piece to every rank: each rank
+  sends (P−1)·its piece and receives exactly the others' pieces, the bytes of MPI's
+  Allgatherv (measured on 4 ranks with one piece twice the others: 1.5 ms against 4.1 ms for
+  20 KiB, 32 ms against 80 ms for 20 MiB). The non-blocking all-gather (`iallgatherv_`)
+  issues the same work without waiting for it (gloo's worker threads, or the GPU, move it
+  while the caller computes); the padded form's cut runs when it completes.
+- reduce-scatter. Under NCCL: `reduce_scatter_single` (`reduce_scatter_tensor` before torch
+  2.13); with uneven blocks each block padded to the longest first and this rank's cut from
+  the result (where the padding pays, as for the all-gather; else the host path below). gloo
+  has no reduce-scatter of its own in torch 2.13: its `reduce_scatter_single`
+  all-reduces a copy of the whole tensor and keeps this rank's chunk, about twice the bytes of
+  a reduce-scatter. Host tensors take the direct (pairwise) algorithm: an all-to-all-v sends
+  block k of each rank's tensor to rank k (n − n_k elements sent per rank, the least a
+  reduce-scatter can), and rank k sums the P blocks it received, in rank order. Measured on 4
+  ranks of 2 cores: 1.3 ms against gloo's 5.7 ms for 16 KiB, 20 ms against 41 ms for 16 MiB.
+  The record is the whole tensor, as under MPI (the convention of the α–β cost).
+
+`TorchTransport.native_on_host` runs the device path's calls on host tensors too (the padded
+all-gather and gloo's reduce-scatter): tests/mpi/check_core.py checks with real ranks on gloo
+that they give the host path's results and records.
 """
 
 from __future__ import annotations
@@ -67,12 +101,13 @@ import datetime
 import os
 import pickle
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from runner.core.comm import Backend, Request, Transport
 
@@ -85,6 +120,13 @@ NO_TIMEOUT = datetime.timedelta(days=365)
 # rank 0's host name for a job on several).
 ADDRESS_VARIABLE = "GRIDRUN_TORCH_ADDR"
 
+# torch 2.13 renamed these two (the old names still work, with a warning): whichever this torch
+# has.
+_all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single",
+                                                 dist.all_gather_into_tensor)
+_reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single",
+                                                     dist.reduce_scatter_tensor)
+
 
 def backend_for(device: torch.device) -> str:
     """The torch.distributed backend for tensors on `device`: gloo on the host, NCCL on CUDA."""
@@ -95,45 +137,34 @@ def process_group_timeout(timeout_s: float | None) -> datetime.timedelta:
     """The process groups' own timeout for a communication timeout of `timeout_s` (None: none).
 
     A backstop, later than the watchdog (`runner.core.watchdog`), which ends a job within about
-    `timeout_s` + 4 s and names the rank that did not arrive: gloo's own timeout would only raise
-    a transport error in the rank that waited."""
+    `timeout_s` + 4 s and names the rank that did not arrive (under NCCL too: it watches an
+    operation until the device has completed it). gloo's own timeout would only raise a
+    transport error in the rank that waited, and NCCL's ends the process that waited, naming a
+    sequence number."""
     if timeout_s is None:
         return NO_TIMEOUT
     return datetime.timedelta(seconds=2 * timeout_s + 60)
 
 
 class Group(Protocol):
-    """What the transport uses of a torch.distributed backend object (`ProcessGroupGloo`; its
-    type stubs do not declare the collectives). Ranks are the group's."""
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work:
-        ...
-
-    def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions) -> dist.Work:
-        ...
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work:
-        ...
-
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
-        ...
-
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: dist.AllToAllOptions) -> dist.Work:
-        ...
-
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
-        ...
-
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work:
-        ...
+    """What the transport uses of a torch.distributed backend object itself (`ProcessGroupGloo`,
+    `ProcessGroupNCCL`); everything else goes through the `ProcessGroup` they are registered
+    on."""
 
     def barrier(self, opts: dist.BarrierOptions) -> dist.Work:
         ...
 
     def shutdown(self) -> None:
         ...
+
+
+@dataclass
+class Groups:
+    """The process group of some ranks: one `torch.distributed.ProcessGroup` (what the
+    functional collectives take), with a backend per device type registered on it."""
+
+    group: dist.ProcessGroup
+    backends: dict[str, Group]
 
 
 @dataclass
@@ -144,8 +175,8 @@ class _Session:
     store: dist.Store
     timeout: datetime.timedelta
     owns_default_group: bool
-    # the grids' groups by their members' ranks (group rank k = ranks[k]), then by device type
-    groups: dict[tuple[int, ...], dict[str, Group]] = field(default_factory=dict)
+    # the grids' groups by their members' ranks (group rank k = ranks[k])
+    groups: dict[tuple[int, ...], Groups] = field(default_factory=dict)
 
 
 _session: _Session | None = None
@@ -202,9 +233,10 @@ def init_torch_distributed(mpi_comm: Any | None, timeout_s: float | None = None)
 
     Every rank joins torch.distributed's default process group (gloo) through a rendezvous store
     rank 0 opens; the grids' groups meet through the same store. `timeout_s` is the
-    communication timeout (`trainer.comm_timeout_s`; None: none): the process groups get a later
-    one as a backstop (`process_group_timeout`). A default group someone else made already (a
-    benchmark's DDP) stays as it is when its ranks are `mpi_comm`'s."""
+    communication timeout (`trainer.comm_timeout_s`; None: none): every process group of the
+    process, the grids' included, gets a later one as a backstop (`process_group_timeout`). A
+    default group someone else made already (a benchmark's DDP) stays as it is when its ranks
+    are `mpi_comm`'s."""
     global _session
     if mpi_comm is None or mpi_comm.Get_size() == 1:
         return
@@ -238,8 +270,9 @@ def shutdown_torch_distributed(barrier: bool = True) -> None:
         return
     if barrier:
         session.mpi_comm.Barrier()
-    for backends in session.groups.values():
-        for backend in backends.values():
+    for groups in session.groups.values():
+        _forget(groups.group)
+        for backend in groups.backends.values():
             backend.shutdown()
     session.groups.clear()
     if session.owns_default_group and dist.is_initialized():
@@ -249,7 +282,7 @@ def shutdown_torch_distributed(barrier: bool = True) -> None:
 def _new_backend(device_type: str, store: dist.Store, rank: int, size: int,
                  timeout: datetime.timedelta) -> Group:
     """A group's backend for tensors on `device_type`: gloo on the host, NCCL on CUDA (on this
-    rank's current GPU: `torch.cuda.set_device` comes first)."""
+    rank's current GPU: `torch.cuda.set_device` comes first), its communicator connected now."""
     if device_type == "cpu":
         return cast(Group, dist.ProcessGroupGloo(store, rank, size, timeout))
     if device_type == "cuda":
@@ -258,25 +291,68 @@ def _new_backend(device_type: str, store: dist.Store, rank: int, size: int,
                                "none: use comm.backend=mpi (staged), or a CUDA build of torch")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return cast(Group, dist.ProcessGroupNCCL(store, rank, size, options))
+        nccl = dist.ProcessGroupNCCL(store, rank, size, options)
+        # Collective over the group's ranks, as making the group is: connected lazily, the
+        # first operation would connect it, and an exchange only some ranks take part in
+        # would wait for the others for ever.
+        nccl.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        return cast(Group, nccl)
     raise ValueError(f"backend 'torch' has no process groups for {device_type} tensors")
 
 
-def process_group(ranks: Sequence[int], device_type: str = "cpu") -> Group:
-    """The group of the job's `ranks` (group rank k = `ranks[k]`) for tensors on `device_type`;
-    made on first use, collective over `ranks` only, then the same object for the same ranks."""
+_BACKEND_TYPES = {"cpu": dist.ProcessGroup.BackendType.GLOO,
+                  "cuda": dist.ProcessGroup.BackendType.NCCL}
+
+
+def _enter(group: dist.ProcessGroup, ranks: Sequence[int], backend: str,
+           store: dist.Store) -> None:
+    """Enter `group` in torch.distributed's tables as `new_group` would: its backend (read when
+    a collective raises, to describe the group) and its ranks in the job (`P2POp` translates a
+    group rank through them)."""
+    world = distributed_c10d._world
+    world.pg_map[group] = (backend, store)
+    world.pg_group_ranks[group] = {job_rank: k for k, job_rank in enumerate(ranks)}
+
+
+def _forget(group: dist.ProcessGroup) -> None:
+    world = distributed_c10d._world
+    world.pg_map.pop(group, None)
+    world.pg_group_ranks.pop(group, None)
+
+
+def process_groups(ranks: Sequence[int], device_types: Sequence[str] = ("cpu",)) -> Groups:
+    """The group of the job's `ranks` (group rank k = `ranks[k]`) with backends for tensors on
+    each of `device_types`; made on first use, collective over `ranks` only, then the same
+    object for the same ranks (a backend for a device type asked for later is added then)."""
     session = _require_session()
     key = tuple(ranks)
-    backends = session.groups.setdefault(key, {})
-    backend = backends.get(device_type)
-    if backend is None:
-        if session.rank not in key:
-            raise ValueError(f"rank {session.rank} is not in the group {list(key)}")
-        name = "-".join(map(str, key))
-        store = dist.PrefixStore(f"gridrun/{device_type}/{name}/", session.store)
-        backend = backends[device_type] = _new_backend(device_type, store, key.index(session.rank),
-                                                       len(key), session.timeout)
-    return backend
+    if session.rank not in key:
+        raise ValueError(f"rank {session.rank} is not in the group {list(key)}")
+    name = "-".join(map(str, key))
+    store = dist.PrefixStore(f"gridrun/{name}/", session.store)
+    groups = session.groups.get(key)
+    if groups is None:
+        group = dist.ProcessGroup(store, key.index(session.rank), len(key))
+        group._set_default_backend(_BACKEND_TYPES["cpu"])  # control messages: host tensors
+        groups = session.groups[key] = Groups(group, {})
+    added = False
+    for device_type in device_types:
+        if device_type not in groups.backends:
+            backend = _new_backend(device_type,
+                                   dist.PrefixStore(f"gridrun/{device_type}/{name}/",
+                                                    session.store),
+                                   key.index(session.rank), len(key), session.timeout)
+            groups.group._register_backend(torch.device(device_type),
+                                           _BACKEND_TYPES[device_type],
+                                           cast(Any, backend))
+            groups.backends[device_type] = backend
+            added = True
+    if added:
+        groups.group._set_group_name(cast("distributed_c10d.GroupName", f"gridrun:{name}"))
+        names = [f"{kind}:{backend_for(torch.device(kind))}" for kind in groups.backends]
+        _enter(groups.group, key, names[0].partition(":")[2] if len(names) == 1
+               else ",".join(names), store)
+    return groups
 
 
 def _require_session() -> _Session:
@@ -307,16 +383,34 @@ def grid_transports(mpi_comms: Sequence[Any],
 
 
 class _TorchRequest:
-    def __init__(self, works: list[dist.Work], keepalive: tuple[torch.Tensor, ...] = ()) -> None:
+    """Works in flight; `finish` runs once, when they are complete (a padded all-gather's cut).
+    Complete means complete for the current stream too: under NCCL `wait()` makes the stream
+    wait (the host does not), so `test()` calls it once the works are done."""
+
+    def __init__(self, works: list[dist.Work], keepalive: tuple[torch.Tensor, ...] = (),
+                 finish: Callable[[], None] | None = None) -> None:
         self._works = works
         self._keepalive = keepalive  # buffers of the transport's own the works read
+        self._finish = finish
+        self._done = False
 
-    def test(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-    def wait(self) -> None:
+    def _complete(self) -> None:
         for work in self._works:
             work.wait()
+        if not self._done:
+            self._done = True
+            if self._finish is not None:
+                self._finish()
+            self._keepalive = ()
+
+    def test(self) -> bool:
+        if not self._done and all(work.is_completed() for work in self._works):
+            self._complete()
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            self._complete()
 
 
 class _Done:
@@ -332,50 +426,95 @@ def _flat(tensor: torch.Tensor, count: int) -> torch.Tensor:
     return tensor.view(-1)[:count]
 
 
-_SUM = dist.ReduceOp(dist.ReduceOp.SUM)
+def _started(work: Any) -> dist.Work:
+    """The work of a functional collective called with `async_op=True` (typed as optional)."""
+    assert work is not None
+    return cast(dist.Work, work)
 
 
-def _sum() -> dist.AllreduceOptions:
-    options = dist.AllreduceOptions()
-    options.reduceOp = _SUM
-    return options
+# The most padding an uneven all-gather or reduce-scatter takes under NCCL: a quarter of the
+# bytes, or any amount under 64 KiB (latency, not bytes, prices such a call).
+PAD_SHARE = 0.25
+PAD_BYTES = 64 * 1024
+
+
+def padding_pays(counts: list[int], element_size: int) -> bool:
+    """Whether uneven pieces of `counts` elements go padded to the longest (module docstring):
+    the padding adds at most `PAD_SHARE` of the bytes, or at most `PAD_BYTES`."""
+    padding = len(counts) * max(counts) - sum(counts)
+    return padding <= PAD_SHARE * sum(counts) or padding * element_size <= PAD_BYTES
+
+
+def pad_blocks(flat: torch.Tensor, counts: list[int], padded: torch.Tensor) -> None:
+    """Block k of `flat` (`counts[k]` elements, in order) into row k of `padded` (P × longest);
+    the rest of each row is left as it is (it never reaches a result)."""
+    rows = padded.view(len(counts), -1)
+    offset = 0
+    for k, count in enumerate(counts):
+        rows[k, :count].copy_(flat[offset:offset + count])
+        offset += count
+
+
+def cut_blocks(padded: torch.Tensor, counts: list[int], flat: torch.Tensor) -> None:
+    """The inverse of `pad_blocks`: the first `counts[k]` elements of row k, end to end."""
+    rows = padded.view(len(counts), -1)
+    offset = 0
+    for k, count in enumerate(counts):
+        flat[offset:offset + count].copy_(rows[k, :count])
+        offset += count
 
 
 class TorchTransport:
     """torch.distributed process groups over the job's ranks `ranks` (group rank k is job rank
     `ranks[k]`, as in the MPI communicator it mirrors); each operation goes to the group's
-    backend for its tensors' device. Blocking operations wait for their work (the GIL is
-    released meanwhile: the watchdog's thread runs)."""
+    backend for its tensors' device. Blocking operations wait for their work (on the host, the
+    GIL released meanwhile: the watchdog's thread runs; under NCCL the current stream waits and
+    the host goes on, see `stream_ordered`)."""
 
     backend: Backend = "torch"
+    # The device path's calls for host tensors too, where gloo's own are slower (module
+    # docstring): for checks on the CPU.
+    native_on_host = False
 
     def __init__(self, ranks: Sequence[int], device_types: Sequence[str] = ("cpu",)) -> None:
-        from runner.core.staging import StagedTransport
-
         session = _require_session()
         self.global_ranks = list(ranks)
         self.size: int = len(self.global_ranks)
         self.rank: int = self.global_ranks.index(session.rank)
-        self._groups = {kind: process_group(self.global_ranks, kind)
-                        for kind in dict.fromkeys(("cpu", *device_types))}
+        self.groups = process_groups(self.global_ranks, tuple(dict.fromkeys(("cpu",
+                                                                              *device_types))))
+        self._device_types = frozenset(("cpu", *device_types))
         self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-        self._host_exchange = StagedTransport(self)  # device point-to-point (module docstring)
 
     def __repr__(self) -> str:
         return f"TorchTransport(rank {self.rank} of ranks {self.global_ranks})"
 
-    def _group(self, tensor: torch.Tensor) -> Group:
-        """The group for `tensor`'s device (made with the transport: made on first use, a group
-        would be collective over ranks that may not all be in this operation)."""
-        group = self._groups.get(tensor.device.type)
-        if group is None:
-            raise ValueError(f"{self!r} has no {backend_for(tensor.device)} group for "
-                             f"{tensor.device.type} tensors: the grid stages them through the "
-                             f"host (runner.core.grid.DevicePaths)")
-        return group
+    def stream_ordered(self, tensor: torch.Tensor) -> bool:
+        """Whether an operation on `tensor` is only ordered on its device's current stream when
+        the call returns, not complete: NCCL's, on CUDA tensors (`runner.core.comm` times these
+        with CUDA events, and the watchdog watches them until the device completes them)."""
+        return tensor.is_cuda
+
+    def _native(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` takes the device path's calls (module docstring)."""
+        return tensor.is_cuda or self.native_on_host
+
+    def _group(self, tensor: torch.Tensor) -> dist.ProcessGroup:
+        return self._group_for(tensor.device.type)
+
+    def _group_for(self, device_type: str) -> dist.ProcessGroup:
+        """The group, once it is known to have a backend for `device_type` (made with the
+        transport: made on first use, a backend would be collective over ranks that may not
+        all be in this operation)."""
+        if device_type not in self._device_types:
+            raise ValueError(f"{self!r} has no {backend_for(torch.device(device_type))} group "
+                             f"for {device_type} tensors: the grid stages them through the host "
+                             f"(runner.core.grid.DevicePaths)")
+        return self.groups.group
 
     def _buffer(self, tag: str, count: int, like: torch.Tensor) -> torch.Tensor:
-        """A 1-D scratch buffer of `count` elements, reused across blocking calls."""
+        """A 1-D scratch buffer of `count` elements, reused across blocking calls (on a device,
+        reuse is ordered by the stream: the next call's work is queued after this one's)."""
         key = (tag, like.dtype, like.device)
         buffer = self._scratch.get(key)
         if buffer is None or buffer.numel() < count:
@@ -384,7 +523,7 @@ class TorchTransport:
         return buffer[:count]
 
     def allreduce_(self, tensor: torch.Tensor) -> None:
-        self._group(tensor).allreduce([tensor], _sum()).wait()
+        _started(dist.all_reduce(tensor, group=self._group(tensor), async_op=True)).wait()
 
     def allreduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
         self.allreduce_(out.copy_(tensor))
@@ -397,71 +536,114 @@ class TorchTransport:
         else:
             buffer = self._buffer("reduce", tensor.numel(), tensor).view(tensor.shape)
             buffer.copy_(tensor)
-        options = dist.ReduceOptions()
-        options.reduceOp = _SUM
-        options.rootRank, options.rootTensor = root, 0
-        self._group(buffer).reduce([buffer], options).wait()
+        _started(dist.reduce(buffer, group=self._group(buffer), group_dst=root,
+                             async_op=True)).wait()
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
-        return _TorchRequest([self._group(tensor).allreduce([tensor], _sum())])
+        return _TorchRequest([_started(dist.all_reduce(tensor, group=self._group(tensor),
+                                                       async_op=True))])
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
                  recvs: list[tuple[torch.Tensor, int]], tag: int) -> Request:
-        if any(buf.device.type != "cpu" for buf, _ in sends + recvs):
-            return self._host_exchange.exchange(sends, recvs, tag)
-        works = [self._group(buf).recv([buf], src, tag) for buf, src in recvs]
-        works += [self._group(buf).send([buf], dst, tag) for buf, dst in sends]
+        """Every send and receive of this rank, posted at once by `batch_isend_irecv` (one per
+        device type; tags match under gloo, NCCL has none).
+
+        Why it cannot deadlock: no rank posts a receive and then waits for it before posting
+        its sends. On gloo every send and receive is posted without waiting, and the request
+        waits for them all afterwards. Under NCCL the batch is one group call
+        (ncclGroupStart … ncclGroupEnd): NCCL launches the sends and receives of the group
+        together and progresses them concurrently, so a rank's receive from a peer and its send
+        to it are in flight at once, whatever their order in the list; the peer's matching
+        batch holds the complementary pair. Messages between two ranks in one direction match
+        in the order they are posted; every rank of the group issues its exchanges in the same
+        program order (an exchange is collective over the group), so the k-th exchange of a
+        rank meets the k-th of its peers, and the halo and ring exchanges post at most one
+        message to each peer. A rank with nothing to send or receive skips the exchange; the
+        others' batches do not involve it, and the communicator is already connected (made
+        with the group), so nobody waits for it.
+        """
+        works: list[dist.Work] = []
+        for kind in dict.fromkeys(buf.device.type for buf, _ in recvs + sends):
+            group = self._group_for(kind)
+            ops = [dist.P2POp(dist.irecv, buf, group=group, tag=tag, group_peer=src)
+                   for buf, src in recvs if buf.device.type == kind]
+            ops += [dist.P2POp(dist.isend, buf, group=group, tag=tag, group_peer=dst)
+                    for buf, dst in sends if buf.device.type == kind]
+            works += [work for work in dist.batch_isend_irecv(ops) if work is not None]
         return _TorchRequest(works)
 
     def bcast_(self, tensor: torch.Tensor, root: int) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank, options.rootTensor = root, 0
-        self._group(tensor).broadcast([tensor], options).wait()
+        _started(dist.broadcast(tensor, group=self._group(tensor), group_src=root,
+                                async_op=True)).wait()
 
-    def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+    def _gather(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int],
+                scratch: bool) -> Request:
+        """Start the all-gather of `allgatherv_`; `scratch`: the transport's reused buffers
+        (blocking calls), else buffers of the request's own."""
         total, mine = sum(counts), counts[self.rank]
         if total == 0:
-            return  # every rank knows the counts: all skip alike
+            return _Done()  # every rank knows the counts: all skip alike
         group = self._group(out)
+        flat_out, flat_piece = _flat(out, total), _flat(piece, mine)
         if all(count == mine for count in counts):
-            group._allgather_base(_flat(out, total), _flat(piece, mine)).wait()
-            return
-        # Uneven: each rank's piece to every rank (see the module's docstring).
-        copies = self._buffer("allgather.send", self.size * mine, piece)
-        copies.view(self.size, mine).copy_(_flat(piece, mine).expand(self.size, mine))
-        group.alltoall_base(_flat(out, total), copies, counts, [mine] * self.size,
-                            dist.AllToAllOptions()).wait()
+            return _TorchRequest([_started(_all_gather_single(flat_out, flat_piece, group=group,
+                                                              async_op=True))])
+        if self._native(out) and padding_pays(counts, out.element_size()):
+            # Padded to the longest piece, then cut (module docstring). In place: this rank's
+            # piece in its own row of the padded buffer is the input.
+            longest = max(counts)
+            padded = (self._buffer("allgather.padded", self.size * longest, out) if scratch
+                      else out.new_empty(self.size * longest))
+            own = padded[self.rank * longest:(self.rank + 1) * longest]
+            own[:mine].copy_(flat_piece)
+            work = _started(_all_gather_single(padded, own, group=group, async_op=True))
+            return _TorchRequest([work], (padded,),
+                                 lambda: cut_blocks(padded, counts, flat_out))
+        # Uneven, on gloo or far apart: each rank's piece to every rank (module docstring).
+        copies = (self._buffer("allgather.send", self.size * mine, piece) if scratch
+                  else piece.new_empty(self.size * mine))
+        copies.view(self.size, mine).copy_(flat_piece.expand(self.size, mine))
+        work = _started(dist.all_to_all_single(flat_out, copies, counts, [mine] * self.size,
+                                               group=group, async_op=True))
+        return _TorchRequest([work], (copies,))
+
+    def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
+        self._gather(piece, out, counts, scratch=True).wait()
 
     def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor,
                      counts: list[int]) -> Request:
-        total, mine = sum(counts), counts[self.rank]
-        if total == 0:
-            return _Done()
-        group = self._group(out)
-        if all(count == mine for count in counts):
-            return _TorchRequest([group._allgather_base(_flat(out, total), _flat(piece, mine))])
-        # Uneven: as `allgatherv_`, from copies of its own (the scratch buffer is the blocking
-        # calls'), kept until the work completes.
-        copies = _flat(piece, mine).expand(self.size, mine).contiguous().view(-1)
-        work = group.alltoall_base(_flat(out, total), copies, counts, [mine] * self.size,
-                                   dist.AllToAllOptions())
-        return _TorchRequest([work], (copies,))
+        return self._gather(piece, out, counts, scratch=False)
 
     def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
         total, mine = sum(counts), counts[self.rank]
         if total == 0:
             return
-        # Block k to rank k, then this rank's P blocks summed (see the module's docstring).
+        group = self._group(full)
+        even = all(count == mine for count in counts)
+        if self._native(full) and (even or padding_pays(counts, full.element_size())):
+            if even:
+                _started(_reduce_scatter_single(_flat(out, mine), _flat(full, total),
+                                                group=group, async_op=True)).wait()
+                return
+            # Each block padded to the longest, this rank's cut from the result.
+            longest = max(counts)
+            padded = self._buffer("reduce_scatter.padded", self.size * longest, full)
+            pad_blocks(_flat(full, total), counts, padded)
+            result = self._buffer("reduce_scatter.result", longest, full)
+            _started(_reduce_scatter_single(result, padded, group=group, async_op=True)).wait()
+            _flat(out, mine).copy_(result[:mine])
+            return
+        # On gloo, or far apart: block k to rank k, then this rank's P blocks summed.
         blocks = self._buffer("reduce_scatter.recv", self.size * mine, full)
-        self._group(full).alltoall_base(blocks, _flat(full, total), [mine] * self.size, counts,
-                                        dist.AllToAllOptions()).wait()
+        _started(dist.all_to_all_single(blocks, _flat(full, total), [mine] * self.size, counts,
+                                        group=group, async_op=True)).wait()
         torch.sum(blocks.view(self.size, mine), dim=0, out=_flat(out, mine))
 
     def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
                    recv_counts: list[int]) -> None:
-        self._group(send).alltoall_base(_flat(recv, sum(recv_counts)),
+        _started(dist.all_to_all_single(_flat(recv, sum(recv_counts)),
                                         _flat(send, sum(send_counts)), recv_counts, send_counts,
-                                        dist.AllToAllOptions()).wait()
+                                        group=self._group(send), async_op=True)).wait()
 
     def allgather_object(self, obj: Any) -> list[Any]:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -478,7 +660,7 @@ class TorchTransport:
         return gathered
 
     def barrier(self) -> None:
-        self._groups["cpu"].barrier(dist.BarrierOptions()).wait()
+        self.groups.backends["cpu"].barrier(dist.BarrierOptions()).wait()
 
 
 class LocalTransport:

@@ -10,6 +10,13 @@ collective's work, so the thread runs while the main thread is blocked under eit
 later than this one (`runner.core.torchdist.process_group_timeout`): a backstop, where this
 watchdog names the rank that did not arrive.
 
+Under NCCL the host does not block in a collective: the call returns once the work is queued
+and the current stream waits for it, and the host blocks later, wherever it next waits for the
+device (a loss read with `.item()`), outside any collective. So what the thread times is
+`CommCounter.watched()`: the blocking operation the rank is in, or the oldest operation its
+device has not completed (its CUDA event not reached), counted from when the host issued it.
+A collective that hangs on the GPU therefore ends the job as one that hangs on the host does.
+
 The rank that times out is the one that waited, not the one that hung. To name the latter, the
 same thread also keeps a `CommProgress` of its rank (how many operations it completed, when the
 count last moved, what it is in now) and hands it to `publish` about once a second; on timeout it
@@ -146,7 +153,7 @@ def describe_absent(absent: list[Absence], limit: int = NAMED_ABSENT) -> str:
 
 
 class CommWatchdog:
-    """Watches `counter.in_flight` from a daemon thread; `on_timeout(message, in_flight)` runs
+    """Watches `counter.watched()` from a daemon thread; `on_timeout(message, in_flight)` runs
     in that thread, once, when one operation has been in flight longer than its deadline:
     `timeout_s`, or with `paced`, the deadline `counter.pace` derives from the steps timed so
     far, at most `timeout_s` (`runner.core.pace`); the one that fired is in `deadline`.
@@ -208,7 +215,7 @@ class CommWatchdog:
 
     def progress(self) -> CommProgress:
         """This rank's communication now (cheap: two attribute reads and a clock)."""
-        in_flight = self.counter.in_flight  # one read: a consistent tuple
+        in_flight = self.counter.watched()  # one read: a consistent tuple
         completed = self.counter.totals.calls
         now, clock = time.time(), time.perf_counter()
         if completed != self._completed:
@@ -239,7 +246,7 @@ class CommWatchdog:
                 wait = max(0.0, min(wait, next_publish - time.monotonic()))
             if self._stop.wait(wait):
                 return
-            in_flight = self.counter.in_flight  # one read: a consistent tuple
+            in_flight = self.counter.watched()  # one read: a consistent tuple
             if in_flight is not None:
                 deadline = self._deadline()
                 if time.perf_counter() - in_flight[4] > deadline.seconds:

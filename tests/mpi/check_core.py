@@ -15,7 +15,7 @@ world, and inside its model groups, with its recorded bytes against the predicti
 from __future__ import annotations
 
 import torch
-from harness import check, make_grids, run_checks
+from harness import COMM_TIMEOUT_S, check, make_grids, run_checks
 from mpi4py import MPI
 
 from runner.core import (
@@ -189,6 +189,63 @@ def nonblocking_all_gather_equals_the_blocking_one() -> None:
                          lambda t, c=comm, d=dim, p=part: P.all_gather_wait(
                              t, P.all_gather_start(t, c, d, p)),
                          lambda t, c=comm, d=dim, p=part: P.reduce_scatter_op(t, c, d, p), x, y)
+        grid.counter.keep_records = keep
+        grid.counter.records.clear()
+
+
+@check
+def native_collectives_equal_the_host_path() -> None:
+    """The calls CUDA tensors take under NCCL where host tensors take others
+    (`TorchTransport.native_on_host`: the all-gather of uneven pieces padded to the longest and
+    cut, blocking and not, and the reduce-scatter, padded where blocks are uneven), run here on
+    gloo: the host path's results and records. Under "mpi" one path against itself. And under
+    "torch" every group was made with the process groups' timeout."""
+    from runner.core.torchdist import process_group_timeout
+
+    for grid, groups in grids():
+        keep = grid.counter.keep_records
+        grid.counter.keep_records = True
+        for group_name, comm in groups.items():
+            transport = comm.transport
+            if transport is None:
+                continue
+            if hasattr(transport, "groups"):
+                for backend in transport.groups.backends.values():
+                    assert backend.options._timeout == process_group_timeout(COMM_TIMEOUT_S)
+            for dtype, total in ((torch.float32, 2 * comm.size + 1),
+                                 (torch.float32, max(comm.size - 1, 1)),  # some pieces empty
+                                 (torch.float32, 2 * comm.size),  # even
+                                 (torch.bfloat16, comm.size + 1)):
+                part = Partition(total, comm.size)
+                counts = part.counts(3)
+                # whole numbers: sums exact in any order, bf16 included
+                whole = (seeded((total, 3), 250, torch.float32) * 8).round().to(dtype)
+                full = (seeded((total, 3), 260 + comm.rank, torch.float32) * 8).round().to(dtype)
+                piece = whole[part.slice(comm.rank)].clone()
+                paths = []
+                for native in (False, True):
+                    if hasattr(transport, "native_on_host"):
+                        transport.native_on_host = native
+                    gathered = torch.full_like(whole, -1)
+                    comm.allgatherv_(piece, gathered, counts, "native")
+                    started = torch.full_like(whole, -1)
+                    comm.iallgatherv_(piece, started, counts, "native").wait()
+                    scattered = torch.full((part.sizes[comm.rank], 3), -1, dtype=dtype)
+                    comm.reduce_scatter_(full, scattered, counts, "native")
+                    records = [(r.op, r.group, r.group_size, r.nbytes)
+                               for r in grid.counter.records if r.label == "native"]
+                    grid.counter.records.clear()
+                    paths.append((gathered, started, scattered, records))
+                if hasattr(transport, "native_on_host"):
+                    transport.native_on_host = False
+                (host, *_), (native_out, *_) = paths
+                assert torch.equal(host, whole) and torch.equal(native_out, whole), group_name
+                for a, b in zip(paths[0], paths[1], strict=True):
+                    assert (a == b) if isinstance(a, list) else torch.equal(a, b), (
+                        group_name, dtype, total, a, b)
+                nbytes = whole.numel() * whole.element_size()
+                assert paths[1][3] == [("allgather", comm.name, comm.size, nbytes)] * 2 + [
+                    ("reduce_scatter", comm.name, comm.size, nbytes)], paths[1][3]
         grid.counter.keep_records = keep
         grid.counter.records.clear()
 
