@@ -1,0 +1,191 @@
+"""What a GPU run adds, checked in one process on the CPU: validation in global batches, the
+summary's GPU figures (FLOPs per step, TFLOP/s per GPU, MFU, the peak table, peak device memory;
+torch.cuda's queries faked), the calibration of a device (its measurements run on the CPU's
+tensors), and the set-up that keeps a CUDA build of torch."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from runner.cli.validation import validate
+from runner.config.schema import RunConfig
+from runner.core import GridShape, ProcessGrid
+from runner.training.evaluation import EVAL_TARGETS, _chunks, evaluate, validation
+from runner.training.summary import (
+    FLOP_COUNTING_RATES,
+    gpu_figures,
+    gpu_peak,
+    model_flops_per_step,
+    utilisation,
+)
+from runner.zoo.models import mlp
+from strategies import STRATEGIES, PricingContext
+
+
+def run_config(**trainer: Any) -> RunConfig:
+    cfg = OmegaConf.create({
+        "seed": 0, "grid": {"pr": 1, "pc": 1}, "dataset": {"name": "digits"},
+        "model": {"name": "mlp"}, "strategy": {"name": "data"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "trainer": {"steps": 4, "batch_size": 64, "eval_every": 2, "threads": 1, **trainer}})
+    return validate(cfg, world_size=1)
+
+
+# -- validation in global batches ----------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,per_row,batch,ranks", [
+    (37, 1, 8, 1), (37, 1, 8, 4), (37, 1, None, 2), (360, 1, 64, 4), (5, 1, 4, 4),
+    (100, 64, 1000, 2), (100, 64, 16, 2), (3, 4096, 8, 2), (0, 1, 8, 1)])
+def test_pieces_are_batches_of_at_most_the_batch_size_covering_the_set(
+        rows: int, per_row: int, batch: int | None, ranks: int) -> None:
+    pieces = _chunks(rows, per_row, batch, ranks)
+    assert pieces[0].start == 0 and pieces[-1].stop == rows
+    assert all(a.stop == b.start for a, b in itertools.pairwise(pieces))
+    sizes = [p.stop - p.start for p in pieces]
+    assert max(sizes) - min(sizes) <= 1  # cut evenly: no small remainder last
+    if rows >= ranks:
+        assert min(sizes) >= ranks  # every rank of the batch group gets rows of every piece
+    most = rows if batch is None else batch
+    if per_row > 1:
+        most = min(most, max(1, EVAL_TARGETS // per_row))
+    if rows // ranks >= -(-rows // max(most, 1)):  # the size rule, where the set allows it
+        assert max(sizes) <= max(most, 1)
+    assert len(pieces) == max(1, min(-(-rows // max(most, 1)), rows // ranks))
+
+
+def test_a_classifier_is_scored_in_pieces_of_the_batch_size() -> None:
+    assert [p.stop - p.start for p in _chunks(1000, 1, 256)] == [250] * 4
+    assert _chunks(1000, 1) == [slice(0, 1000)]  # no batch size: the whole set at once
+    # pieces of 4 rows where 4 ranks split the batch: never fewer rows than ranks
+    assert [p.stop - p.start for p in _chunks(5, 1, 4, ranks=4)] == [5]
+
+
+def _data_model(model: torch.nn.Module, shape: tuple[int, ...]) -> Any:
+    return STRATEGIES.get("data")().parallelize(model, shape, ProcessGrid(1, 1))
+
+
+def test_evaluation_in_batches_equals_one_forward_over_the_set() -> None:
+    torch.manual_seed(0)
+    model = _data_model(mlp((1, 8, 8), 10, hidden=(30, 21)).double(), (1, 8, 8))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(101, 1, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (101,), generator=gen)
+    whole = evaluate(model, x, y)
+    for batch in (1, 7, 32, 100, 101, 500):
+        part = evaluate(model, x, y, batch_size=batch)
+        assert part.loss == pytest.approx(whole.loss, rel=1e-13, abs=0)
+        assert part.accuracy == whole.accuracy
+    assert model.training  # left in training mode
+
+
+def test_a_language_models_validation_in_batches_equals_its_pieces() -> None:
+    from runner.zoo.models import ZooGPT
+
+    torch.manual_seed(0)
+    gpt = ZooGPT((16,), vocab_size=50, width=16, layers=1, heads=2).double()
+    model = _data_model(gpt, (16,))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 50, (21, 16), generator=gen)
+    y = torch.randint(0, 50, (21, 16), generator=gen)
+    optimizer = SimpleNamespace(has_centre=False)
+    whole = validation(model, optimizer, x, y, everyone=True)  # type: ignore[arg-type]
+    part = validation(model, optimizer, x, y, everyone=True, batch_size=4)  # type: ignore[arg-type]
+    assert whole is not None and part is not None and set(part) == set(whole)
+    for key, value in whole.items():
+        assert part[key] == pytest.approx(value, rel=1e-12), key
+
+
+# -- the summary's GPU figures -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,precision,peak,label", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12, "H100 SXM bf16"),
+    ("NVIDIA H100 80GB HBM3", "fp32", 67e12, "H100 SXM fp32"),
+    ("NVIDIA H100 PCIe", "bf16", 756e12, "H100 PCIe bf16"),
+    ("NVIDIA H100 NVL", "fp16", 835e12, "H100 NVL fp16"),
+    ("NVIDIA H200", "bf16", 989e12, "H200 SXM bf16"),
+    ("NVIDIA H200 NVL", "fp32", 60e12, "H200 NVL fp32"),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312e12, "A100 bf16"),
+    ("NVIDIA A100-PCIE-40GB", "fp32", 19.5e12, "A100 fp32"),
+])
+def test_the_peak_table_knows_the_gpus_by_the_names_torch_gives(
+        name: str, precision: str, peak: float, label: str) -> None:
+    assert gpu_peak(name, precision) == (peak, label)
+
+
+def test_a_gpu_not_in_the_table_has_no_peak_and_no_mfu() -> None:
+    assert gpu_peak("Tesla T4", "bf16") == (None, "unknown")
+    assert utilisation(4e12, 0.5, 2, None) == (4e12, None)
+
+
+def test_mfu_is_the_step_flops_per_second_per_gpu_over_the_peak() -> None:
+    per_gpu, mfu = utilisation(flops_per_step=6e12, step_s=0.02, gpus=4, peak=989e12)
+    assert per_gpu == pytest.approx(6e12 / 0.02 / 4)  # 75 TFLOP/s on each of 4 GPUs
+    assert mfu == pytest.approx(75e12 / 989e12)
+
+
+def test_the_flops_of_a_step_are_the_products_of_forward_and_backward() -> None:
+    """The default MLP (64→128→128→10) on 64 rows: each Linear's forward 2·B·in·out, its
+    weight gradient as much, its input gradient as much except the first layer's (its input,
+    the data, needs none)."""
+    batch = 64
+    forward = [2 * batch * i * o for i, o in ((64, 128), (128, 128), (128, 10))]
+    expected = 2 * sum(forward) + sum(forward[1:])
+    assert model_flops_per_step(run_config(batch_size=batch)) == expected
+    # a convolution's gradients are a forward each; a first layer's input has none
+    counting = STRATEGIES.get("data")(pricing=PricingContext(rates=FLOP_COUNTING_RATES))
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1))
+    seconds = counting.predict_compute_seconds(conv, (3, 16, 16), GridShape(1, 1), 4)
+    assert seconds == pytest.approx(2 * (2 * 4 * 8 * 16 * 16 * 3 * 9))
+
+
+def _setup(device: torch.device, precision: str = "bf16") -> Any:
+    return SimpleNamespace(device=device, grid=ProcessGrid(1, 1), run=run_config(batch_size=64),
+                           precision=SimpleNamespace(name=precision))
+
+
+def test_on_the_cpu_the_gpu_figures_are_null() -> None:
+    figures = gpu_figures(_setup(torch.device("cpu")), 0.01)
+    assert figures == {"model_flops_per_step": None, "tflops_per_gpu": None, "mfu": None,
+                       "gpu_peak": None, "gpus": None, "device_memory_peak_bytes": None}
+
+
+def test_on_a_gpu_the_figures_come_from_the_flops_the_step_time_and_the_peak(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    figures = gpu_figures(_setup(torch.device("cuda", 0)), 0.001)
+    flops = model_flops_per_step(run_config(batch_size=64))
+    assert figures["model_flops_per_step"] == flops
+    assert figures["gpus"] == 1 and figures["device_memory_peak_bytes"] == 3 << 30
+    assert figures["tflops_per_gpu"] == pytest.approx(flops / 0.001 / 1e12)
+    assert figures["mfu"] == pytest.approx(flops / 0.001 / 989e12)
+    assert figures["gpu_peak"] == {"name": "H200 SXM bf16", "tflops": 989.0}
+
+
+def test_a_cpu_runs_summary_says_the_gpu_figures_are_not_measured(tmp_path: Path) -> None:
+    from runner.records.console import summary_table
+    from runner.records.rundir import RunDir
+    from runner.training.loop import train
+
+    run = run_config(steps=3, eval_every=3)
+    directory = RunDir(tmp_path / "run")
+    directory.create(OmegaConf.create({"seed": 0}))
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = train(run, directory, ProcessGrid(1, 1))
+    for key in ("model_flops_per_step", "tflops_per_gpu", "mfu", "gpu_peak", "gpus",
+                "device_memory_peak_bytes"):
+        assert key in summary and summary[key] is None, key
+    shown = io.StringIO()
+    from rich.console import Console
+
+    Console(file=shown, width=200).print(summary_table(summary))
+    assert "GPU" not in shown.getvalue()
