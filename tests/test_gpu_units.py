@@ -189,3 +189,148 @@ def test_a_cpu_runs_summary_says_the_gpu_figures_are_not_measured(tmp_path: Path
 
     Console(file=shown, width=200).print(summary_table(summary))
     assert "GPU" not in shown.getvalue()
+
+
+# -- the calibration of a GPU ----------------------------------------------------------------------
+
+def test_the_timer_measures_products_in_its_dtype_on_its_device() -> None:
+    """The measurements a GPU's calibration makes, run here on the CPU's tensors: a product
+    band and a convolution in bfloat16, timed between the timer's synchronisations."""
+    from runner.plan.calibration import _conv_point, _gemm_band, _Timer
+
+    timer = _Timer(1, "cpu", torch.bfloat16)
+    assert timer.randn(2, 3).dtype == torch.bfloat16 and not timer.cuda
+    band = _gemm_band(16, timer, most_flops=1e6)
+    assert band and all(flops > 0 and rate > 0 for flops, rate in band)
+    flops, rate = _conv_point(1e5, 4, 4, 8, timer)
+    assert flops > 0 and rate > 0
+
+
+@pytest.mark.parametrize("gpus,cores,plan", [
+    (1, 16, (2, "mpi")), (0, 16, (2, "mpi")), (2, 16, (2, "torch")), (8, 16, (8, "torch")),
+    (16, 64, (8, "torch")), (4, 2, (2, "torch"))])
+def test_a_gpu_machines_all_reduce_sweep_runs_one_rank_per_gpu(
+        gpus: int, cores: int, plan: tuple[int, str]) -> None:
+    from runner.plan.calibration import device_collective_plan
+
+    assert device_collective_plan(gpus, cores) == plan
+
+
+def test_the_device_sweep_is_fitted_as_the_hosts() -> None:
+    from runner.plan.calibration import DEVICE_SIZES, fit_collective
+
+    alpha, beta, p = 2e-5, 5e-11, 4
+    seconds = [2 * alpha * 2 + 2 * beta * (p - 1) / p * n for n in DEVICE_SIZES]
+    fitted = fit_collective({"ranks": p, "sizes": DEVICE_SIZES, "seconds": seconds})
+    assert fitted["alpha"] == pytest.approx(alpha, rel=1e-6)
+    assert fitted["beta"] == pytest.approx(beta, rel=1e-9)
+
+
+def _fake_compute(rate: float) -> dict[str, Any]:
+    from runner.core.compute import DEFAULT_RATES
+
+    return {**DEFAULT_RATES.to_dict(), "gemm": {"16": [[1e6, rate], [1e9, rate]]},
+            "conv": [[1e6, rate]], "memory": 2e12}
+
+
+def _fake_device_measurement(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """measure_device's parts faked: float32 products at 50 TFLOP/s, bfloat16 at 700; the
+    all-reduce sweep's MPI job recorded, not started."""
+    from runner.plan import calibration
+
+    started: list[tuple[str, int, int]] = []
+
+    def run(kind: str, ranks: int, repeats: int) -> dict[str, Any]:
+        started.append((kind, ranks, repeats))
+        sizes = calibration.DEVICE_SIZES
+        return {"ranks": ranks, "sizes": sizes, "seconds": [4e-5 + 1e-11 * n for n in sizes],
+                "path": "staged through host buffers (MPI)"}
+
+    monkeypatch.setattr(calibration, "measure_compute",
+                        lambda threads=1, device="cpu": _fake_compute(
+                            50e12 if device.startswith("cuda") else 1e11))
+    monkeypatch.setattr(calibration, "_products", lambda timer: {
+        k: v for k, v in _fake_compute(700e12).items() if k in ("gemm", "conv")})
+    monkeypatch.setattr(calibration, "_run", run)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    return started
+
+
+def test_a_gpus_calibration_is_its_rates_in_both_precisions_and_its_all_reduce(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.plan.calibration import measure_device
+
+    started = _fake_device_measurement(monkeypatch)
+    record = measure_device(repeats=3)
+    assert record["name"] == "NVIDIA H100 80GB HBM3"
+    assert started == [("device_mpi", 2, 3)]  # one GPU: two ranks sharing it, staged
+    assert record["compute"]["gemm"]["16"][0][1] == 50e12
+    bf16 = record["compute_bf16"]
+    assert bf16["gemm"]["16"][0][1] == 700e12 and bf16["memory"] == 2e12  # the rest: fp32's
+    collective = record["collective"]
+    assert collective["backend"] == "mpi" and collective["ranks"] == 2
+    assert collective["alpha"] == pytest.approx(2e-5) and collective["beta"] == pytest.approx(
+        1e-11 / (2 * (2 - 1) / 2))
+
+
+def test_calibration_stores_the_gpu_by_name_and_runs_on_it_are_priced_with_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """measure() with a GPU keeps the host's figures and adds the GPU's under "devices"; the
+    loaders give the GPU's α, β and rates (bf16's for a bf16 run) to a run on that GPU, the
+    host's to any other."""
+    from runner.config import machine
+    from runner.plan import calibration
+
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("GRIDRUN_CALIBRATION", str(path))
+    _fake_device_measurement(monkeypatch)
+    host_sweep = {"ranks": 2, "sizes": calibration.SIZES,
+                  "seconds": [1e-5 + 1e-9 * n for n in calibration.SIZES],
+                  "calls": {"allreduce": 3e-6}, "sync": 1e-4}
+    monkeypatch.setattr(calibration, "usable_cores", lambda: 2)
+    monkeypatch.setattr(calibration, "measure_local",
+                        lambda: {"table_pass": 1e-10, "sparse_row": 1e-9})
+    monkeypatch.setattr(calibration, "_run", lambda kind, ranks, repeats: (
+        host_sweep if not kind.startswith("device") else {
+            "ranks": ranks, "sizes": calibration.DEVICE_SIZES,
+            "seconds": [4e-5 + 1e-11 * n for n in calibration.DEVICE_SIZES], "path": "x"}))
+    stored = calibration.measure(repeats=1, device=True)
+    name = "NVIDIA H100 80GB HBM3"
+    assert list(stored["devices"]) == [name] and path.exists()
+    assert machine.calibrated_devices() == [name]
+
+    host = machine.load_machine_costs()
+    gpu = machine.load_machine_costs(device=name)
+    assert gpu.alpha == pytest.approx(2e-5) and gpu.alpha != host.alpha
+    assert gpu.calls == host.calls and name in gpu.source  # the runner's own costs: the host's
+    assert machine.load_machine_costs(device="another GPU").alpha == host.alpha
+    assert machine.load_machine_costs(1e-6, 1e-9, device=name).alpha == 1e-6  # given wins
+
+    assert machine.load_compute_rates().gemm_seconds(16, 1000, 1000) > 1e-6  # the host's
+    fp32 = machine.load_compute_rates(name)
+    bf16 = machine.load_compute_rates(name, "bf16")
+    assert fp32.gemm_seconds(16, 1000, 1000) == pytest.approx(2 * 16e6 / 50e12)
+    assert bf16.gemm_seconds(16, 1000, 1000) == pytest.approx(2 * 16e6 / 700e12)
+    assert "bf16" in bf16.source and name in fp32.source
+    assert machine.load_compute_rates(name, "fp16").source == bf16.source
+
+
+def test_a_run_is_priced_by_the_gpu_it_runs_on(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    import json
+
+    from runner.config.machine import pricing_device
+
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("GRIDRUN_CALIBRATION", str(path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pricing_device("cpu") is None and pricing_device("cuda") is None  # not calibrated
+    path.write_text(json.dumps({"collective": {"alpha": 1, "beta": 1},
+                                "devices": {"NVIDIA H200": {}}}))
+    # planned away from the GPUs: the one GPU calibrated; `auto` without a GPU is the CPU
+    assert pricing_device("cuda") == "NVIDIA H200" and pricing_device("auto") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4")
+    assert pricing_device("auto") == pricing_device("cuda") == "NVIDIA A100-SXM4"
+    assert pricing_device("cpu") is None
