@@ -147,6 +147,37 @@ def test_the_flops_of_a_step_are_the_products_of_forward_and_backward() -> None:
     assert seconds == pytest.approx(2 * (2 * 4 * 8 * 16 * 16 * 3 * 9))
 
 
+@pytest.mark.parametrize("model,dataset,batch,above", [
+    ({"name": "resnet", "widths": [8, 16], "blocks": [1, 1]},
+     {"name": "synthetic", "shape": [3, 16, 16]}, 8, 0.0),
+    ({"name": "cnn"}, {"name": "digits"}, 16, 0.0),
+    # attention's backward: the compute model's 2.5 forwards (the scores recomputed), PyTorch's
+    # counter's 2: this small GPT's count is 1/7 above
+    ({"name": "gpt", "width": 32, "layers": 2, "heads": 2},
+     {"name": "tokens", "vocab_size": 128, "seq_len": 32}, 4, 1 / 7),
+])
+def test_the_flop_count_is_pytorchs_flop_counters(model: dict[str, Any], dataset: dict[str, Any],
+                                                   batch: int, above: float) -> None:
+    """The count against `torch.utils.flop_counter` over one forward and backward of the
+    plain model on a batch: products and convolutions alike, attention apart."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from runner.training.assembly import assemble
+
+    run = validate(OmegaConf.create({
+        "seed": 0, "grid": {"pr": 1, "pc": 1}, "dataset": dataset, "model": model,
+        "strategy": {"name": "data"}, "optimizer": {"name": "sgd", "lr": 0.05},
+        "trainer": {"batch_size": batch}}), world_size=1)
+    parts = assemble(run)
+    data = parts.dataset.load()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = parts.model(data.train_x[:batch])
+        F.cross_entropy(out.flatten(0, -2), data.train_y[:batch].flatten()).backward()
+    assert model_flops_per_step(run) == pytest.approx(counter.get_total_flops() * (1 + above))
+
+
 def _setup(device: torch.device, precision: str = "bf16") -> Any:
     return SimpleNamespace(device=device, grid=ProcessGrid(1, 1), run=run_config(batch_size=64),
                            precision=SimpleNamespace(name=precision))
