@@ -14,7 +14,7 @@ setup: $(STAMP)
 # does not show its own packages to another) already has a CUDA build of torch that sees a GPU,
 # the CPU pin would replace it and every run would train on the CPU: there .venv is made with
 # --system-site-packages and keeps that torch, and the pin is installed only if .venv does not
-# see it after all. Anywhere else the commands are the CPU machine's, as they always were.
+# see it after all. Anywhere else the commands are a CPU machine's (the pin above).
 # The project is installed editable in compat mode (a path entry to the checkout): the console
 # scripts `gridrun` and `gridrun-plan` land in .venv/bin and read the checkout's conf/.
 CUDA_TORCH = $(shell $(PYTHON) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
