@@ -5,17 +5,25 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := bundled-mpi,dev,text,tensorboard,sweep,transformers
 
-.PHONY: setup run test test-backends lint bench reproduce dist clean
+.PHONY: setup run test test-backends lint bench reproduce dist clean gpu-checks
 
 setup: $(STAMP)
 
 # torch is pinned to the CPU wheel: an unpinned `torch` pulls gigabytes of CUDA packages.
+# On a GPU machine, where the Python that makes .venv (PYTHON: a system or conda Python; a venv
+# does not show its own packages to another) already has a CUDA build of torch that sees a GPU,
+# the CPU pin would replace it and every run would train on the CPU: there .venv is made with
+# --system-site-packages and keeps that torch, and the pin is installed only if .venv does not
+# see it after all. Anywhere else the commands are a CPU machine's (the pin above).
 # The project is installed editable in compat mode (a path entry to the checkout): the console
 # scripts `gridrun` and `gridrun-plan` land in .venv/bin and read the checkout's conf/.
+CUDA_TORCH = $(shell $(PYTHON) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
+	$(eval GPU_SETUP := $(filter 1,$(CUDA_TORCH)))
+	$(PYTHON) -m venv $(if $(GPU_SETUP),--system-site-packages )$(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(if $(GPU_SETUP),$(PY) -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || )$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
@@ -38,6 +46,15 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/data_parallel.py
+
+# Every GPU check and benchmark, on a machine with a GPU: the GPU tests (tests/test_gpu.py, the
+# device calibration among them), then bench/gpu.py (gridrun against a plain PyTorch loop,
+# ResNet-18 and a GPT-2-sized model, fp32 and bf16; one rank per GPU with 2 or more), its JSON
+# written to $(GPU_OUT). ARGS pass options to bench/gpu.py.
+GPU_OUT ?= gpu-checks.json
+gpu-checks: $(STAMP)
+	$(PY) -m pytest -q -rs tests/test_gpu.py
+	$(PY) bench/gpu.py --out $(GPU_OUT) $(ARGS)
 
 # The seed papers' headline comparisons at this machine's scale (7-10 minutes on 2 cores), as
 # markdown and PNGs in docs/reproductions/; ARGS="--only sc17 --quick" and the like pass options.

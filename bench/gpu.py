@@ -1,35 +1,45 @@
-"""gridrun on one GPU against a plain PyTorch loop, and four ranks sharing that GPU.
+"""gridrun on one GPU against a plain PyTorch loop, and on one rank per GPU.
 
-    python bench/gpu.py [--device cuda|cpu] [--precisions fp32 bf16] [--steps 300] [--warmup 30]
-                        [--rounds 2] [--ranks 4] [--small] [--out FILE] [--keep DIR]
+    python bench/gpu.py [--device cuda|cpu] [--models resnet18 gpt] [--precisions fp32 bf16]
+                        [--steps 100] [--warmup 10] [--rounds 2] [--ranks N] [--small]
+                        [--out FILE] [--keep DIR]
 
-The workload: an MLP 1024→4096→4096→4096→10 (ReLU), global batch 512, SGD (lr
-0.01, momentum 0.9) on seeded synthetic data (`dataset=synthetic`, 1024 features, 10 classes).
-`--small` (or `--inputs/--hidden/--classes/--batch/--samples`) makes it tiny, so that
-`--device cpu --small` checks the whole script in seconds on a machine without a GPU.
+Two workloads, both as `python -m runner` trains them (`strategy=data`, SGD lr 0.01, momentum
+0.9, seed 0, the loss read every step on both sides):
+- `resnet18`: the CIFAR ResNet-18 (`model=resnet18`, 11.2M weights) on seeded synthetic
+  3×32×32 images of 10 classes (`dataset=synthetic`), global batch 256;
+- `gpt`: a GPT-2-small-sized decoder (`model=gpt`: width 768, 12 layers, 12 heads, 124M weights
+  with its tied 50,257-token vocabulary) on next tokens of synthetic documents of 1,024 tokens
+  (`dataset=tokens`), global batch 8 (8,192 tokens).
+`--small` makes both tiny, so that `--device cpu --small` checks the whole script in a minute on
+a machine without a GPU; its numbers are the CPU's, and the JSON says that no GPU was measured.
 
-1. One device, per precision (fp32; bf16 under autocast): in alternating rounds (a drift of the
-   machine hits both alike), each side a fresh process,
-   a. `plain`: the loop a user writes for one GPU (`--plain-worker`, this file): the same layer
-      sizes built under the same seed, the train tensors moved to the device once, per step: a
-      batch indexed from a seeded per-epoch permutation (gridrun's sample order), zero_grad,
-      forward and cross-entropy (under `torch.autocast(device, bfloat16)` in bf16, no autocast in
-      fp32), backward, `torch.optim.SGD.step`, `loss.item()`. Each step is timed with
-      `time.perf_counter` between two `torch.cuda.synchronize()` (on the CPU without them);
+1. One device, per workload and precision (fp32; bf16 under autocast), in alternating rounds
+   (a drift of the machine hits both alike), each side a fresh process:
+   a. `plain`: the loop a user writes for one GPU (`--plain-worker`, this file): the same model
+      and data (built by gridrun's own model zoo from the same config, under the same seed),
+      the train tensors moved to the device once, per step: a batch indexed from a seeded
+      per-epoch permutation (gridrun's sample order), zero_grad, forward and cross-entropy
+      (under `torch.autocast(device, bfloat16)` in bf16), backward, `torch.optim.SGD.step`,
+      `loss.item()`;
    b. `gridrun`: `python -m runner strategy=data grid.pr=1 grid.pc=1 trainer.device=D
-      trainer.precision=P ...` on the same data, sizes, seed, optimizer and steps; its step times
-      are `metrics.jsonl`'s `step_time_s` (gridrun times each whole step, batch included, with
-      `time.perf_counter`; the loss it logs is read with `.item()` every step).
-   The first `--warmup` steps of every process are run but not timed. samples/s = batch / median
-   step time over all timed steps of all rounds; `ratio = gridrun / plain`, target >= 0.95. Both
-   sides start from the same weights and see the same batches: the largest per-step loss gap is
-   reported, to show they do the same work (equal to float rounding in fp32; bf16 rounds more).
-2. `--ranks P` (default 4; 0 skips): gridrun `strategy=data` on 1 × P ranks sharing the one
-   device, under `comm.backend=mpi` (`comm.cuda_aware=false` on cuda: GPU tensors staged through
-   pinned host buffers) and under `comm.backend=torch` (ranks that share a GPU: gloo on host
-   copies), per precision: samples/s, communication share of the step, bytes per step measured
-   and predicted, and `ratio = torch / mpi`; and a 1-rank `comm.backend=torch` run (NCCL on one
-   rank on cuda) with its loss gap to the 1-rank mpi run.
+      trainer.precision=P ...` in this file's `--gridrun-worker`, which runs the runner's own
+      command line in its process after wrapping its per-step record (`Training.log_step`) to
+      mark the end of two steps.
+   Both sides are timed alike: the `--steps` steps after the first `--warmup`, between a mark at
+   the end of step `warmup` (its loss read) and one at the end of the last step; on cuda the
+   marks are CUDA events recorded on the current stream and the time is the events' elapsed
+   time once the last has completed (on the CPU, `time.perf_counter`). No synchronisation is
+   added inside the timed steps on either side: each reads its loss with `.item()`, as a user
+   does. samples/s = batch · steps / seconds; the median over the rounds; `ratio = gridrun /
+   plain`, target >= 0.95. Both sides start from the same weights and see the same batches:
+   the largest per-step loss gap shows they do the same work (float rounding in fp32; bf16
+   rounds more). gridrun's summary gives its TFLOP/s per GPU, MFU and peak device memory.
+2. `--ranks P` (default: every GPU torch sees, when it sees 2 or more; on the CPU 2; 0 skips):
+   gridrun `strategy=data` on 1 × P ranks, one per GPU, under `comm.backend=torch` (NCCL on
+   cuda): samples/s, the share of the step spent communicating and the bytes per step,
+   measured against predicted, from its `metrics.jsonl` (each step timed by the runner with
+   `time.perf_counter`) and `summary.json`.
 Prints one JSON document (also written to `--out`): the machine, the exact sizes, each command
 line, and each measurement.
 """
@@ -53,75 +63,148 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.95  # gridrun's samples/s on one GPU at least this share of the plain loop's
-FULL = {"inputs": 1024, "hidden": [4096, 4096, 4096], "classes": 10, "batch": 512,
-        "samples": 16384}
-SMALL = {"inputs": 32, "hidden": [64, 64, 64], "classes": 10, "batch": 64, "samples": 2048}
 LR, MOMENTUM, SEED = 0.01, 0.9, 0
-# The runner's defaults for the keys the GPU work adds: with --device cpu in fp32 they may be
-# left off the command line, for a runner that does not know them yet (see `Runner`).
-DEVICE_DEFAULTS = {"trainer.device": "cpu", "trainer.precision": "fp32"}
+EVAL_SAMPLES = 64  # the one evaluation at the end (after the timed steps): kept short
+# Each workload: its overrides and global batch, full size and --small.
+WORKLOADS: dict[str, dict[str, dict[str, Any]]] = {
+    "resnet18": {
+        "full": {"batch": 256, "overrides": [
+            "model=resnet18", "dataset=synthetic", "dataset.shape=[3,32,32]",
+            "dataset.classes=10", "dataset.samples=4096"]},
+        "small": {"batch": 32, "overrides": [
+            "model=resnet18", "model.widths=[8,16]", "model.blocks=[1,1]", "dataset=synthetic",
+            "dataset.shape=[3,16,16]", "dataset.classes=10", "dataset.samples=512"]},
+    },
+    "gpt": {
+        "full": {"batch": 8, "overrides": [
+            "model=gpt", "model.width=768", "model.layers=12", "model.heads=12",
+            "dataset=tokens", "dataset.vocab_size=50257", "dataset.seq_len=1024",
+            "dataset.samples=1024"]},
+        "small": {"batch": 8, "overrides": [
+            "model=gpt", "model.width=32", "model.layers=2", "model.heads=2", "dataset=tokens",
+            "dataset.vocab_size=128", "dataset.seq_len=32", "dataset.samples=256"]},
+    },
+}
+
+
+def _workload(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    return WORKLOADS[name]["small" if args.small else "full"]
+
+
+def common_overrides(workload: dict[str, Any], device: str, precision: str, ranks: int,
+                     steps: int) -> list[str]:
+    """The run both sides train (the plain loop builds its model and data from it too)."""
+    return [*workload["overrides"], "strategy=data", "grid.pr=1", f"grid.pc={ranks}",
+            f"trainer.device={device}", f"trainer.precision={precision}",
+            "optimizer=sgd", f"optimizer.lr={LR}", f"optimizer.momentum={MOMENTUM}",
+            f"trainer.steps={steps}", f"trainer.batch_size={workload['batch']}",
+            "trainer.eval_every=null", f"trainer.eval_samples={EVAL_SAMPLES}", f"seed={SEED}"]
+
+
+# --- the marks both sides time between --------------------------------------------------------
+
+def _mark(device: Any) -> Any:
+    """A point in time on `device`'s work: a CUDA event recorded on the current stream, or
+    (CPU) the host's clock."""
+    import torch
+
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds(start: Any, end: Any) -> float:
+    """Seconds between two marks, once the later one has completed."""
+    if isinstance(start, float):
+        return float(end - start)
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3
 
 
 # --- the plain loop (its own process, like each gridrun run) -------------------------------
 
 def plain_worker(spec: dict[str, Any]) -> None:
-    """What a user writes to train this MLP on one device; prints its step times and losses."""
+    """What a user writes to train this model on one device; prints its timing and losses."""
     import torch
     import torch.nn.functional as F
-    from torch import nn
 
-    from runner.zoo.datasets import Synthetic
+    from runner.cli.compose import compose
+    from runner.cli.validation import validate
+    from runner.training.assembly import assemble
 
+    run = validate(compose(spec["overrides"]), world_size=1)
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
-    data = Synthetic(shape=(spec["inputs"],), classes=spec["classes"], samples=spec["samples"],
-                     seed=spec["seed"]).load()  # gridrun's dataset=synthetic, same seed
+    torch.manual_seed(run.seed)  # as gridrun builds its model: the same initial weights
+    parts = assemble(run)
+    data = parts.dataset.load()
     x, y = data.train_x.to(device), data.train_y.to(device)
-
-    torch.manual_seed(spec["seed"])
-    layers: list[nn.Module] = [nn.Flatten()]
-    width = spec["inputs"]
-    for h in spec["hidden"]:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, spec["classes"]))
-    model = nn.Sequential(*layers).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
+    model = parts.model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
     def autocast() -> Any:
         if spec["precision"] == "bf16":
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    batch, n = spec["batch"], len(x)
-    order_generator = torch.Generator().manual_seed(spec["seed"])
+    batch, n = run.trainer.batch_size, len(x)
+    warmup, steps = spec["warmup"], spec["steps"]
+    order_generator = torch.Generator().manual_seed(run.seed)
     order, position = torch.randperm(n, generator=order_generator).to(device), 0
-    times, losses = [], []
-    for _ in range(spec["warmup"] + spec["steps"]):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    losses, start, end = [], None, None
+    for step in range(1, warmup + steps + 1):
         if position + batch > n:  # a new epoch: a new permutation, the last partial batch dropped
             order, position = torch.randperm(n, generator=order_generator).to(device), 0
         rows = order[position:position + batch]
         position += batch
         optimizer.zero_grad()
         with autocast():
-            loss = F.cross_entropy(model(x[rows]), y[rows])
+            out = model(x[rows])
+            loss = F.cross_entropy(out.flatten(0, -2), y[rows].flatten())
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        if step == warmup:
+            start = _mark(device)
+        if step == warmup + steps:
+            end = _mark(device)
     machine = {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     if cuda:
         machine |= {"cuda_device": torch.cuda.get_device_name(device),
                     "cuda": torch.version.cuda,
                     "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
-    print(json.dumps({"step_times_s": times[spec["warmup"]:], "losses": losses,
+    print(json.dumps({"seconds": _seconds(start, end), "losses": losses,
                       "parameters": sum(p.numel() for p in model.parameters()),
                       "machine": machine}))
+
+
+# --- gridrun's side, timed at the same points ---------------------------------------------------
+
+def gridrun_worker(spec: dict[str, Any]) -> None:
+    """`python -m runner OVERRIDES` in this process (one rank: the runner trains in the process
+    it was started in), its per-step record wrapped to mark the end of step `warmup` and of the
+    last step; writes the seconds between them to `spec["timing"]`."""
+    import runpy
+
+    from runner.training import loop
+
+    warmup, last = spec["warmup"], spec["warmup"] + spec["steps"]
+    marks: dict[int, Any] = {}
+    record = loop.Training.log_step
+
+    def log_step(self: Any, step: int, *args: Any, **kwargs: Any) -> None:
+        record(self, step, *args, **kwargs)
+        if step in (warmup, last):
+            marks[step] = _mark(self.device)
+        if step == last:
+            Path(spec["timing"]).write_text(json.dumps(
+                {"seconds": _seconds(marks[warmup], marks[last])}))
+
+    loop.Training.log_step = log_step  # type: ignore[method-assign]
+    sys.argv = ["gridrun", *spec["overrides"]]
+    runpy.run_module("runner", run_name="__main__")
 
 
 # --- the head: processes, run directories, the report ---------------------------------------
@@ -137,11 +220,6 @@ def _fail(command: list[str], result: subprocess.CompletedProcess[str]) -> None:
                      f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
-def _median_rate(batch: int, times: list[float]) -> dict[str, float]:
-    median = statistics.median(times)
-    return {"median_step_time_s": median, "samples_per_s": batch / median}
-
-
 def _loss_gap(a: list[float], b: list[float]) -> dict[str, float]:
     """The largest per-step difference of two loss sequences (absolute, and relative to the
     first)."""
@@ -150,158 +228,158 @@ def _loss_gap(a: list[float], b: list[float]) -> dict[str, float]:
             "max_rel_loss_gap": max(abs(p - q) / max(abs(p), 1e-30) for p, q in pairs)}
 
 
+# summary.json's keys a benchmark reports beside its own timing
+SUMMARY_KEYS = ("median_step_time_s", "predicted_step_time_s", "tflops_per_gpu", "mfu",
+                "gpu_peak", "device_memory_peak_bytes", "model_flops_per_step", "devices",
+                "device_buffers")
+
+
 class Runner:
-    """Starts `python -m runner` runs of the benchmark's workload and reads their directories."""
+    """Starts the two sides' processes for the benchmark's workloads and reads what they
+    leave."""
 
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
         self.args, self.root, self.count = args, root, 0
-        self.omitted: list[str] = []  # device keys left off (a runner that lacks them)
 
-    def overrides(self, precision: str, ranks: int, backend: str) -> list[str]:
-        a = self.args
-        device_keys = {"trainer.device": a.device, "trainer.precision": precision}
-        staging = ["comm.cuda_aware=false"] if backend == "mpi" and a.device == "cuda" else []
-        return [
-            "strategy=data", "grid.pr=1", f"grid.pc={ranks}", f"comm.backend={backend}",
-            *staging,
-            *(f"{k}={v}" for k, v in device_keys.items() if k not in self.omitted),
-            "model=mlp", f"model.hidden=[{','.join(map(str, a.hidden))}]", "model.activation=relu",
-            "dataset=synthetic", f"dataset.shape=[{a.inputs}]", f"dataset.classes={a.classes}",
-            f"dataset.samples={a.samples}",
-            "optimizer=sgd", f"optimizer.lr={LR}", f"optimizer.momentum={MOMENTUM}",
-            f"trainer.steps={a.warmup + a.steps}", f"trainer.batch_size={a.batch}",
-            "trainer.eval_every=null", "trainer.log_every=1", f"seed={SEED}",
-        ]
-
-    def gridrun(self, precision: str, ranks: int, backend: str) -> dict[str, Any]:
+    def _dir(self, label: str) -> Path:
         self.count += 1
-        run_dir = self.root / f"{self.count:02d}_{precision}_p{ranks}_{backend}"
-        command = [sys.executable, "-m", "runner", *self.overrides(precision, ranks, backend),
-                   f"hydra.run.dir={run_dir}"]
-        result, wall = _run(command)
-        rejected = [k for k in DEVICE_DEFAULTS if k in result.stderr and k not in self.omitted]
-        if (result.returncode == 2 and rejected and "unknown key" in result.stderr
-                and self.args.device == "cpu" and precision == "fp32"):
-            # A runner without the GPU keys: they equal its defaults here, so leave them off.
-            self.omitted += rejected
-            self.count -= 1
-            return self.gridrun(precision, ranks, backend)
-        if result.returncode != 0:
-            _fail(command, result)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        train = [m for m in lines if "split" not in m]
-        timed = [m for m in train if m["step"] > self.args.warmup]
-        step_s = sum(m["step_time_s"] for m in timed)
-        bytes_per_step = summary.get("comm_bytes_per_step")
-        predicted = summary.get("predicted_comm_bytes_per_step")
-        return {
-            "command": shlex.join(command),
-            "ranks": summary.get("world_size"),
-            "comm_backend": summary.get("comm_backend"),
-            "devices": summary.get("devices"),
-            "precision": summary.get("precision"),
-            **_median_rate(self.args.batch, [m["step_time_s"] for m in timed]),
-            # the summary's own, over every step, warm-up included
-            "summary_samples_per_s": summary.get("samples_per_s"),
-            "comm_time_share": sum(m["comm_time_s"] for m in timed) / step_s,
-            "comm_bytes_per_step": bytes_per_step,
-            "predicted_comm_bytes_per_step": predicted,
-            "comm_bytes_as_predicted": bytes_per_step == predicted,
-            "final_loss": summary.get("final_loss"),
-            "val_accuracy": summary.get("val_accuracy"),
-            "process_wall_s": wall,
-            "_step_times_s": [m["step_time_s"] for m in timed],
-            "_losses": [m["loss"] for m in train],
-            "device_buffers": summary.get("device_buffers"),  # how device tensors travelled
-        }
+        return self.root / f"{self.count:02d}_{label}"
 
-    def plain(self, precision: str) -> dict[str, Any]:
+    def overrides(self, name: str, precision: str, ranks: int) -> list[str]:
         a = self.args
-        spec = {"device": a.device, "precision": precision, "inputs": a.inputs,
-                "hidden": a.hidden, "classes": a.classes, "batch": a.batch, "samples": a.samples,
-                "steps": a.steps, "warmup": a.warmup, "lr": LR, "momentum": MOMENTUM,
-                "seed": SEED}
+        return common_overrides(_workload(a, name), a.device, precision, ranks,
+                                a.warmup + a.steps)
+
+    def plain(self, name: str, precision: str) -> dict[str, Any]:
+        a = self.args
+        spec = {"device": a.device, "precision": precision, "warmup": a.warmup,
+                "steps": a.steps, "overrides": self.overrides(name, precision, 1)}
         command = [sys.executable, str(Path(__file__).resolve()), "--plain-worker",
                    json.dumps(spec)]
         result, wall = _run(command)
         if result.returncode != 0:
             _fail(command, result)
         out = json.loads(result.stdout.strip().splitlines()[-1])
+        batch = _workload(a, name)["batch"]
         return {"command": shlex.join(command), "process_wall_s": wall,
-                "_step_times_s": out["step_times_s"], "_losses": out["losses"],
-                "parameters": out["parameters"], "machine": out["machine"]}
+                "seconds": out["seconds"], "samples_per_s": batch * a.steps / out["seconds"],
+                "_losses": out["losses"], "_parameters": out["parameters"],
+                "_machine": out["machine"]}
+
+    def gridrun_one(self, name: str, precision: str) -> dict[str, Any]:
+        """gridrun at one rank, timed at the plain loop's points."""
+        a = self.args
+        run_dir = self._dir(f"{name}_{precision}_p1")
+        timing = run_dir.with_suffix(".timing.json")
+        spec = {"warmup": a.warmup, "steps": a.steps, "timing": str(timing),
+                "overrides": [*self.overrides(name, precision, 1), f"hydra.run.dir={run_dir}"]}
+        command = [sys.executable, str(Path(__file__).resolve()), "--gridrun-worker",
+                   json.dumps(spec)]
+        result, wall = _run(command)
+        if result.returncode != 0 or not timing.exists():
+            _fail(command, result)
+        seconds = json.loads(timing.read_text())["seconds"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        batch = _workload(a, name)["batch"]
+        return {"command": shlex.join(command), "process_wall_s": wall, "seconds": seconds,
+                "samples_per_s": batch * a.steps / seconds,
+                "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
+                "_losses": [m["loss"] for m in lines if "split" not in m]}
+
+    def gridrun_ranks(self, name: str, precision: str, ranks: int) -> dict[str, Any]:
+        """gridrun on `ranks` ranks, one per GPU, under comm.backend=torch."""
+        a = self.args
+        run_dir = self._dir(f"{name}_{precision}_p{ranks}_torch")
+        command = [sys.executable, "-m", "runner", *self.overrides(name, precision, ranks),
+                   "comm.backend=torch", f"hydra.run.dir={run_dir}"]
+        result, wall = _run(command)
+        if result.returncode != 0:
+            _fail(command, result)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        timed = [m for m in lines if "split" not in m and m["step"] > a.warmup]
+        step_s = sum(m["step_time_s"] for m in timed)
+        measured = summary.get("comm_bytes_per_step")
+        predicted = summary.get("predicted_comm_bytes_per_step")
+        batch = _workload(a, name)["batch"]
+        return {
+            "command": shlex.join(command), "process_wall_s": wall, "ranks": ranks,
+            "samples_per_s": batch / statistics.median(m["step_time_s"] for m in timed),
+            "comm_time_share": sum(m["comm_time_s"] for m in timed) / step_s,
+            "comm_bytes_per_step": measured, "predicted_comm_bytes_per_step": predicted,
+            "comm_bytes_as_predicted": measured == predicted and all(
+                m["comm_bytes"] == predicted for m in timed),
+            "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
+        }
 
 
-def _public(run: dict[str, Any]) -> dict[str, Any]:
-    """A run's record without its per-step lists (kept out of the JSON)."""
-    return {k: v for k, v in run.items()
-            if not k.startswith("_") and k not in ("machine", "parameters")}
-
-
-def _pooled(batch: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """samples/s over every timed step of every round, and each round's own."""
-    return {**_median_rate(batch, [t for r in runs for t in r["_step_times_s"]]),
-            "rounds": [_public(r) for r in runs]}
-
-
-def one_device(runner: Runner, precision: str) -> dict[str, Any]:
+def one_device(runner: Runner, name: str, precision: str) -> dict[str, Any]:
     """The plain loop against gridrun at one rank, alternating, `--rounds` times each."""
-    args = runner.args
     plains, grids = [], []
-    for _ in range(args.rounds):
-        plains.append(runner.plain(precision))
-        grids.append(runner.gridrun(precision, 1, "mpi"))
-    plain, ours = _pooled(args.batch, plains), _pooled(args.batch, grids)
-    ratio = ours["samples_per_s"] / plain["samples_per_s"]
-    return {"precision": precision, "plain": plain, "gridrun": ours,
+    for _ in range(runner.args.rounds):
+        plains.append(runner.plain(name, precision))
+        grids.append(runner.gridrun_one(name, precision))
+    plain = statistics.median(r["samples_per_s"] for r in plains)
+    ours = statistics.median(r["samples_per_s"] for r in grids)
+    ratio = ours / plain
+    return {"model": name, "precision": precision, "batch": _workload(runner.args, name)["batch"],
+            "plain": {"samples_per_s": plain, "rounds": [_public(r) for r in plains]},
+            "gridrun": {"samples_per_s": ours, "rounds": [_public(r) for r in grids]},
             "ratio": ratio, "target": f">= {TARGET}", "meets_target": ratio >= TARGET,
             # same start, same batches: the same training, to rounding
             **_loss_gap(plains[0]["_losses"], grids[0]["_losses"]),
-            "_machine": plains[0]["machine"], "_parameters": plains[0]["parameters"],
-            "_gridrun_losses": grids[0]["_losses"]}
+            "_machine": plains[0]["_machine"], "_parameters": plains[0]["_parameters"]}
 
 
-def shared_device(runner: Runner, precision: str, ranks: int,
-                  one_rank_losses: list[float]) -> dict[str, Any]:
-    """P ranks on the one device under each backend, and one rank under torch."""
-    mpi = runner.gridrun(precision, ranks, "mpi")
-    torch_ = runner.gridrun(precision, ranks, "torch")
-    one = runner.gridrun(precision, 1, "torch")
-    return {
-        "precision": precision, "ranks": ranks,
-        "mpi": {**_public(mpi), **_loss_gap(one_rank_losses, mpi["_losses"])},
-        "torch": {**_public(torch_), **_loss_gap(one_rank_losses, torch_["_losses"])},
-        "ratio_torch_over_mpi": torch_["samples_per_s"] / mpi["samples_per_s"],
-        "torch_one_rank": {**_public(one), **_loss_gap(one_rank_losses, one["_losses"])},
-    }
+def _public(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's record without its per-step lists and the worker's machine (kept out of the
+    JSON)."""
+    return {k: v for k, v in run.items() if not k.startswith("_")}
+
+
+def default_ranks(device: str) -> int:
+    """One rank per GPU where torch sees two or more (none with one); 2 on the CPU."""
+    if device == "cpu":
+        return 2
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus if gpus >= 2 else 0
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--models", nargs="+", choices=tuple(WORKLOADS),
+                        default=list(WORKLOADS))
     parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"),
                         default=["fp32", "bf16"])
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per process")
-    parser.add_argument("--warmup", type=int, default=30, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (>= 1)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="alternating plain / gridrun processes per precision")
-    parser.add_argument("--ranks", type=int, default=4, help="ranks sharing the device; 0: skip")
-    parser.add_argument("--small", action="store_true", help=f"tiny sizes: {SMALL}")
-    parser.add_argument("--inputs", type=int)
-    parser.add_argument("--hidden", type=int, nargs="+")
-    parser.add_argument("--classes", type=int)
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--samples", type=int, help="synthetic samples (train and val)")
+                        help="alternating plain / gridrun processes per workload and precision")
+    parser.add_argument("--ranks", type=int,
+                        help="ranks, one per GPU (default: every GPU when 2 or more; 2 on the "
+                             "CPU); 0 skips")
+    parser.add_argument("--small", action="store_true", help="tiny models and data")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("--keep", type=Path, help="keep the run directories under DIR")
     parser.add_argument("--plain-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("--gridrun-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for key, value in (SMALL if args.small else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if min(args.steps, args.rounds) < 1 or args.warmup < 0 or args.ranks < 0:
-        parser.error("--steps and --rounds must be >= 1, --warmup and --ranks >= 0")
+    if args.plain_worker or args.gridrun_worker:
+        return args
+    if min(args.steps, args.rounds, args.warmup) < 1 or (args.ranks or 0) < 0:
+        parser.error("--steps, --rounds and --warmup must be >= 1, --ranks >= 0")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no GPU here (--device cpu for the smoke run)")
+    args.ranks_given = args.ranks is not None
+    if args.ranks is None:
+        args.ranks = default_ranks(args.device)
     return args
 
 
@@ -309,6 +387,9 @@ def main() -> None:
     args = parse_args()
     if args.plain_worker:
         plain_worker(json.loads(args.plain_worker))
+        return
+    if args.gridrun_worker:
+        gridrun_worker(json.loads(args.gridrun_worker))
         return
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -318,39 +399,44 @@ def main() -> None:
         else:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gridrun-gpu-")))
         runner = Runner(args, root)
-        single = [one_device(runner, p) for p in args.precisions]
-        shared = ([shared_device(runner, s["precision"], args.ranks, s["_gridrun_losses"])
-                   for s in single] if args.ranks else [])
-    layers = [args.inputs, *args.hidden, args.classes]
+        single = [one_device(runner, name, p) for name in args.models for p in args.precisions]
+        ranks = ([runner.gridrun_ranks(name, p, args.ranks) | {"model": name, "precision": p}
+                  for name in args.models for p in args.precisions] if args.ranks else [])
+    machine = single[0]["_machine"]
+    gpu = machine.get("cuda_device")
     report = {
         "benchmark": "gpu",
         "machine": {"hostname": socket.gethostname(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version(), **single[0]["_machine"]},
+                    "python": platform.python_version(), **machine},
         "device": args.device,
-        "model": {"name": "mlp", "layers": layers, "activation": "relu",
-                  "parameters": single[0]["_parameters"]},
-        "dataset": {"name": "synthetic", "shape": [args.inputs], "classes": args.classes,
-                    "samples": args.samples, "seed": SEED},
-        "batch": args.batch, "steps_timed": args.steps, "warmup_steps": args.warmup,
-        "rounds": args.rounds,
-        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        # what these numbers are: a GPU's only when one was measured
+        "measured_on": gpu if gpu else "cpu: a smoke run, no GPU was measured",
+        "gpu_figures_measured": bool(gpu),
+        "models": {name: {"overrides": _workload(args, name)["overrides"],
+                          "batch": _workload(args, name)["batch"],
+                          "parameters": next(s["_parameters"] for s in single
+                                             if s["model"] == name)}
+                   for name in args.models},
+        "steps_timed": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds,
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM}, "seed": SEED,
         "terms": {
             "plain": "one process, model and train tensors on the device, per step: batch "
                      "indexed from a seeded per-epoch permutation, zero_grad, forward and "
                      "cross_entropy (autocast bfloat16 in bf16, none in fp32), backward, "
                      "torch.optim.SGD.step, loss.item()",
-            "gridrun": "python -m runner strategy=data at 1 rank, comm.backend=mpi: its "
-                       "metrics.jsonl step_time_s (the whole step, batch included)",
-            "loss_read_every_step": "both: plain calls loss.item() every step, gridrun reads "
-                                    "the (all-reduced) loss every step",
-            "timing": "time.perf_counter around each step; on cuda the plain loop synchronizes "
-                      "before and after; the first warmup_steps of every process untimed",
-            "samples_per_s": "batch / median timed step time, pooled over the rounds",
+            "gridrun": "python -m runner strategy=data at 1 rank (comm.backend=mpi) in the "
+                       "benchmark's worker process, its per-step record wrapped to mark steps",
+            "timing": "both sides: from the end of step warmup_steps to the end of the last "
+                      "step, CUDA events on cuda (perf_counter on the CPU), no synchronisation "
+                      "added between; each reads its loss every step",
+            "samples_per_s": "batch * steps_timed / seconds, the median over the rounds",
             "ratio": "gridrun samples/s / plain samples/s",
+            "one_rank_per_gpu": "gridrun strategy=data on 1 x ranks, comm.backend=torch (NCCL "
+                                "on cuda); samples/s from the median of its metrics' step times",
         },
-        "runner_keys_omitted": runner.omitted,
         "one_device": [{k: v for k, v in s.items() if not k.startswith("_")} for s in single],
-        "shared_device": shared,
+        "one_rank_per_gpu": ranks if ranks else {"skipped": (
+            "--ranks 0" if args.ranks_given else "torch sees fewer than 2 GPUs here")},
         "bench_wall_s": time.perf_counter() - started,
     }
     text = json.dumps(report, indent=2)

@@ -534,3 +534,112 @@ def test_on_one_gpu_a_one_rank_nccl_group_takes_the_native_calls() -> None:
         assert all(r.seconds > 0 for r in counter.records), counter.records
     finally:
         torchdist.shutdown_torch_distributed(barrier=False)
+
+
+# -- validation in batches, the summary's GPU figures, the GPU's calibration, bench/gpu.py --------
+
+def test_on_cuda_validation_in_batches_equals_one_forward_over_the_set() -> None:
+    """A model on the GPU scores the set in global batches of the batch size as one forward
+    over it does (float64: to summation order), its sums read back once."""
+    from runner.core import ProcessGrid
+    from runner.training.evaluation import evaluate
+    from runner.zoo.models import resnet
+    from strategies import STRATEGIES
+
+    torch.manual_seed(0)
+    model = resnet((3, 16, 16), 10, widths=(8, 16), blocks=(1, 1)).double().cuda()
+    pmodel = STRATEGIES.get("data")().parallelize(model, (3, 16, 16), ProcessGrid(1, 1))
+    x = torch.randn(301, 3, 16, 16, dtype=torch.float64, device="cuda")
+    y = torch.randint(0, 10, (301,), device="cuda")
+    whole = evaluate(pmodel, x, y)
+    for batch in (16, 64, 300):
+        part = evaluate(pmodel, x, y, batch_size=batch)
+        assert abs(part.loss - whole.loss) <= 1e-12 * abs(whole.loss), (batch, part, whole)
+        assert part.accuracy == whole.accuracy
+
+
+def test_the_validation_numbers_on_cuda_are_the_cpus(gpu_runs: Runs) -> None:
+    cpu, cuda = read_summary(gpu_runs("cpu_p1")), read_summary(gpu_runs("cuda_p1"))
+    assert abs(cuda["val_loss"] - cpu["val_loss"]) <= GAP * abs(cpu["val_loss"])
+    assert abs(cuda["val_accuracy"] - cpu["val_accuracy"]) <= 0.01
+
+
+@pytest.mark.parametrize("name,gpus", [("cuda_p1", 1), ("cuda_bf16_long", 1),
+                                       ("cuda_data_1x4_mpi", 1)])
+def test_the_summary_gives_tflops_per_gpu_mfu_and_peak_memory(gpu_runs: Runs, name: str,
+                                                             gpus: int) -> None:
+    from runner.training.summary import gpu_peak
+
+    summary = read_summary(gpu_runs(name))
+    assert summary["gpus"] == gpus  # four ranks sharing one GPU: one GPU
+    assert summary["model_flops_per_step"] > 0 and summary["tflops_per_gpu"] > 0
+    flops_per_s = summary["model_flops_per_step"] / summary["median_step_time_s"] / gpus
+    assert summary["tflops_per_gpu"] * 1e12 == pytest.approx(flops_per_s)
+    peak, label = gpu_peak(torch.cuda.get_device_name(0), _precision(summary))
+    if peak is None:
+        assert summary["mfu"] is None and summary["gpu_peak"]["name"] == "unknown"
+    else:
+        assert 0 < summary["mfu"] < 1 and summary["gpu_peak"]["name"] == label
+    assert 0 < summary["device_memory_peak_bytes"] < torch.cuda.get_device_properties(
+        0).total_memory
+    assert read_summary(gpu_runs("cpu_p1"))["tflops_per_gpu"] is None  # not measured on a CPU
+
+
+def test_the_calibration_measures_the_gpu_and_plans_on_it_use_it(tmp_path: Path) -> None:
+    """plan.calibrate=true on a GPU machine stores the GPU's rates (float32 and bfloat16) and
+    its all-reduce's α–β by its name; a plan for trainer.device=cuda is priced with them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    stored = tmp_path / "calibration.json"
+    env = {**os.environ, "GRIDRUN_CALIBRATION": str(stored)}
+
+    def plan(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "runner.plan", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    calibrated = plan("plan.calibrate=true", "plan.calibrate_repeats=3")
+    assert calibrated.returncode == 0, calibrated.stderr
+    name = torch.cuda.get_device_name(0)
+    device = json.loads(stored.read_text())["devices"][name]
+    assert name in calibrated.stdout
+    for key in ("compute", "compute_bf16"):
+        assert all(rate > 0 for band in device[key]["gemm"].values() for _, rate in band)
+
+    def best(key: str) -> float:
+        return max(rate for band in device[key]["gemm"].values() for _, rate in band)
+
+    assert best("compute_bf16") > best("compute")  # tensor cores
+    collective = device["collective"]
+    assert collective["alpha"] >= 0 and collective["beta"] > 0
+    planned = plan("plan.world=2", "trainer.device=cuda", "trainer.precision=bf16")
+    assert planned.returncode == 0, planned.stderr
+    # the GPU's α, β and rates (the line as one, wherever the console wrapped it)
+    assert f"{stored}, {name}" in " ".join(planned.stdout.split())
+
+
+def test_bench_gpu_runs_on_the_gpu(tmp_path: Path) -> None:
+    """bench/gpu.py's GPU path, small: both sides timed by CUDA events, the same losses in
+    fp32, gridrun's GPU figures beside them."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "gpu.json"
+    result = subprocess.run(
+        [sys.executable, "bench/gpu.py", "--small", "--steps", "5", "--warmup", "2",
+         "--rounds", "1", "--precisions", "fp32", "--ranks", "0", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["gpu_figures_measured"] and report["measured_on"] == torch.cuda.get_device_name()
+    for entry in report["one_device"]:
+        assert entry["plain"]["samples_per_s"] > 0 and entry["gridrun"]["samples_per_s"] > 0
+        assert entry["max_rel_loss_gap"] <= GAP
+        assert entry["gridrun"]["rounds"][0]["summary"]["tflops_per_gpu"] > 0

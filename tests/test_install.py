@@ -12,6 +12,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 BIN = Path(sys.executable).parent
@@ -223,3 +225,45 @@ def test_plan_help_and_config(tmp_path: Path) -> None:
     job = plan("--cfg", "job", "plan.world=12", cwd=tmp_path, tmp_path=tmp_path)
     assert job.returncode == 0 and "world: 12" in job.stdout and "model:" in job.stdout
     assert not list(tmp_path.iterdir())
+
+
+# -- `make setup` on a CPU machine and on a GPU machine --------------------------------------------
+
+def setup_commands(python: str, tmp_path: Path) -> list[str]:
+    """What `make setup` would run to make a new .venv with `python` (make -n: nothing run)."""
+    made = run("make", "-n", "-s", "setup", f"PYTHON={python}", f"VENV={tmp_path / 'venv'}",
+               cwd=ROOT)
+    assert made.returncode == 0, made.stderr
+    return made.stdout.splitlines()
+
+
+def test_setup_on_a_cpu_machine_pins_the_cpu_wheel(tmp_path: Path) -> None:
+    """The commands of a machine whose Python's torch sees no GPU: exactly the CPU set-up."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this Python's torch sees a GPU: the GPU set-up applies")
+    venv = tmp_path / "venv"
+    assert setup_commands(sys.executable, tmp_path) == [
+        f"{sys.executable} -m venv {venv}",
+        f"{venv}/bin/python -m pip install --quiet --upgrade pip",
+        f'{venv}/bin/python -m pip install --quiet "torch==2.13.0"',
+        f"{venv}/bin/python -m pip install --quiet --config-settings editable_mode=compat "
+        f'-e ".[bundled-mpi,dev,text,tensorboard,sweep,transformers]"',
+        f"touch {venv}/.installed"]
+
+
+def test_setup_on_a_gpu_machine_keeps_its_cuda_torch(tmp_path: Path) -> None:
+    """A Python whose torch sees a GPU (faked: it answers the Makefile's question with 1): the
+    venv sees its packages, and the CPU wheel is not installed over a torch that sees a GPU."""
+    fake = tmp_path / "python-with-cuda-torch"
+    fake.write_text("#!/bin/sh\necho 1\n")
+    fake.chmod(0o755)
+    venv = tmp_path / "venv"
+    commands = setup_commands(str(fake), tmp_path)
+    assert commands[0] == f"{fake} -m venv --system-site-packages {venv}"
+    # the CPU wheel only where .venv does not see a CUDA torch after all
+    assert commands[2] == (f'{venv}/bin/python -c "import torch; assert '
+                           f'torch.cuda.is_available()" 2>/dev/null || {venv}/bin/python -m pip '
+                           f'install --quiet "torch==2.13.0"')
+    assert commands[3].endswith('-e ".[bundled-mpi,dev,text,tensorboard,sweep,transformers]"')

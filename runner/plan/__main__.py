@@ -141,6 +141,8 @@ def plan_or_calibrate(cfg: DictConfig, job: str = "") -> int:
 
 
 def calibrate(repeats: int = 20) -> None:
+    import torch
+
     from runner.plan.calibration import (
         MAX_COLLECTIVE_RANKS,
         calibration_path,
@@ -154,6 +156,9 @@ def calibrate(repeats: int = 20) -> None:
     cores = usable_cores()
     ranks = calibration_ranks(cores)  # refuses a machine with fewer than 2 usable cores
     console.print(f"measuring α and β (ping-pong on 2 ranks, all-reduce sweep on {ranks}) ...")
+    if torch.cuda.is_available():
+        console.print(f"and the GPU ({torch.cuda.get_device_name(0)}): its products, "
+                      "convolutions and elementwise work, and an all-reduce of its buffers ...")
     if ranks < MAX_COLLECTIVE_RANKS:
         console.print(f"note: the all-reduce sweep runs on {ranks} ranks, not "
                       f"{MAX_COLLECTIVE_RANKS}: this process may use {cores} cores, and ranks "
@@ -170,7 +175,23 @@ def calibrate(repeats: int = 20) -> None:
         values = result[kind]
         console.print(f"{kind}: α = {values['alpha']:.3e} s, β = {values['beta']:.3e} s/B "
                       f"({1 / values['beta'] / 1e9:.2f} GB/s)")
+    for name, device in result.get("devices", {}).items():
+        console.print(device_line(name, device))
     console.print(f"stored in {calibration_path()}: later plans and runs use it")
+
+
+def device_line(name: str, device: Mapping[str, Any]) -> str:
+    """What a GPU's calibration found: its products' best rates, its elementwise bandwidth,
+    its collectives' α and β (and how the sweep's buffers travelled)."""
+    def best(compute: Mapping[str, Any]) -> float:
+        return max(rate for band in compute["gemm"].values() for _, rate in band)
+
+    collective = device["collective"]
+    return (f"{name}: products up to {best(device['compute']) / 1e12:.1f} TFLOP/s in float32, "
+            f"{best(device['compute_bf16']) / 1e12:.1f} in bfloat16; elementwise "
+            f"{device['compute']['memory'] / 1e9:.0f} GB/s; all-reduce on "
+            f"{collective['ranks']} ranks ({collective.get('path')}): "
+            f"α = {collective['alpha']:.3e} s, β = {collective['beta']:.3e} s/B")
 
 
 def measure_step_overhead(steps: int = 60) -> float:
@@ -358,7 +379,7 @@ def _unwritable_file(path: Path) -> str | None:
 def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) -> Plan:
     """The plan for a composed config (no MPI: the model is built on the meta device), over
     `world` ranks (`plan.world` by default)."""
-    from runner.config.machine import load_compute_rates, load_machine_costs
+    from runner.config.machine import load_compute_rates, load_machine_costs, pricing_device
     from runner.config.schema import parse
     from runner.plan.planner import make_plan
     from runner.training import assembly
@@ -385,9 +406,12 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) 
         steps_per_epoch = spec.train_size // batch
         rows_touched = assembly.rows_touched(dataset)
         model = assembly.model_for(run.model, spec, dtype, "meta")
-    costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta)
+    # a run on a GPU is priced with that GPU's calibration, where there is one
+    device = pricing_device(run.trainer.device)
+    costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta, device=device)
     pricing = PricingContext(costs, rows_touched, HALF_TYPES.get(run.trainer.precision),
-                             load_compute_rates(), batch, plan_cfg.slowdown,
+                             load_compute_rates(device, run.trainer.precision), batch,
+                             plan_cfg.slowdown,
                              assembly.optimizer_kind(run.optimizer),
                              run.trainer.accumulate_steps, run.trainer.activation_checkpointing)
 

@@ -11,6 +11,15 @@ for every later plan and run.
 `measure_compute()` (in this process, one torch thread, about 6 seconds) measures the compute
 rates of `runner.core.compute` — matrix products and convolutions by size, the layers priced
 per byte, the dispatch per operator call, fresh memory —, stored under "compute".
+
+On a machine where torch sees a GPU, `measure_device()` measures the same rates on the GPU
+(`measure_compute(device="cuda:0")`: larger products and convolutions, each timed between two
+synchronisations; in float32, and the products again in bfloat16 for half-precision runs) and
+the α–β of an all-reduce of device buffers as a run moves them (one rank per GPU under
+`comm.backend=torch`, NCCL; on a single GPU two ranks sharing it, staged through host buffers
+under MPI). They are stored under "devices", keyed by the GPU's name
+(`torch.cuda.get_device_name`), where `runner.config.machine` finds them for runs and plans on
+that GPU.
 """
 
 from __future__ import annotations
@@ -25,11 +34,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from runner.config.machine import calibration_path
 from runner.records.rundir import write_json
 
 SIZES = [8 << k for k in range(0, 20, 2)]  # 8 B .. 2 MiB
+# a GPU's all-reduce sweep: up to 128 MiB (a bucket of a large model's gradients), where the
+# per-byte rate of NCCL and of staged buffers settles
+DEVICE_SIZES = [8 << k for k in range(0, 25, 2)]  # 8 B .. 128 MiB
 PINGPONG_RANKS = 2
 MAX_COLLECTIVE_RANKS = 4
 
@@ -155,6 +168,47 @@ def _oversubscribed_worker(repeats: int) -> None:
         print(json.dumps({"kind": "oversubscribed", "sync": max(0.0, statistics.median(extra))}))
 
 
+def _device_worker(backend: str, repeats: int) -> None:
+    """An all-reduce sweep over DEVICE_SIZES of GPU buffers through the counted communicator,
+    as a run's gradients travel: each rank on GPU `local rank % GPUs`; under "torch" NCCL where
+    every rank has a GPU of its own (else gloo through host buffers), under "mpi" staged
+    through host buffers (MPI that is not CUDA-aware)."""
+    import torch
+    from mpi4py import MPI
+
+    from runner.core import DevicePaths, ProcessGrid
+    from runner.core.torchdist import init_torch_distributed, shutdown_torch_distributed
+    from runner.training.devices import place_rank
+
+    comm = MPI.COMM_WORLD
+    placement = place_rank("cuda", comm)
+    if backend == "torch":
+        init_torch_distributed(comm)
+    facts = comm.allgather((placement.local_size, placement.gpus))
+    direct = backend == "torch" and all(ranks <= gpus for ranks, gpus in facts)
+    grid = ProcessGrid(1, comm.Get_size(), comm, backend="torch" if backend == "torch" else "mpi",
+                       devices=DevicePaths("cuda", direct=direct))
+    times = []
+    for nbytes in DEVICE_SIZES:
+        buf = torch.zeros(nbytes // 4, device=placement.device)
+        samples = []
+        for i in range(repeats + 2):
+            torch.cuda.synchronize()
+            comm.Barrier()
+            start = time.perf_counter()
+            grid.world.allreduce_(buf)
+            torch.cuda.synchronize()
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+    if comm.Get_rank() == 0:
+        print(json.dumps({"kind": f"device_{backend}", "ranks": comm.Get_size(),
+                          "sizes": DEVICE_SIZES, "seconds": times,
+                          "path": grid.devices.describe(grid.backend, grid.size)}))
+    if backend == "torch":
+        shutdown_torch_distributed()
+
+
 def _worker(kind: str, repeats: int) -> None:
     import torch
     from mpi4py import MPI
@@ -164,6 +218,9 @@ def _worker(kind: str, repeats: int) -> None:
         return
     if kind == "oversubscribed":
         _oversubscribed_worker(repeats)
+        return
+    if kind in ("device_torch", "device_mpi"):
+        _device_worker(kind.removeprefix("device_"), repeats)
         return
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -243,21 +300,61 @@ CONV_BACKWARD_SHAPES = {"deep": (32, 32, 16, 16), "narrow": (3, 32, 16, 32)}  # 
 KIND_BYTES = (256 << 10, 2 << 20, 8 << 20)  # in cache, in the last level, from memory
 MEMORY_BYTES = 4 << 20  # elementwise passes over tensors of a few MB
 FRESH_BYTES = 64 << 20  # above glibc's largest mmap threshold (32 MiB): always freshly mapped
+# On a GPU: products from 16 to 4096 rows (a GPU reaches its rate only with many), up to ~5e11
+# flops or 16384 features; convolutions up to 1e11 flops; elementwise work on tensors of MBs
+# to hundreds of MBs (small ones are the launch's cost, priced as dispatch).
+DEVICE_GEMM_ROWS = (16, 64, 256, 1024, 4096)
+DEVICE_GEMM_MOST_FLOPS = 5e11
+DEVICE_GEMM_MOST_FEATURES = 16384
+DEVICE_CONV_FLOPS = [10 ** (6 + e / 2) for e in range(11)]  # 1e6 .. 1e11
+DEVICE_NARROW_CONV_FLOPS = [10 ** (5 + e / 2) for e in range(11)]  # 1e5 .. 1e10
+DEVICE_KIND_BYTES = (2 << 20, 32 << 20, 256 << 20)
+DEVICE_MEMORY_BYTES = 256 << 20
+DEVICE_FRESH_MEMORY = 1e18  # the caching allocator maps no memory in a step: as good as free
 
 
 class _Timer:
-    """Seconds per call of a function, as a rank would spend them.
+    """Seconds per call of a function, as a rank would spend them, on tensors it makes on its
+    `device` in its `dtype` (`randn`).
 
     One thread: the thread's CPU time (the core's speed, not the moments another process took
     it: sharing is priced apart, `runner.core.compute.oversubscription`); more threads work
     beside this one: wall-clock time. Page faults are taken out at `per_fault` seconds each
     (once measured): below 32 MiB whether a block comes back freshly mapped is the allocator's
     whim (glibc trims its heap's top), and the model prices fresh memory apart
-    (`ComputeRates.fresh_memory`)."""
+    (`ComputeRates.fresh_memory`). On a GPU: wall-clock time between two synchronisations of
+    the device (its kernels run asynchronously), around loops of calls."""
 
-    def __init__(self, threads: int) -> None:
-        self.clock = time.thread_time if threads == 1 else time.perf_counter
+    def __init__(self, threads: int, device: str = "cpu", dtype: Any = None) -> None:
+        self.device, self.dtype = device, dtype  # dtype None: float32
+        self.cuda = device.startswith("cuda")
+        self.clock = time.thread_time if threads == 1 and not self.cuda else time.perf_counter
         self.per_fault = 0.0
+
+    def randn(self, *shape: int, requires_grad: bool = False) -> Any:
+        """A tensor of normal values on the timer's device, in its dtype."""
+        import torch
+
+        return torch.randn(*shape, device=self.device, dtype=self.dtype or torch.float32,
+                           requires_grad=requires_grad)
+
+    def empty(self, *shape: int) -> Any:
+        import torch
+
+        return torch.empty(*shape, device=self.device, dtype=self.dtype or torch.float32)
+
+    def place(self, module: Any) -> Any:
+        """`module` moved to the timer's device and dtype."""
+        import torch
+
+        return module.to(self.device, self.dtype or torch.float32)
+
+    def sync(self) -> None:
+        """Wait for the device's queued kernels (nothing on the CPU)."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def faults() -> int:
@@ -273,8 +370,10 @@ class _Timer:
         allocations): small calls timed in loops of at least `sample` seconds, calls of more
         than 20 ms three times."""
         fn()
+        self.sync()
         start = self.clock()
         fn()
+        self.sync()
         once = max(self.clock() - start, 1e-7)
         if once > 0.02:
             repeats = 2
@@ -284,6 +383,7 @@ class _Timer:
             faults, start = self.faults(), self.clock()
             for _ in range(inner):
                 fn()
+            self.sync()
             elapsed = self.clock() - start - (self.faults() - faults) * self.per_fault
             samples.append(max(elapsed, 0.0) / inner)
         return statistics.median(samples[1:] if len(samples) > 3 else samples)
@@ -298,17 +398,18 @@ def _gemm_point(rows: int, features: int, timer: _Timer) -> tuple[float, float]:
     import torch
 
     m, k = rows, features
-    x, w, b, g = torch.randn(m, k), torch.randn(k, k), torch.randn(k), torch.randn(m, k)
-    y, gx, gw = torch.empty(m, k), torch.empty(m, k), torch.empty(k, k)
+    x, w, b, g = timer.randn(m, k), timer.randn(k, k), timer.randn(k), timer.randn(m, k)
+    y, gx, gw = timer.empty(m, k), timer.empty(m, k), timer.empty(k, k)
     flops = 2.0 * m * k * k
     return flops, flops / statistics.median([
         timer(lambda: torch.addmm(b, x, w.t(), out=y)), timer(lambda: torch.mm(g, w, out=gx)),
         timer(lambda: torch.mm(g.t(), x, out=gw))])
 
 
-def _gemm_band(rows: int, timer: _Timer) -> list[list[float]]:
+def _gemm_band(rows: int, timer: _Timer, most_flops: float = GEMM_MOST_FLOPS,
+               most_features: int = GEMM_MOST_FEATURES) -> list[list[float]]:
     """The (flops, flop/s) points of products whose smallest dimension is `rows`: features
-    from `rows` up, half a decade of flops apart, up to GEMM_MOST_FLOPS or GEMM_MOST_FEATURES
+    from `rows` up, half a decade of flops apart, up to `most_flops` or `most_features`
     (multiples of 64 from 256 features on: odd sizes take slower kernels)."""
     points: list[list[float]] = []
     flops = 2.0 * rows ** 3
@@ -316,7 +417,7 @@ def _gemm_band(rows: int, timer: _Timer) -> list[list[float]]:
         features = round((flops / (2 * rows)) ** 0.5)
         if features >= 256:
             features = 64 * round(features / 64)
-        if features > GEMM_MOST_FEATURES or 2.0 * rows * features ** 2 > GEMM_MOST_FLOPS * 1.2:
+        if features > most_features or 2.0 * rows * features ** 2 > most_flops * 1.2:
             return points
         points.append(list(_gemm_point(rows, max(features, rows), timer)))
         flops *= 10 ** 0.5
@@ -328,8 +429,8 @@ def _narrow_output(timer: _Timer) -> float:
     dimension)."""
     import torch
 
-    x, w, b, g = torch.randn(128, 784), torch.randn(10, 784), torch.randn(10), torch.randn(128, 10)
-    y, gx = torch.empty(128, 10), torch.empty(128, 784)
+    x, w, b, g = timer.randn(128, 784), timer.randn(10, 784), timer.randn(10), timer.randn(128, 10)
+    y, gx = timer.empty(128, 10), timer.empty(128, 784)
     return max(1.0, timer(lambda: torch.addmm(b, x, w.t(), out=y))
                / timer(lambda: torch.mm(g, w, out=gx)))
 
@@ -338,7 +439,6 @@ def _conv_point(flops: float, in_channels: int, out_channels: int, side: int,
                 timer: _Timer) -> tuple[float, float]:
     """(flops, flop/s) of a 3×3 'same' convolution of about `flops` flops at images of `side`
     (halved, down to 4, while one image has more flops)."""
-    import torch
     import torch.nn.functional as F
 
     def per_image(side: int) -> float:
@@ -347,8 +447,8 @@ def _conv_point(flops: float, in_channels: int, out_channels: int, side: int,
     while per_image(side) > flops and side > 4:
         side //= 2
     batch = max(1, round(flops / per_image(side)))
-    x = torch.randn(batch, in_channels, side, side)
-    w = torch.randn(out_channels, in_channels, 3, 3)
+    x = timer.randn(batch, in_channels, side, side)
+    w = timer.randn(out_channels, in_channels, 3, 3)
     actual = batch * per_image(side)
     return actual, actual / timer(lambda: F.conv2d(x, w, padding=1))
 
@@ -360,9 +460,9 @@ def _conv_backward(in_channels: int, out_channels: int, batch: int, side: int,
     import torch
     import torch.nn.functional as F
 
-    x = torch.randn(batch, in_channels, side, side)
-    w = torch.randn(out_channels, in_channels, 3, 3)
-    g = torch.randn(batch, out_channels, side, side)
+    x = timer.randn(batch, in_channels, side, side)
+    w = timer.randn(out_channels, in_channels, 3, 3)
+    g = timer.randn(batch, out_channels, side, side)
     backward = torch.ops.aten.convolution_backward
 
     def grad(mask: list[bool]) -> object:
@@ -383,13 +483,13 @@ def _conv_overhead(timer: _Timer, backward_start: float) -> float:
 
     overheads = []
     for batch, cin, side, cout, input_grad in ((8, 16, 8, 16, True), (32, 3, 8, 32, False)):
-        layer = nn.Conv2d(cin, cout, 3, padding=1)
+        layer = timer.place(nn.Conv2d(cin, cout, 3, padding=1))
         params = list(layer.parameters())
         for p in params:
             p.grad = torch.zeros_like(p)
-        x = torch.randn(batch, cin, side, side, requires_grad=input_grad)
-        g = torch.randn(batch, cout, side, side)
-        w, b = layer.weight.detach(), layer.bias.detach()  # type: ignore[union-attr]
+        x = timer.randn(batch, cin, side, side, requires_grad=input_grad)
+        g = timer.randn(batch, cout, side, side)
+        w, b = layer.weight.detach(), layer.bias.detach()
 
         def step(layer: nn.Module = layer, x: torch.Tensor = x, g: torch.Tensor = g,
                  params: Sequence[torch.Tensor] = params) -> None:
@@ -418,12 +518,12 @@ def _linear_overhead(timer: _Timer, backward_start: float) -> float:
     overheads = []
     for rows, features_in, features_out, input_grad in ((64, 64, 128, False),
                                                         (64, 128, 128, True), (16, 64, 10, True)):
-        layer = nn.Linear(features_in, features_out)
+        layer = timer.place(nn.Linear(features_in, features_out))
         params = list(layer.parameters())
         for p in params:
             p.grad = torch.zeros_like(p)
-        x = torch.randn(rows, features_in, requires_grad=input_grad)
-        g = torch.randn(rows, features_out)
+        x = timer.randn(rows, features_in, requires_grad=input_grad)
+        g = timer.randn(rows, features_out)
         w, b, data = layer.weight.detach(), layer.bias.detach(), x.detach()
 
         def step(layer: nn.Module = layer, x: torch.Tensor = x, g: torch.Tensor = g,
@@ -445,10 +545,10 @@ def _linear_overhead(timer: _Timer, backward_start: float) -> float:
     return max(statistics.median(overheads), 1e-7)
 
 
-def _kind_rates(timer: _Timer, dispatch: float, backward_start: float
-                ) -> dict[str, list[list[float]]]:
+def _kind_rates(timer: _Timer, dispatch: float, backward_start: float,
+                sizes: Sequence[int] = KIND_BYTES) -> dict[str, list[list[float]]]:
     """Per kind of `runner.core.compute.LAYER_KINDS`: [input bytes, forward, backward seconds
-    per input byte] at inputs of KIND_BYTES, forward and backward under autograd as a training
+    per input byte] at inputs of `sizes` bytes, forward and backward under autograd as a training
     step runs them, less what is priced apart: the dispatch of their operator calls, the
     backward() call's start."""
     import torch
@@ -465,7 +565,7 @@ def _kind_rates(timer: _Timer, dispatch: float, backward_start: float
         if kind == "layer_norm":
             return nn.LayerNorm(512), (max(1, elements // 512), 512)
         if kind == "cross_entropy":
-            targets = torch.randint(0, 1024, (max(1, elements // 1024),))
+            targets = torch.randint(0, 1024, (max(1, elements // 1024),), device=timer.device)
             return (lambda x: F.cross_entropy(x, targets, reduction="sum")), \
                 (max(1, elements // 1024), 1024)
         layers: dict[str, Layer] = {
@@ -478,12 +578,14 @@ def _kind_rates(timer: _Timer, dispatch: float, backward_start: float
     rates: dict[str, list[list[float]]] = {}
     for kind in KIND_CALLS:
         rates[kind] = []
-        for size in KIND_BYTES:
+        for size in sizes:
             layer, shape = case(kind, size)
+            if isinstance(layer, nn.Module):
+                layer = timer.place(layer)
             params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
             for p in params:
                 p.grad = torch.zeros_like(p)
-            x = torch.randn(shape, requires_grad=True)
+            x = timer.randn(*shape, requires_grad=True)
             grad = torch.randn_like(layer(x))
 
             def forward(layer: Layer = layer, x: torch.Tensor = x) -> None:
@@ -527,8 +629,8 @@ def _dispatch(timer: _Timer) -> tuple[float, float]:
     backward node's call."""
     import torch
 
-    tiny = torch.randn(4, 4, requires_grad=True)
-    ones = torch.ones(4, 4)
+    tiny = timer.randn(4, 4, requires_grad=True)
+    ones = torch.ones_like(tiny)
 
     def chain(length: int) -> Callable[[], None]:
         def run() -> None:
@@ -543,51 +645,123 @@ def _dispatch(timer: _Timer) -> tuple[float, float]:
     return dispatch, max(one - timer(lambda: torch.relu(tiny), repeats=7) - dispatch, 1e-8)
 
 
-def _memory(timer: _Timer) -> float:
-    """Bytes per second of an elementwise pass over tensors of MEMORY_BYTES (the median of a
+def _memory(timer: _Timer, nbytes: int = MEMORY_BYTES) -> float:
+    """Bytes per second of an elementwise pass over tensors of `nbytes` (the median of a
     ReLU, a product with a number, a sum of two: 1½ passes)."""
     import torch
 
-    x = torch.randn(MEMORY_BYTES // 4)
-    y = torch.randn(MEMORY_BYTES // 4)
-    return statistics.median([MEMORY_BYTES / timer(lambda: torch.relu(x)),
-                              MEMORY_BYTES / timer(lambda: x * 2.0),
-                              MEMORY_BYTES * 1.5 / timer(lambda: x + y)])
+    x = timer.randn(nbytes // 4)
+    y = timer.randn(nbytes // 4)
+    return statistics.median([nbytes / timer(lambda: torch.relu(x)),
+                              nbytes / timer(lambda: x * 2.0),
+                              nbytes * 1.5 / timer(lambda: x + y)])
 
 
-def measure_compute(threads: int = 1) -> dict:
+def _products(timer: _Timer) -> dict:
+    """The matrix-product and convolution tables and the convolutions' gradient factors, on
+    the timer's device in its dtype (a GPU's reach further: its rates flatten far later)."""
+    cuda = timer.cuda
+    rows, most, features = ((DEVICE_GEMM_ROWS, DEVICE_GEMM_MOST_FLOPS, DEVICE_GEMM_MOST_FEATURES)
+                            if cuda else (GEMM_ROWS, GEMM_MOST_FLOPS, GEMM_MOST_FEATURES))
+    conv, narrow = (DEVICE_CONV_FLOPS, DEVICE_NARROW_CONV_FLOPS) if cuda else (
+        CONV_FLOPS, NARROW_CONV_FLOPS)
+    return {
+        "gemm": {str(r): _gemm_band(r, timer, most, features) for r in rows},
+        "gemm_narrow_output": _narrow_output(timer),
+        "conv": [_conv_point(f, *_conv_shape(f), timer) for f in conv],
+        "conv_narrow": [_conv_point(f, 3, 32, 8 if f < 1e6 else 16 if f < 1e7 else 32, timer)
+                        for f in narrow],
+        "conv_backward": list(_conv_backward(*CONV_BACKWARD_SHAPES["deep"], timer)),
+        "conv_narrow_backward": list(_conv_backward(*CONV_BACKWARD_SHAPES["narrow"], timer))}
+
+
+def _conv_shape(flops: float) -> tuple[int, int, int]:
+    """(in channels, out channels, image side) of a deep convolution of about `flops` flops:
+    wider as it grows, as a CNN's layers are."""
+    if flops < 1e7:
+        return 16, 16, 8
+    if flops < 1e8:
+        return 32, 32, 16
+    return (64, 64, 16) if flops <= 1e9 else (128, 128, 32)
+
+
+def measure_compute(threads: int = 1, device: str = "cpu") -> dict:
     """This machine's compute rates (`runner.core.compute.ComputeRates.from_dict`'s form) with
     `threads` torch threads (a rank's; restored afterwards): the cost of fresh memory, the
     dispatch per operator call and the backward() call's start, the bytes per second of an
     elementwise pass, the matrix-product tables (by smallest dimension) and the convolution
     ones, the gradient factors of convolutions, and the seconds per byte of the layers priced
-    by their tensors. Medians of repeats; about 6 seconds."""
+    by their tensors. Medians of repeats; about 6 seconds.
+
+    `device` "cuda:N": the same on that GPU, in float32 (its products as PyTorch runs them by
+    default: TF32 off), with larger sizes; fresh memory costs nothing there (the caching
+    allocator keeps its blocks mapped), and the dispatch is the host's work per kernel
+    launched."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    timer = _Timer(threads)
+    timer = _Timer(threads, device)
+    cuda = timer.cuda
     try:
-        fresh_memory, timer.per_fault = _fresh_memory(timer)
+        if cuda:
+            fresh_memory = DEVICE_FRESH_MEMORY
+        else:
+            fresh_memory, timer.per_fault = _fresh_memory(timer)
         tries = [_dispatch(timer) for _ in range(3)]  # small: the median of three tries
         dispatch = statistics.median(d for d, _ in tries)
         backward_start = statistics.median(b for _, b in tries)
         return {
-            "gemm": {str(rows): _gemm_band(rows, timer) for rows in GEMM_ROWS},
-            "gemm_narrow_output": _narrow_output(timer),
-            "conv": [_conv_point(f, *((16, 16, 8) if f < 1e7 else (32, 32, 16) if f < 1e8
-                                      else (64, 64, 16)), timer) for f in CONV_FLOPS],
-            "conv_narrow": [_conv_point(f, 3, 32, 8 if f < 1e6 else 16 if f < 1e7 else 32,
-                                        timer) for f in NARROW_CONV_FLOPS],
-            "conv_backward": list(_conv_backward(*CONV_BACKWARD_SHAPES["deep"], timer)),
-            "conv_narrow_backward": list(_conv_backward(*CONV_BACKWARD_SHAPES["narrow"], timer)),
+            **_products(timer),
             "conv_overhead": _conv_overhead(timer, backward_start),
             "linear_overhead": _linear_overhead(timer, backward_start),
-            "layers": _kind_rates(timer, dispatch, backward_start),
-            "memory": _memory(timer), "dispatch": dispatch, "backward_start": backward_start,
+            "layers": _kind_rates(timer, dispatch, backward_start,
+                                  DEVICE_KIND_BYTES if cuda else KIND_BYTES),
+            "memory": _memory(timer, DEVICE_MEMORY_BYTES if cuda else MEMORY_BYTES),
+            "dispatch": dispatch, "backward_start": backward_start,
             "fresh_memory": fresh_memory, "threads": threads}
     finally:
         torch.set_num_threads(previous)
+
+
+def device_collective_plan(gpus: int, cores: int) -> tuple[int, str]:
+    """(ranks, backend) of a GPU machine's all-reduce sweep: one rank per GPU under "torch"
+    (NCCL, what a run with a GPU per rank uses), as many as there are GPUs and cores, up to 8;
+    on a single GPU two ranks sharing it under "mpi" (staged through host buffers, what ranks
+    sharing a GPU use)."""
+    if gpus >= 2 and cores >= 2:
+        return min(gpus, cores, 8), "torch"
+    return PINGPONG_RANKS, "mpi"
+
+
+def fit_collective(sweep: dict) -> dict:
+    """α and β of an all-reduce sweep (its ranks, sizes and seconds): a fit of
+    t = 2α⌈log₂ p⌉ + 2β(p−1)/p·n, the factors undone."""
+    from runner.core.cost import log2_ceil
+
+    p = sweep["ranks"]
+    a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
+    return {"alpha": max(a / (2 * log2_ceil(p)), 0.0), "beta": b / (2 * (p - 1) / p),
+            "ranks": p, "sizes": sweep["sizes"], "seconds": sweep["seconds"]}
+
+
+def measure_device(repeats: int = 20, index: int = 0) -> dict:
+    """GPU `index`'s compute rates (float32; "compute_bf16": the products and convolutions in
+    bfloat16, for bf16 and fp16 runs, the rest as float32's) and the α–β of an all-reduce of
+    device buffers across this machine's GPUs (`device_collective_plan`), with the GPU's name.
+    One name per machine: its GPUs are taken to be alike."""
+    import torch
+
+    name = torch.cuda.get_device_name(index)
+    device = f"cuda:{index}"
+    compute = measure_compute(device=device)
+    half = _products(_Timer(1, device, torch.bfloat16))
+    ranks, backend = device_collective_plan(torch.cuda.device_count(), usable_cores())
+    sweep = _run(f"device_{backend}", ranks, repeats)
+    return {"name": name, "compute": compute, "compute_bf16": {**compute, **half},
+            "collective": {**fit_collective(sweep), "backend": backend,
+                           "path": sweep.get("path")},
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def _mpiexec() -> str:
@@ -613,10 +787,13 @@ def _run(kind: str, ranks: int, repeats: int) -> dict:
     return result
 
 
-def measure(repeats: int = 20, collective_ranks: int | None = None) -> dict:
+def measure(repeats: int = 20, collective_ranks: int | None = None,
+            device: bool | None = None) -> dict:
     """Measure (α and β, local work, compute rates), fit, store; returns what was stored.
     `collective_ranks`: the all-reduce sweep's ranks (default
-    `calibration_ranks(usable_cores())`); more than the usable cores is refused."""
+    `calibration_ranks(usable_cores())`); more than the usable cores is refused. `device`: also
+    measure the GPU (`measure_device`, stored under "devices" by its name); None: where torch
+    sees one."""
     from runner.core.cost import log2_ceil
 
     cores = usable_cores()
@@ -650,6 +827,13 @@ def measure(repeats: int = 20, collective_ranks: int | None = None) -> dict:
         "host": socket.gethostname(),
         "usable_cores": cores,
     }
+    if device is None:
+        import torch
+
+        device = torch.cuda.is_available()
+    if device:
+        measured = measure_device(repeats)
+        result["devices"] = {measured.pop("name"): measured}
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, result)

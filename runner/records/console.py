@@ -124,6 +124,11 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
                                f"predicted"),
         *([("layouts", " ".join(f"{k}:{v}" for k, v in summary["layouts"].items()))]
           if summary.get("layouts") else []),
+        *([("GPU compute", _gpu_cell(summary))]
+          if summary.get("tflops_per_gpu") is not None else []),
+        *([("GPU memory peak", f"{_fmt_bytes(summary['device_memory_peak_bytes'])} allocated "
+                               f"(the most of any rank)")]
+          if summary.get("device_memory_peak_bytes") is not None else []),
         ("samples / s", _fmt(summary.get("samples_per_s"), ",.0f")),
         *([("tokens / s", _fmt(summary["tokens_per_s"], ",.0f"))]
           if summary.get("tokens_per_s") is not None else []),
@@ -148,6 +153,18 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def _gpu_cell(summary: Mapping[str, Any]) -> str:
+    """'312.4 TFLOP/s per GPU (1 GPU), MFU 31.6% of H100 SXM bf16 (989 TFLOP/s)'."""
+    peak = summary.get("gpu_peak") or {}
+    gpus = summary.get("gpus") or 1
+    cell = (f"{summary['tflops_per_gpu']:,.1f} TFLOP/s per GPU ({gpus} GPU"
+            f"{'s' if gpus > 1 else ''})")
+    if summary.get("mfu") is None:
+        return cell + ", MFU unknown (no peak known for this GPU)"
+    return (cell + f", MFU {summary['mfu']:.1%} of {peak.get('name')} "
+            f"({_fmt(peak.get('tflops'), ',.0f')} TFLOP/s)")
 
 
 def print_error(message: str) -> None:

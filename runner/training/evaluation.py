@@ -1,17 +1,26 @@
 """Validation: the model's loss and accuracy on the validation set, its rows split over the
 ranks; for an optimizer with a centre variable, the centre's next to the replicas'.
 
+The set is scored in global batches of at most `trainer.batch_size` rows (`batch_size`), each
+split over the ranks as a training batch is, so that a forward never holds more than a training
+step's rows: one forward over a real validation set would not fit in a GPU's memory. A language
+model's pieces are also at most about EVAL_TARGETS targets (its logits are targets ×
+vocabulary). The loss and accuracy are sums over the pieces: the same numbers however the set is
+cut, up to floating-point summation order.
+
 Inputs and targets are scored on the model's device (moved there when they arrive elsewhere);
-only the three sums each rank contributes travel, as a host float64 control message."""
+the sums stay there until the last piece (one read back), and only the three sums each rank
+contributes travel, as a host float64 control message."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from runner.core import CountedComm
+from runner.core import CountedComm, Partition
 from runner.optim.sync import ReplicaOptimizer
 from strategies import ParallelModel
 
@@ -39,21 +48,29 @@ def targets_per_row(y: object) -> int:
     return math.prod(y.shape[1:]) if isinstance(y, torch.Tensor) else 1
 
 
-def _chunks(rows: int, targets_per_row: int) -> list[slice]:
-    """Pieces of the global set's rows: one for a classifier, pieces of about EVAL_TARGETS
-    targets for a language model. Every rank cuts the same pieces (collectives match)."""
-    if targets_per_row <= 1:
-        return [slice(0, rows)]
-    size = max(1, EVAL_TARGETS // targets_per_row)
-    return [slice(start, min(rows, start + size)) for start in range(0, max(rows, 1), size)]
+def _chunks(rows: int, targets_per_row: int, batch_size: int | None = None,
+            ranks: int = 1) -> list[slice]:
+    """Pieces of the global set's rows: global batches of at most `batch_size` rows (None: no
+    limit), a language model's also of at most about EVAL_TARGETS targets. Cut evenly (sizes
+    differ by one at most, rather than a small remainder last) and never below `ranks` rows
+    where the set has them, so every rank of the batch group gets rows of every piece, as in
+    training. Every rank cuts the same pieces (the collectives match)."""
+    most = rows if batch_size is None else batch_size
+    if targets_per_row > 1:
+        most = min(most, max(1, EVAL_TARGETS // targets_per_row))
+    count = -(-rows // max(most, 1))
+    count = max(1, min(count, rows // max(ranks, 1)))
+    pieces = Partition(rows, count)
+    return [pieces.slice(i) for i in range(count)]
 
 
-def _score(model: ParallelModel, pieces: list[tuple[torch.Tensor, torch.Tensor]],
+def _score(model: ParallelModel, pieces: Iterable[tuple[torch.Tensor, torch.Tensor]],
            comm: CountedComm) -> Evaluation:
     """Loss and accuracy of `model` fed each piece's inputs, each rank scoring its output
     rows, summed over `comm`."""
     device = model_device(model)
-    loss_sum = correct = count = 0.0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, correct
+    count = 0
     model.eval()
     with torch.no_grad():
         for x, targets in pieces:
@@ -61,11 +78,11 @@ def _score(model: ParallelModel, pieces: list[tuple[torch.Tensor, torch.Tensor]]
             targets = targets.to(device, non_blocking=True)
             score = model.score(model(x), targets, correct=True)
             assert score.correct is not None
-            sums = torch.stack([score.loss_sum.double(), score.correct.double()])
-            piece_loss, piece_correct = sums.tolist()  # one read back from the device
-            loss_sum, correct, count = (loss_sum + piece_loss, correct + piece_correct,
-                                        count + score.count)
+            # summed on the device in float64, piece by piece: no read back per piece
+            sums += torch.stack([score.loss_sum.double(), score.correct.double()])
+            count += score.count
     model.train()
+    loss_sum, correct = sums.tolist()  # one read back from the device
     # host: control (three numbers, summed over the ranks)
     stats = torch.tensor([loss_sum, correct, count], dtype=torch.float64)
     comm.allreduce_(stats, label="eval")
@@ -73,15 +90,19 @@ def _score(model: ParallelModel, pieces: list[tuple[torch.Tensor, torch.Tensor]]
     return Evaluation(loss_sum / count, correct / count)
 
 
-def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
-    """Validation loss and accuracy over the whole set, its rows split over all ranks."""
-    pieces = []
-    for rows in _chunks(len(x), targets_per_row(y)):
-        size = rows.stop - rows.start
-        # global slices: a user's lazily read dataset reads only this rank's rows
-        pieces.append((x[_within(rows, model.input_rows(size))],
-                       y[_within(rows, model.output_rows(size))]))
-    return _score(model, pieces, model.loss_comm)
+def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
+             batch_size: int | None = None) -> Evaluation:
+    """Validation loss and accuracy over the whole set in global batches of at most
+    `batch_size` rows (None: the whole set at once, a language model's in pieces), the rows of
+    each split over all ranks."""
+    def pieces() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # one piece at a time: a user's lazily read dataset reads only this rank's rows of it
+        for rows in _chunks(len(x), targets_per_row(y), batch_size, model.grid.pc):
+            size = rows.stop - rows.start
+            yield (x[_within(rows, model.input_rows(size))],
+                   y[_within(rows, model.output_rows(size))])
+
+    return _score(model, pieces(), model.loss_comm)
 
 
 def _within(piece: slice, rows: slice) -> slice:
@@ -89,24 +110,31 @@ def _within(piece: slice, rows: slice) -> slice:
     return slice(piece.start + rows.start, piece.start + rows.stop)
 
 
-def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> Evaluation:
+def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
+                     batch_size: int | None = None) -> Evaluation:
     """This replica's (model group's) own weights on the whole set, with no other replica
-    taking part: the group is fed every row and each rank scores its sub-shard."""
+    taking part: the group is fed every row of each piece (global batches of at most
+    `batch_size` rows) and each rank scores its sub-shard."""
     grid = model.grid
-    # x[rows]: every row, piece by piece (a user's map-style dataset is read only on indexing)
-    pieces = [(x[rows], y[_within(rows, model.own_rows(rows.stop - rows.start))])
-              for rows in _chunks(len(x), targets_per_row(y))]
-    return _score(model, pieces, grid.model)
+
+    def pieces() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # x[rows]: every row (a user's map-style dataset is read only on indexing)
+        for rows in _chunks(len(x), targets_per_row(y), batch_size, grid.pc):
+            yield x[rows], y[_within(rows, model.own_rows(rows.stop - rows.start))]
+
+    return _score(model, pieces(), grid.model)
 
 
 def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
-               y: torch.Tensor, everyone: bool) -> dict[str, float] | None:
+               y: torch.Tensor, everyone: bool,
+               batch_size: int | None = None) -> dict[str, float] | None:
     """The validation line: the model's loss and accuracy (a language model's per token, and
     its perplexity exp(loss)), or for an optimizer with a centre
     variable the centre's, next to the workers' mean (`everyone`: every replica takes part) or
     replica 0's own (asynchronous runs mid-way: replica 0 alone, so nobody waits; other
-    replicas return None)."""
-    line = _validation(model, optimizer, x, y, everyone)
+    replicas return None). `batch_size`: the rows of each global batch the set is scored in
+    (`trainer.batch_size`; None: the whole set at once)."""
+    line = _validation(model, optimizer, x, y, everyone, batch_size)
     if line is not None and targets_per_row(y) > 1:  # a language model: its perplexity
         line.update({key.replace("loss", "perplexity"): math.exp(min(value, 700.0))
                      for key, value in line.items() if key.endswith("loss")})
@@ -114,15 +142,16 @@ def validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tenso
 
 
 def _validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tensor,
-                y: torch.Tensor, everyone: bool) -> dict[str, float] | None:
+                y: torch.Tensor, everyone: bool,
+                batch_size: int | None) -> dict[str, float] | None:
     if not optimizer.has_centre:
-        result = evaluate(model, x, y)
+        result = evaluate(model, x, y, batch_size)
         return {"loss": result.loss, "accuracy": result.accuracy}
     grid = model.grid
     if everyone:
         with optimizer.centre_weights():
-            centre = evaluate(model, x, y)
-        own = evaluate_replica(model, x, y)
+            centre = evaluate(model, x, y, batch_size)
+        own = evaluate_replica(model, x, y, batch_size)
         workers = torch.tensor([own.loss, own.accuracy], dtype=torch.float64)  # host: control
         grid.batch.allreduce_(workers, label="eval")
         workers_loss, workers_accuracy = (workers / grid.pc).tolist()
@@ -131,7 +160,7 @@ def _validation(model: ParallelModel, optimizer: ReplicaOptimizer, x: torch.Tens
     if grid.batch_index != 0:
         return None
     with optimizer.centre_weights():
-        centre = evaluate_replica(model, x, y)
-    own = evaluate_replica(model, x, y)
+        centre = evaluate_replica(model, x, y, batch_size)
+    own = evaluate_replica(model, x, y, batch_size)
     return {"loss": centre.loss, "accuracy": centre.accuracy, "worker0_loss": own.loss,
             "worker0_accuracy": own.accuracy}

@@ -1,20 +1,34 @@
 """What a run leaves in its records: the metrics line's extras, `summary.json`
-(README, "Run directory": every key is part of the contract other tools read)."""
+(README, "Run directory": every key is part of the contract other tools read).
+
+On GPUs the summary also gives the model's FLOP/s per GPU and its model FLOPs utilisation
+(MFU): the FLOPs of a training step as the compute model counts them (`model_flops_per_step`:
+the products of the forward and backward of the whole model on the global batch, as one
+process would run them), per second of the median step, per GPU, against the GPU's dense peak
+in the run's precision (`GPU_PEAKS`); and the most device memory any rank allocated. On the CPU
+these are null: not measured."""
 
 from __future__ import annotations
 
+import math
+import socket
 import statistics
 from typing import Any
 
+import torch
+
 from runner.checkpoint.resume import resume_command
-from runner.config.schema import OBJECTIVES
+from runner.config.schema import OBJECTIVES, RunConfig
+from runner.core import GridShape
+from runner.core.compute import LAYER_KINDS, ComputeRates, make_curve, make_gemm_table
 from runner.core.cost import comm_seconds, step_bytes
 from runner.records.logs import get_logger
 from runner.records.rundir import git_commit, versions, write_json
+from runner.training import assembly
 from runner.training.memory import held_memory
 from runner.training.precision import DynamicLossScale, Precision
 from runner.training.state import RunSetup, TrainingState
-from strategies import ParallelModel
+from strategies import STRATEGIES, ParallelModel, PricingContext
 
 
 def sparse_line(model: ParallelModel) -> dict[str, Any]:
@@ -122,6 +136,7 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
     summary.update(logged_loss=logged_loss, devices=devices,
                    device_buffers=grid.devices.describe(grid.backend, grid.size),
                    precision=precision_summary(setup.precision, setup.scaler))
+    summary.update(gpu_figures(setup, median_step))
     return summary
 
 
@@ -140,3 +155,93 @@ def precision_summary(precision: Precision, scaler: DynamicLossScale | None) -> 
         record.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps,
                       skipped=scaler.history[-20:])
     return record
+
+
+# -- the GPU figures: FLOP/s per GPU, MFU, peak device memory ----------------------------------
+
+# Dense peak FLOP/s of a GPU (no structured sparsity), (bf16, fp32), by a piece of the name torch
+# gives it, the first that matches (lower case; the longer names first). From NVIDIA's data
+# sheets. fp16 runs at bf16's rate; fp32 is the plain FP32 rate, which products run at while
+# TF32 is off (`torch.backends.cuda.matmul.allow_tf32`, off by default).
+GPU_PEAKS: tuple[tuple[str, str, float, float], ...] = (
+    ("h200 nvl", "H200 NVL", 835e12, 60e12),
+    ("h200", "H200 SXM", 989e12, 67e12),
+    ("h100 nvl", "H100 NVL", 835e12, 60e12),
+    ("h100 pcie", "H100 PCIe", 756e12, 51e12),
+    ("h100", "H100 SXM", 989e12, 67e12),  # "NVIDIA H100 80GB HBM3"
+    ("a100", "A100", 312e12, 19.5e12),  # SXM and PCIe alike
+)
+
+
+def gpu_peak(device_name: str, precision: str) -> tuple[float | None, str]:
+    """The dense peak FLOP/s of the GPU named `device_name` (`torch.cuda.get_device_name`) in
+    `precision` (fp32, bf16, fp16), and what it is ("H100 SXM bf16"); (None, "unknown") for a
+    GPU not in GPU_PEAKS."""
+    name = device_name.lower()
+    for piece, label, half, single in GPU_PEAKS:
+        if piece in name:
+            return (single, f"{label} fp32") if precision == "fp32" else (
+                half, f"{label} {precision}")
+    return None, "unknown"
+
+
+def utilisation(flops_per_step: float, step_s: float, gpus: int,
+                peak: float | None) -> tuple[float, float | None]:
+    """(FLOP/s per GPU, MFU): a step's model FLOPs per second of the step, shared by `gpus`
+    GPUs, and that as a share of one GPU's `peak` (None where the peak is not known)."""
+    per_gpu = flops_per_step / step_s / max(gpus, 1)
+    return per_gpu, (per_gpu / peak if peak else None)
+
+
+def _flop_counting_rates() -> ComputeRates:
+    """Rates under which the compute model's seconds are FLOPs: a product or a convolution
+    costs its flops (2·m·k·n; a convolution's gradients one forward each), everything else
+    (passes over memory, dispatch, allocation, the per-step overheads) nothing."""
+    one = make_curve([(1.0, 1.0)])
+    return ComputeRates(
+        gemm=make_gemm_table([(1.0, 1.0)]), conv=one, memory=math.inf, dispatch=0.0,
+        gemm_narrow_output=1.0, linear_overhead=0.0, conv_narrow=one,
+        conv_backward=(1.0, 1.0), conv_narrow_backward=(1.0, 1.0), conv_overhead=0.0,
+        layers=tuple((kind, ((1.0, 0.0, 0.0),)) for kind in LAYER_KINDS),
+        backward_start=0.0, fresh_memory=math.inf, step_overhead=0.0, source="flop count")
+
+
+FLOP_COUNTING_RATES = _flop_counting_rates()
+
+
+def model_flops_per_step(run: RunConfig) -> float:
+    """The FLOPs of one training step of `run` as the compute model counts them: forward and
+    backward of the whole model on the global batch, as one process would run them (what
+    `strategy=data` prices at 1 × 1, at FLOP_COUNTING_RATES): matrix products and
+    convolutions, attention's products with its backward as the model prices it; not the
+    elementwise work, the update, a recomputation or what a split repeats on several ranks."""
+    assembly.import_plugins(run)
+    spec = assembly.build_dataset(run.dataset, assembly.objective_of(run.model)).spec()
+    model = assembly.probe_model(run.model, spec, assembly.dtype_of(run))
+    counting = STRATEGIES.get("data")(pricing=PricingContext(rates=FLOP_COUNTING_RATES))
+    with torch.random.fork_rng(devices=[]):  # a probe's draws leave the run's alone
+        return float(counting.predict_compute_seconds(model, tuple(spec.input_shape),
+                                                      GridShape(1, 1), run.trainer.batch_size))
+
+
+def gpu_figures(setup: RunSetup, median_step: float) -> dict[str, Any]:
+    """The summary's GPU figures (null where a rank computed on the CPU: not measured).
+    Collective over the world: every rank's host, device and peak allocation."""
+    device = setup.device
+    cuda = device.type == "cuda"
+    mine = (socket.gethostname(), str(device),
+            torch.cuda.max_memory_allocated(device) if cuda else None)
+    ranks = setup.grid.world.allgather_object(mine)
+    figures: dict[str, Any] = {"model_flops_per_step": None, "tflops_per_gpu": None,
+                               "mfu": None, "gpu_peak": None, "gpus": None,
+                               "device_memory_peak_bytes": None}
+    if not cuda or any(peak is None for _, _, peak in ranks):
+        return figures
+    gpus = len({(host, name) for host, name, _ in ranks})  # ranks may share a GPU
+    flops = model_flops_per_step(setup.run)
+    peak, which = gpu_peak(torch.cuda.get_device_name(device), setup.precision.name)
+    per_gpu, mfu = utilisation(flops, median_step, gpus, peak)
+    figures.update(model_flops_per_step=flops, tflops_per_gpu=per_gpu / 1e12, mfu=mfu,
+                   gpu_peak={"name": which, "tflops": None if peak is None else peak / 1e12},
+                   gpus=gpus, device_memory_peak_bytes=max(int(p or 0) for _, _, p in ranks))
+    return figures

@@ -6,7 +6,9 @@
 - memory: each rank holds its 1/Pr of every fully-connected weight;
 - end to end: train() with strategy=model / grid at (2,1), (4,1), (1,4), (2,2) (model only where
   pc=1), for an MLP and a CNN whose widths do not divide by pr, gives the single-process losses to
-  1e-5 relative over 30 steps, and moves exactly the predicted bytes every step.
+  1e-5 relative over 30 steps, and moves exactly the predicted bytes every step;
+- evaluation in global batches of `trainer.batch_size` rows gives the loss and accuracy of one
+  forward over the whole set (float64: to summation order), under every strategy and grid.
 """
 
 from __future__ import annotations
@@ -194,6 +196,43 @@ def every_measured_collective_is_predicted() -> None:
                     assert measured == predicted, (
                         f"{name} {model_name} {pr}x{pc}: measured-only {measured - predicted}, "
                         f"predicted-only {predicted - measured}")
+
+
+@check
+def evaluation_in_batches_equals_one_forward() -> None:
+    """A set of 37 rows (no batch size divides it) scored in global batches of 8 and 12 rows
+    (pieces of 7 to 8 and 12 to 13 rows, each split over the batch group as training splits a
+    batch), and at the smallest size a batch may have on the grid: the loss and accuracy of
+    the whole set at once, to float64's summation order, for every strategy and grid."""
+    from runner.training.evaluation import evaluate
+    from runner.zoo.models import mlp, resnet
+    from strategies import STRATEGIES
+
+    for pr, pc in [*GRIDS, (1, 2)]:
+        grid = sub_grid(pr, pc)
+        if grid is None:
+            continue
+        for model_name, build in (
+                ("mlp", lambda: mlp((1, 8, 8), 10, hidden=(30, 21)).double()),
+                ("cnn_bn", lambda: cnn_with_batch_norm().double()),
+                ("resnet", lambda: resnet((1, 8, 8), 10, widths=(4, 6), blocks=(1, 1)).double())):
+            for name in ("data", "model", "grid", "domain"):
+                strategy = STRATEGIES.get(name)()
+                if (strategy.check(grid.shape, 32)
+                        or strategy.check_model(build(), (1, 8, 8), grid.shape)):
+                    continue  # refused before anything starts, as validation would
+                torch.manual_seed(0)
+                pmodel = strategy.parallelize(build(), (1, 8, 8), grid)
+                gen = torch.Generator().manual_seed(5)
+                x = torch.randn(37, 1, 8, 8, generator=gen, dtype=torch.float64)
+                y = torch.randint(0, 10, (37,), generator=gen)
+                whole = evaluate(pmodel, x, y)
+                for batch in (8, 12, pc):
+                    part = evaluate(pmodel, x, y, batch_size=batch)
+                    what = f"{name} {model_name} {pr}x{pc} in batches of {batch}"
+                    assert abs(part.loss - whole.loss) <= 1e-12 * abs(whole.loss), (
+                        what, part.loss, whole.loss)
+                    assert part.accuracy == whole.accuracy, (what, part, whole)
 
 
 class ResidualMLP(nn.Module):
