@@ -211,11 +211,9 @@ def readme_syncs() -> tuple[int, int, int]:
 
 def assert_as_the_readme_states(reads: HostReads, config: dict[str, Any], what: str) -> None:
     """The reads of each of the 6 steps of `config` (log_every=3) are the README's number."""
-    unread, read, fp16 = readme_syncs()
-    fp16_run = config["trainer"].get("precision") == "fp16"
-    want = {s: fp16 if fp16_run else (read if s in READ_STEPS else unread) for s in range(1, 7)}
     got = {s: reads.per_step().get(s, 0) for s in range(1, 7)}
-    assert got == want, (what, got, [r for r in reads.reads if r[0][0] == "step"])
+    assert got == readme_waits(config), (what, got,
+                                         [r for r in reads.reads if r[0][0] == "step"])
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -364,3 +362,57 @@ def test_a_stop_after_an_unread_non_finite_loss_writes_no_checkpoint(
     with pytest.raises(StepFailure, match="the loss is not finite at step 5"):
         train_stopped_at(5, config, tmp_path / "run", monkeypatch)
     assert not (tmp_path / "run" / "checkpoints" / "step-00000005").exists()
+
+
+# -- on a GPU (tests/test_gpu.py runs it) -----------------------------------------------------
+
+
+def train_on_cuda(config: dict[str, Any], path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """`config` trained in this process on the GPU, on a 1 x 1 grid; returns each step's waits
+    for the device that the step means to make (`torch.cuda.Event.synchronize`: a `HostCopy`
+    read). The steps that do not read their loss run under CUDA's sync debug mode set to
+    "error", so any other synchronising call in them (a read of a device value, a blocking copy
+    either way) raises and names itself."""
+    grid = ProcessGrid(1, 1)
+    waits: Counter[int] = Counter()
+    where = [0]
+    synchronize = torch.cuda.Event.synchronize
+
+    def counted(self: torch.cuda.Event) -> None:
+        waits[where[0]] += 1
+        synchronize(self)
+
+    pace = grid.counter.pace
+    begin_step, begin = pace.begin_step, pace.begin
+
+    def step_begins(step: int, ends_round: bool = True) -> None:
+        where[0] = step
+        torch.cuda.set_sync_debug_mode("default" if step in READ_STEPS else "error")
+        begin_step(step, ends_round)
+
+    def turns_to(phase: str, step: int | None = None) -> None:
+        where[0] = 0
+        torch.cuda.set_sync_debug_mode("default")
+        begin(phase, step)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+    monkeypatch.setattr(pace, "begin_step", step_begins)
+    monkeypatch.setattr(pace, "begin", turns_to)
+    config = with_(config, trainer={"device": "cuda"})
+    cfg = OmegaConf.create(config)
+    run_dir = RunDir(path)
+    run_dir.create(cfg)
+    try:
+        loop.train(validate(cfg, world_size=1), run_dir, grid, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {s: waits[s] for s in range(1, 7)}
+
+
+def readme_waits(config: dict[str, Any]) -> dict[int, int]:
+    """The README's host synchronisations for each of the 6 steps of `config` (log_every=3)."""
+    unread, read, fp16 = readme_syncs()
+    if config["trainer"].get("precision") == "fp16":
+        return dict.fromkeys(range(1, 7), fp16)
+    return {s: read if s in READ_STEPS else unread for s in range(1, 7)}
