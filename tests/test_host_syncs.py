@@ -7,19 +7,20 @@ queued before it, and the device then idles while the host queues the next kerne
 states how many such waits a step has; these tests count them over whole training runs.
 
 How they are counted: a dispatch mode (`HostReads`) sees every operator a run executes, those
-inside autograd's backward included, and counts the ones that read values on the host (those
-CUDA's own `torch.cuda.set_sync_debug_mode` reports: `_local_scalar_dense`, which `.item()`,
-`bool()`, `float()` and `int()` run, `nonzero`, `masked_select`, the `unique` family,
-`repeat_interleave` by a tensor, `bincount`, `equal`, `allclose`, and `index`/`index_put_` by a
-boolean mask); `Tensor.tolist` and `Tensor.numpy`, which run no operator, are patched. Two kinds
+inside autograd's backward included, and counts the ones that hand a value to the host or size
+their output by the data (`_local_scalar_dense`, which `.item()`, `bool()`, `float()` and
+`int()` run, `nonzero`, `masked_select`, the `unique` family, `repeat_interleave`, `bincount`,
+`equal`, `allclose`, and `index`/`index_put_` by a boolean mask); `Tensor.tolist` and
+`Tensor.numpy`, which run no operator, are patched. Two kinds
 of reads are left out, both of memory that is on the host on a GPU too: the control values of a
 collective, which `runner.training.step.host_values` reads (it refuses a device tensor), and
 `torch.optim`'s step counts (kept on the host unless an optimizer is capturable or fused). Each
 read is charged to the step the loop is in (the grid's pace says when a step begins, and when
 the loop turns to a stop check, a checkpoint or an evaluation).
 
-What a CPU cannot show: a blocking copy of a device tensor to the host (`.cpu()`), a no-op
-here. tests/test_gpu.py runs steps under `torch.cuda.set_sync_debug_mode("error")` for that.
+What a CPU cannot show: a blocking copy between host and device (`.cpu()` of a device tensor,
+a host tensor copied to the device), a no-op here. tests/test_gpu.py runs the same runs on a
+GPU under `torch.cuda.set_sync_debug_mode("error")` for those (`train_on_cuda`).
 """
 
 from __future__ import annotations
