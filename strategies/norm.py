@@ -159,8 +159,12 @@ def global_batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
     y, mean, var, count = SyncBatchNormFunction.apply(compute, weight, bias, comm, eps, label)
     if running_mean is not None and running_var is not None:
         with torch.no_grad():
-            n = float(count.item())
-            unbiased = var * (n / (n - 1)) if n > 1 else var
+            # N / (N - 1) on the device, from the gathered count: every rank's rows are not
+            # known on the host, and reading the count would wait for the device at every
+            # BatchNorm. Rounded once, as the host's float64 quotient is when it multiplies a
+            # float32 tensor, so the statistics are the same bits.
+            bessel = torch.where(count > 1, count / (count - 1), torch.ones_like(count))
+            unbiased = var * bessel
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
     out: torch.Tensor = y.to(x.dtype)
@@ -193,6 +197,8 @@ class DistributedBatchNorm(nn.Module):
             self.register_buffer("running_var", _slice_buffer(bn.running_var, channels))
             self.num_features = channels.stop - channels.start
         self.register_buffer("num_batches_tracked", bn.num_batches_tracked)
+        # num_batches_tracked on the host: the buffer, its version when counted, the count
+        self._tracked: tuple[torch.Tensor, int, float] | None = None
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, over {self.comm.name} ({self.comm.size} ranks)"
@@ -224,8 +230,20 @@ class DistributedBatchNorm(nn.Module):
         assert isinstance(tracked, torch.Tensor) and isinstance(running_mean, torch.Tensor)
         assert isinstance(running_var, torch.Tensor)
         tracked.add_(1)
-        momentum = 1.0 / float(tracked.item()) if self.momentum is None else self.momentum
+        momentum = 1.0 / self._batches_tracked(tracked) if self.momentum is None else self.momentum
         return momentum, running_mean, running_var
+
+    def _batches_tracked(self, tracked: torch.Tensor) -> float:
+        """`num_batches_tracked`, just counted, as a host number: counted here too, and read
+        from the device only on the first forward and after anything else wrote the buffer (a
+        checkpoint loaded into it moves its version; a move to a device replaces it), not at
+        every forward."""
+        version, kept = tracked._version, self._tracked
+        if kept is not None and kept[0] is tracked and kept[1] == version - 1:
+            self._tracked = (tracked, version, kept[2] + 1.0)
+        else:
+            self._tracked = (tracked, version, float(tracked.item()))
+        return self._tracked[2]
 
 
 def _slice_parameter(param: nn.Parameter | None, channels: slice) -> nn.Parameter | None:

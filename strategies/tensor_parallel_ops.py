@@ -79,8 +79,11 @@ class _VocabCrossEntropy(Function):
         # each token's loss is replicated: its gradient is the sum of the ranks' parts
         g = all_sum_reduce_op(grad.to(x.dtype), ctx.comm, ctx.label)
         probs = (x - lse.unsqueeze(-1)).exp()
-        hit = torch.arange(len(x), device=x.device)[inside]
-        probs[hit, local[inside]] -= 1.0
+        # minus the one-hot of the targets this rank holds: a scatter of -1 (-0 elsewhere, which
+        # leaves a probability's bits as they are), not an index by the mask, whose count the
+        # host would wait for
+        hits = -inside.to(probs.dtype).unsqueeze(-1)
+        probs.scatter_add_(-1, local.unsqueeze(-1), hits)
         return (probs * g.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 

@@ -643,3 +643,16 @@ def test_bench_gpu_runs_on_the_gpu(tmp_path: Path) -> None:
         assert entry["plain"]["samples_per_s"] > 0 and entry["gridrun"]["samples_per_s"] > 0
         assert entry["max_rel_loss_gap"] <= GAP
         assert entry["gridrun"]["rounds"][0]["summary"]["tflops_per_gpu"] > 0
+
+
+@pytest.mark.parametrize("name", ["mlp_fp32", "mlp_bf16", "mlp_fp16", "gpt_vocab_head",
+                                  "resnet_batch_norm", "mlp_accumulated"])
+def test_on_cuda_a_step_waits_for_the_device_only_as_the_readme_states(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_host_syncs.py's runs on the GPU, in this process: no synchronising CUDA call
+    on a step that does not read its loss (CUDA's sync debug mode raises on one), and the
+    step's own waits, per step, are the README's numbers."""
+    from tests.test_host_syncs import RUNS, readme_waits, train_on_cuda
+
+    waits = train_on_cuda(RUNS[name], tmp_path / "run", monkeypatch)
+    assert waits == readme_waits(RUNS[name]), waits

@@ -4,7 +4,9 @@
 strategy's parallel model, the start (fresh or resumed, `runner.training.resume`), as the setup
 and state the step and the summary read (`runner.training.state`). `train` keeps only the order
 of things: step (`runner.training.step.train_step`), log, the stop protocol, checkpoint timing,
-evaluation.
+evaluation. A step's loss is read on the host only on the steps `Training.reads_loss` names
+(logged, first, last, checkpoint), and the check for a non-finite loss runs there (and on a
+stop): between them the host never waits for the device (fp16 aside, see `runner.training.step`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ from runner.training.precision import Precision
 from runner.training.resume import start_or_resume
 from runner.training.sampling import EpochSampler
 from runner.training.state import RunSetup, TrainingState
-from runner.training.step import Feed, ReplicaFailure, StepFailure, train_step
+from runner.training.step import (
+    Feed,
+    HostCopy,
+    ReplicaFailure,
+    StepFailure,
+    host_values,
+    train_step,
+)
 from runner.training.summary import completed_summary, interrupted_summary, sparse_line
 from runner.zoo.datasets import ClassificationData
 from strategies.base import accumulated_ops, predict_step
@@ -70,6 +79,11 @@ class Training(RunSetup):
         """This rank's rows of the next global batch, micro-batch by micro-batch
         (`trainer.accumulate_steps`): its inputs and its outputs' targets."""
         rows, trainer = self.sampler.next_batch(), self.run.trainer
+        held = self.data.train_x
+        if isinstance(held, torch.Tensor) and held.device.type == "cuda":
+            # A host index into device data is copied with a blocking copy, which waits for the
+            # device: page-locked and non-blocking instead, once per step.
+            rows = rows.pin_memory().to(held.device, non_blocking=True)
         feeds = []
         for micro in self.model.micro_batches(trainer.batch_size, trainer.accumulate_steps):
             x = self.data.train_x[rows[micro.inputs]]
@@ -84,12 +98,16 @@ class Training(RunSetup):
         for sink in self.sinks:
             sink.write(record)
 
-    def log_step(self, step: int, loss: float, seconds: float, comm: Any,
+    def log_step(self, step: int, loss: float | None, seconds: float, comm: Any,
                  progress: ProgressReporter, replica_loss: bool = False) -> None:
-        """`replica_loss`: the loss is replica 0's own rows' (the replicas did not meet)."""
+        """`loss`: the step's mean loss, None where the step did not read it (`reads_loss`);
+        `replica_loss`: the loss is replica 0's own rows' (the replicas did not meet)."""
         self.state.history.add(seconds, comm.nbytes, comm.seconds, self.meter.peak)
         rate = self.run.trainer.batch_size / seconds
         every, steps = self.run.trainer.log_every, self.run.trainer.steps
+        progress.step(step, self.state.loss, rate)  # the latest loss read
+        if loss is None:
+            return
         if step % every == 0 or step == steps or not math.isfinite(loss):
             self.write({"step": step, "time_s": self.time_s, "loss": loss,
                         "lr": self.optimizer.lr, "step_time_s": seconds,
@@ -99,19 +117,33 @@ class Training(RunSetup):
                         **({"tokens_per_s": rate * self.targets_per_sample}
                            if self.targets_per_sample > 1 else {}),
                         **sparse_line(self.model)})
-        progress.step(step, loss, rate)
         if step % every == 0:
             get_logger().info("step %d loss %.6f step_time %.4fs comm %.4fs %d B", step, loss,
                               seconds, comm.seconds, comm.nbytes)
         if not math.isfinite(loss):
-            last = self.state.last_checkpoint
-            kept = (f"the last good checkpoint is {last}" if last
-                    else "no checkpoint was written (trainer.checkpoint_every)")
-            message = (f"the loss is {loss} at step {step}: training stopped; {kept}. "
-                       f"Lower optimizer.lr, or check the data")
+            message = self.diverged(f"the loss is {loss} at step {step}")
             # Reduced over the world every rank stops here alike; over one replica, the others
             # are elsewhere, and this rank's failure must end the job (an abort).
             raise ReplicaFailure(message) if replica_loss else StepFailure(message)
+
+    def diverged(self, what: str) -> str:
+        """The message of a run stopped by a non-finite loss."""
+        last = self.state.last_checkpoint
+        kept = (f"the last good checkpoint is {last}" if last
+                else "no checkpoint was written (trainer.checkpoint_every)")
+        return f"{what}: training stopped; {kept}. Lower optimizer.lr, or check the data"
+
+    def reads_loss(self, step: int) -> bool:
+        """Whether step `step` reads its loss on the host (the same on every rank): the first
+        step of this start (the console's first line, and an early check), the logged steps
+        (`trainer.log_every`), the last step (the summary's final loss), and the steps that
+        write a checkpoint (`trainer.checkpoint_every`: never one after a non-finite loss).
+        The non-finite-loss check runs on these steps, and on a step that stops on a signal
+        (`anyone_stopping`). Elsewhere the loss stays on the device, unread."""
+        trainer = self.run.trainer
+        every = trainer.checkpoint_every
+        return (step == self.start.step + 1 or step % trainer.log_every == 0
+                or step == trainer.steps or (every is not None and step % every == 0))
 
     def stop_request(self, requested: bool, meets: bool) -> bool:
         """Whether this step carries a stop request. On a step where the replicas do not meet
@@ -120,12 +152,20 @@ class Training(RunSetup):
         together; an asynchronous optimizer's replicas each act on it at once."""
         return requested and (meets or self.optimizer.asynchronous)
 
-    def anyone_stopping(self, stopping: bool) -> bool:
+    def anyone_stopping(self, stopping: bool, step: int,
+                        unread: torch.Tensor | None = None) -> bool:
         """Collective over the world: asynchronous replicas each stop when they see the signal,
-        so they meet here (at checkpoint steps, the last step, or a stop)."""
-        flag = torch.tensor([int(stopping)], dtype=torch.int32)
+        so they meet here (at checkpoint steps, the last step, or a stop). `unread`: this
+        step's loss where the step did not read it (a stop between logged steps): read now,
+        and a non-finite one on any rank fails the step before its stop checkpoint is
+        written."""
+        diverged = unread is not None and not math.isfinite(HostCopy([unread]).values()[0])
+        flag = torch.tensor([int(stopping), int(diverged)], dtype=torch.int32)  # host
         self.grid.world.allreduce_(flag, label="stop")
-        return bool(flag.item())
+        anyone, nonfinite = host_values(flag)
+        if nonfinite:
+            raise StepFailure(self.diverged(f"the loss is not finite at step {step}"))
+        return bool(anyone)
 
     def checkpoint(self, step: int) -> None:
         progress = TrainingProgress(step, self.time_s, self.sampler.state(),
@@ -295,18 +335,24 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             # cost a few microseconds per saved tensor: a quarter of a small MLP's step)
             measured = (step == t.start.step + 1 or step % trainer.log_every == 0
                         or step == steps)
-            state.loss, stopping = train_step(t, t.batch(), step,
-                                              t.loss_comm if meets else grid.model,
-                                              t.stop_request(stop.requested, meets),
-                                              t.meter if measured else None)
+            loss, stopping = train_step(t, t.batch(), step, t.loss_comm if meets else grid.model,
+                                        t.stop_request(stop.requested, meets),
+                                        t.meter if measured else None, t.reads_loss(step))
+            unread: torch.Tensor | None = None  # the loss, left on the device
+            if isinstance(loss, torch.Tensor):
+                unread = loss
+            else:
+                state.loss = loss
             seconds = time.perf_counter() - began
-            t.log_step(step, state.loss, seconds, grid.counter.since(before), progress,
+            t.log_step(step, state.loss if unread is None else None, seconds,
+                       grid.counter.since(before), progress,
                        replica_loss=not meets and grid.pc > 1)
             at_end = step == steps
             due = every is not None and step % every == 0 and not at_end
             if stopping or due or at_end:
                 pace.begin("a stop check", step)  # asynchronous replicas meet here
-                if t.anyone_stopping(stopping or stop.requested):  # a held request too
+                held = stopping or stop.requested  # a held request too
+                if t.anyone_stopping(held, step, unread):
                     stopped_by = stop.signal_name or "a signal to another rank"
                     break
                 if due:

@@ -13,6 +13,11 @@ an inf or NaN on any rank is skipped on every rank (the flag travels in the step
 all-reduce), S halved; after `growth_interval` good steps in a row S doubles. The same rule as
 `torch.amp.GradScaler`, written here because gridrun's replica optimizers are not `torch.optim`
 optimizers and the overflow decision must be one collective decision across ranks.
+
+The skip is decided on the host, so an fp16 step waits for the device once, for the flag
+(`unscale_found` itself reads nothing): skipping on the device instead would need every replica
+optimizer to mask its update and its state (momenta, Adam's step count) by a device flag, and
+GradScaler itself reads the flag on the host too, except for fused optimizers.
 """
 
 from __future__ import annotations
@@ -66,9 +71,10 @@ class DynamicLossScale:
     skipped_steps: int = 0
     history: list[int] = field(default_factory=list)  # the steps skipped (for the summary)
 
-    def unscale(self, parameters: Iterable[torch.nn.Parameter]) -> bool:
-        """Divide every gradient by the scale; True when one of this rank's holds an inf or
-        NaN (one device-to-host read for all of them)."""
+    def unscale_found(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+        """Divide every gradient by the scale, on their device, reading nothing: returns a
+        one-element float32 flag on that device, nonzero when one of this rank's gradients
+        holds an inf or NaN (None: this rank holds no gradient)."""
         grads = []
         for p in parameters:
             grad = p.grad
@@ -80,12 +86,17 @@ class DynamicLossScale:
                 grad = grad._values()
             grads.append(grad)
         if not grads:
-            return False
+            return None
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         inverse = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=found.device)
         for dtype_grads in _by_device_and_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(dtype_grads, found, inverse)
-        return bool(found.item())
+        return found
+
+    def unscale(self, parameters: Iterable[torch.nn.Parameter]) -> bool:
+        """`unscale_found`, and the flag read at once (one wait for the device)."""
+        found = self.unscale_found(parameters)
+        return found is not None and bool(found.item())
 
     def update(self, step: int, overflow: bool) -> None:
         """After the step's collective decision: back off on overflow, else grow in time."""

@@ -5,6 +5,14 @@ contract in `strategies/base.py`); its loss is (P/B) × the sum over its rows, s
 P ranks is the global mean loss for any split of the rows. With `trainer.accumulate_steps` = N
 those rows come as N micro-batches, each scored the same way (still P/B: their sums add up to
 the step's), their gradients summed locally and exchanged once, from the last one's backward.
+
+Host synchronisations: a step reads nothing from the device unless it must. Its loss is read
+only where the loop asks (`read_loss`: logged steps and the few others `runner.training.loop`
+names), through a copy queued right after the last forward (`HostCopy`), so the wait covers
+the forward alone and the backward keeps the device busy meanwhile. fp16 reads one flag every
+step: whether any gradient overflowed, which decides on the host whether the update is
+skipped (its loss, when read, comes in the same copy). Everything else the step decides on
+(the stop request, the collective skip) is a host fact, all-reduced in host memory.
 """
 
 from __future__ import annotations
@@ -53,17 +61,54 @@ def inject_failure(mode: str, rank: int, step: int, loss: torch.Tensor) -> torch
     return loss
 
 
-def mean_loss(loss: torch.Tensor, comm: CountedComm, stop: bool,
-              overflow: bool | None = None) -> tuple[float, bool, bool]:
-    """The mean over the rows of the ranks of `comm` (the mean of their (P/B)-scaled sums: over
-    the world the global batch, over a model group that replica's rows), whether any of them
-    was asked to stop, and (fp16: `overflow` given) whether any of their gradients overflowed:
-    one all-reduce, so they all stop, or skip, at the same step."""
-    values = [loss.item(), float(stop)] + ([] if overflow is None else [float(overflow)])
-    buffer = torch.tensor(values, dtype=loss.dtype)  # host: control (and the logged loss)
+def host_values(buffer: torch.Tensor) -> list[float]:
+    """The values of a buffer held in host memory (a collective's control values): read
+    through NumPy, which refuses a device tensor, so a read here can never wait for a device."""
+    if buffer.device.type != "cpu":
+        raise ValueError(f"host_values reads host buffers only, not {buffer.device} tensors")
+    values: list[float] = buffer.to(torch.float64).numpy().tolist()
+    return values
+
+
+class HostCopy:
+    """Device scalars on their way to the host. The copy is queued on the device's stream at
+    once (non-blocking, into page-locked memory, on a GPU; on the CPU the values are already on
+    the host) and `values` waits for that copy alone, not for the work queued after it."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        dtype = tensors[0].dtype  # 0/1 flags are exact in any floating type
+        packed = torch.stack([t.detach().reshape(()).to(dtype) for t in tensors])
+        self._done: torch.cuda.Event | None = None
+        self._host = packed
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(packed.device))
+
+    def values(self) -> list[float]:
+        """The values: the step's one wait for the device (where it has one)."""
+        if self._done is not None:
+            self._done.synchronize()
+        values: list[float] = self._host.tolist()
+        return values
+
+
+def reduce_control(loss: float | None, dtype: torch.dtype, comm: CountedComm, stop: bool,
+                   overflow: bool | None = None) -> tuple[float | None, bool, bool]:
+    """One all-reduce over `comm`, in host memory: the mean over its ranks of `loss` (each the
+    (P/B)-scaled sum of its rows: over the world the global batch's mean, over a model group
+    that replica's rows), whether any rank was asked to stop and (fp16: `overflow` given)
+    whether any rank's gradients overflowed, so that they all stop, or skip, at the same step.
+    `loss` None: not read this step (on every rank alike); its slot travels all the same, so
+    every step moves the bytes the planner predicts."""
+    values = [0.0 if loss is None else loss, float(stop)]
+    values += [] if overflow is None else [float(overflow)]
+    buffer = torch.tensor(values, dtype=dtype)  # host: control (and, when read, the loss)
     comm.allreduce_(buffer, label="loss")
-    overflowed = overflow is not None and bool(buffer[2].item())
-    return buffer[0].item() / comm.size, bool(buffer[1].item()), overflowed
+    reduced = host_values(buffer)
+    mean = None if loss is None else reduced[0] / comm.size
+    return mean, bool(reduced[1]), overflow is not None and bool(reduced[2])
 
 
 @dataclass(frozen=True)
@@ -77,17 +122,20 @@ class Feed:
 
 
 def forward_backward_step(setup: RunSetup, feeds: Sequence[Feed], step: int,
-                          meter: SavedTensorMeter | None = None) -> torch.Tensor:
+                          meter: SavedTensorMeter | None = None, copy_loss: bool = False
+                          ) -> tuple[torch.Tensor, HostCopy | None]:
     """For each micro-batch: forward and loss (under the precision's autocast), backward (of
     the loss times fp16's scale), its gradients summed into the last's; the gradient
     exchanges the last micro-batch's backward started, completed. Returns the step's loss, the
     sum over the micro-batches (unscaled; float32 under autocast, whose cross-entropy is
-    float32). `meter` counts the tensors kept for backward."""
+    float32), and with `copy_loss` its copy to the host, queued before the last backward.
+    `meter` counts the tensors kept for backward."""
     model, debug, scaler = setup.model, setup.debug, setup.scaler
     model.zero_grad()
     total: torch.Tensor | None = None
+    copy: HostCopy | None = None
     with meter.step() if meter is not None else contextlib.nullcontext():
-        for feed in feeds:
+        for i, feed in enumerate(feeds):
             with (model.feeding(feed.micro) if feed.micro is not None
                   else contextlib.nullcontext()):
                 with setup.precision.autocast():
@@ -95,28 +143,47 @@ def forward_backward_step(setup: RunSetup, feeds: Sequence[Feed], step: int,
                 if (debug.fail_at_step == step and setup.rank == debug.fail_on_rank
                         and total is None):
                     loss = inject_failure(debug.fail_mode, setup.rank, step, loss)
+                total = loss.detach() if total is None else total + loss.detach()
+                if copy_loss and i == len(feeds) - 1:
+                    copy = HostCopy([total])
                 (loss if scaler is None else loss * scaler.scale).backward()
-            total = loss.detach() if total is None else total + loss.detach()
     model.finish_gradient_sync()
     assert total is not None, "a step has at least one micro-batch"
-    return total
+    return total, copy
 
 
 def train_step(setup: RunSetup, feeds: Sequence[Feed], step: int, loss_comm: CountedComm,
-               stop_requested: bool, meter: SavedTensorMeter | None = None
-               ) -> tuple[float, bool]:
+               stop_requested: bool, meter: SavedTensorMeter | None = None,
+               read_loss: bool = True) -> tuple[float | torch.Tensor, bool]:
     """Step `step` (1-based): the gradients of its micro-batches, then one all-reduce over
-    `loss_comm` for the mean loss, whether any rank is stopping and (fp16) whether any rank's
-    gradients overflowed, then the replica optimizer's update (skipped by every rank on an
-    overflow)."""
+    `loss_comm`, in host memory, for the mean loss, whether any rank is stopping and (fp16)
+    whether any rank's gradients overflowed, then the replica optimizer's update (skipped by
+    every rank on an overflow). Returns the mean loss, or with `read_loss` False (the same on
+    every rank of `loss_comm`) this rank's loss unread, on its device; and whether to stop.
+
+    Waits for the device once when `read_loss` (for the loss's copy), once under fp16 (for the
+    overflow flag, with the loss's copy when read), and otherwise never."""
     debug, scaler = setup.debug, setup.scaler
     if debug.slow_rank == setup.rank and debug.slow_seconds:  # a straggler on purpose
         time.sleep(debug.slow_seconds)
-    loss = forward_backward_step(setup, feeds, step, meter)
-    overflow = None if scaler is None else scaler.unscale(setup.model.parameters())
-    mean, stopping, overflowed = mean_loss(loss, loss_comm, stop_requested, overflow)
+    loss, copy = forward_backward_step(setup, feeds, step, meter,
+                                       copy_loss=read_loss and scaler is None)
+    overflow: bool | None = None
+    local: float | None = None
+    if scaler is not None:
+        found = scaler.unscale_found(setup.model.parameters())
+        if found is None:  # no gradients on this rank: nothing overflowed
+            overflow = False
+            local = HostCopy([loss]).values()[0] if read_loss else None
+        else:  # one wait for the flag and, when read, the loss
+            values = HostCopy([loss, found] if read_loss else [found]).values()
+            local, overflow = (values[0] if read_loss else None), bool(values[-1])
+    elif copy is not None:
+        local = copy.values()[0]
+    mean, stopping, overflowed = reduce_control(local, loss.dtype, loss_comm, stop_requested,
+                                                overflow)
     if scaler is not None:
         scaler.update(step, overflowed)
     if not overflowed:
         setup.optimizer.step(step - 1)
-    return mean, stopping
+    return (loss if mean is None else mean), stopping

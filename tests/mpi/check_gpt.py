@@ -6,7 +6,9 @@ the same launch, the checks of `check_tensor_parallel.py` and `check_sequence.py
   exchange) reproduces the single-process losses of 20 AdamW steps in float64 to 1e-5, with
   measured bytes == predicted bytes on every step, and reports a validation perplexity;
 - a checkpoint written by `grid` 2×2 at step 10 resumes under `model` 4×1 and under one
-  process, and both finish with the uninterrupted run's losses.
+  process, and both finish with the uninterrupted run's losses;
+- under `grid` 2×2 (the head split by vocabulary over two ranks) a step reads no device value
+  unless it reads its loss, on every rank (tests/test_host_syncs.py's count).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's `tests`
 
 # The split layers' own checks run in this launch too: one start-up of 4 ranks, not three.
 import check_sequence  # noqa: F401
 import check_tensor_parallel  # noqa: F401
+import pytest
 from harness import check, make_grids, run_checks, train_losses, train_run
 from mpi4py import MPI
+
+from tests.test_host_syncs import BASE, assert_as_the_readme_states, train_counting
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_gpt")
 
@@ -121,6 +127,17 @@ def a_checkpoint_resumes_on_other_grids() -> None:
             got, lines = train_losses(path)
             assert lines[0]["step"] == 11, lines[0]
             assert_same(name, want[10:], got)
+
+
+@check
+def a_step_reads_the_device_only_where_the_readme_says() -> None:
+    config = {**BASE, "model": GPT, "dataset": TOKENS, "grid": {"pr": 2, "pc": 2},
+              "strategy": {"name": "grid", "tp_layout": "pairing"}}
+    grid = GRID_OF[2, 2]
+    assert grid is not None
+    with pytest.MonkeyPatch.context() as patch:
+        reads, _ = train_counting(config, OUT / "host_reads", patch, grid)
+    assert_as_the_readme_states(reads, config, f"gpt grid 2x2, rank {RANK}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@
   1e-5 relative over 30 steps, and moves exactly the predicted bytes every step;
 - evaluation in global batches of `trainer.batch_size` rows gives the loss and accuracy of one
   forward over the whole set (float64: to summation order), under every strategy and grid.
+- a ResNet under grid 2x2 (BatchNorm over ranks, split layers) reads no device value on a step
+  that does not read its loss, on every rank (tests/test_host_syncs.py's count).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from harness import check, make_grids, run_checks, train_losses, train_run
 from mpi4py import MPI
@@ -26,6 +29,15 @@ from runner.core import Partition, ProcessGrid
 from runner.core.primitives import all_gather_op
 from strategies.grid import build_grid_model, split_at_first_linear
 from strategies.sharded import ShardedConv2d, ShardedLinear
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's `tests`
+from tests.test_host_syncs import (
+    BASE,
+    IMAGES,
+    RESNET,
+    assert_as_the_readme_states,
+    train_counting,
+)
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -321,6 +333,17 @@ def training_reproduces_the_single_process_losses() -> None:
                 assert all(m["comm_bytes"] == predicted for m in lines), (
                     f"{strategy} {model} {pr}x{pc}: measured {lines[0]['comm_bytes']} "
                     f"predicted {predicted}")
+
+
+@check
+def a_step_reads_the_device_only_where_the_readme_says() -> None:
+    config = {**BASE, "model": RESNET, "dataset": IMAGES, "strategy": {"name": "grid"},
+              "grid": {"pr": 2, "pc": 2}}
+    grid = sub_grid(2, 2)
+    assert grid is not None
+    with pytest.MonkeyPatch.context() as patch:
+        reads, _ = train_counting(config, OUT / "host_reads", patch, grid)
+    assert_as_the_readme_states(reads, config, f"resnet grid 2x2, rank {RANK}")
 
 
 if __name__ == "__main__":
