@@ -30,11 +30,13 @@ from strategies.sparse_exchange import SparseGradientExchange
 ROOT = Path(__file__).resolve().parent.parent
 
 CHECKED = (sorted((ROOT / "strategies").glob("*.py"))
-           + [ROOT / "runner" / "core" / name for name in ("primitives.py", "halo.py", "sparse.py",
-                                                          "rma.py", "standin.py")]
+           + [ROOT / "runner" / "core" / name
+              for name in ("primitives.py", "halo.py", "sparse.py", "rma.py", "standin.py",
+                           "comm.py", "torchdist.py", "staging.py", "watchdog.py")]
            + sorted((ROOT / "runner" / "optim").glob("*.py"))
            + sorted((ROOT / "runner" / "checkpoint").glob("*.py"))
-           + [ROOT / "runner" / "training" / "evaluation.py"])
+           + [ROOT / "runner" / "training" / name
+              for name in ("evaluation.py", "step.py", "loop.py", "precision.py")])
 
 # torch factories whose tensor is on the CPU unless `device=` says otherwise.
 DEFAULT_CPU = frozenset({

@@ -200,12 +200,16 @@ class CommCounter:
             return host
         return device
 
-    def snapshot(self) -> CommTotals:
-        self._resolve(wait=True)
+    def snapshot(self, wait: bool = True) -> CommTotals:
+        """The totals so far; a device's operations' seconds all in (`wait`: waiting for the
+        device) or those it has completed (a step that reads nothing from the device)."""
+        self._resolve(wait)
         return CommTotals(self.totals.calls, self.totals.nbytes, self.totals.seconds)
 
-    def since(self, earlier: CommTotals) -> CommTotals:
-        self._resolve(wait=True)
+    def since(self, earlier: CommTotals, wait: bool = True) -> CommTotals:
+        """What moved since `earlier` (`wait`: as `snapshot`'s; without it, seconds the device
+        has not reported yet count in a later reading's)."""
+        self._resolve(wait)
         return CommTotals(
             self.totals.calls - earlier.calls,
             self.totals.nbytes - earlier.nbytes,
@@ -778,6 +782,7 @@ class CountedComm:
         key = (tag, shape, dtype)
         buffer = self._staging.get(key)
         if buffer is None:
+            # host: the host tensors' scratch (`primitives._scratch` makes a device's there)
             buffer = self._staging[key] = torch.empty(shape, dtype=dtype)
         return buffer
 

@@ -160,7 +160,7 @@ class HostBufferPool:
     def take(self, like: torch.Tensor, pinned: bool = False) -> torch.Tensor:
         """A host buffer shaped like `like` (contents undefined), page-locked if `pinned`."""
         if like.numel() == 0:  # no address to tell it by, and nothing to keep
-            return torch.empty(like.shape, dtype=like.dtype)
+            return torch.empty(like.shape, dtype=like.dtype)  # host: a staging buffer
         key: _Key = (like.numel(), like.dtype, pinned)
         for i, (kept_key, flat, event) in enumerate(self._kept):
             if kept_key == key and (event is None or event.query()):
@@ -172,7 +172,7 @@ class HostBufferPool:
             _, freed, _ = self._kept.pop(0)
             self.held_bytes -= _nbytes(freed)
             excess -= _nbytes(freed)
-        flat = torch.empty(like.numel(), dtype=like.dtype, pin_memory=pinned)
+        flat = torch.empty(like.numel(), dtype=like.dtype, pin_memory=pinned)  # host: staging
         self.held_bytes += nbytes
         self.allocated_bytes += nbytes
         return self._lend(key, flat).view(like.shape)

@@ -646,15 +646,17 @@ class TorchTransport:
                                         group=self._group(send), async_op=True)).wait()
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        # host: a pickled object and its length (control, never model tensors)
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        length = torch.tensor([data.numel()], dtype=torch.int64)
-        lengths = torch.empty(self.size, dtype=torch.int64)
+        length = torch.tensor([data.numel()], dtype=torch.int64)  # host: control
+        lengths = torch.empty(self.size, dtype=torch.int64)  # host: control
         self.allgatherv_(length, lengths, [1] * self.size)
         counts = [int(n) for n in lengths.tolist()]
-        everything = torch.empty(sum(counts), dtype=torch.uint8)
+        everything = torch.empty(sum(counts), dtype=torch.uint8)  # host: pickled bytes
         self.allgatherv_(data, everything, counts)
         gathered, offset = [], 0
         for count in counts:
+            # host: the gathered bytes, unpickled
             gathered.append(pickle.loads(everything[offset:offset + count].numpy().tobytes()))
             offset += count
         return gathered

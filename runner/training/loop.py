@@ -160,7 +160,7 @@ class Training(RunSetup):
         and a non-finite one on any rank fails the step before its stop checkpoint is
         written."""
         diverged = unread is not None and not math.isfinite(HostCopy([unread]).values()[0])
-        flag = torch.tensor([int(stopping), int(diverged)], dtype=torch.int32)  # host
+        flag = torch.tensor([int(stopping), int(diverged)], dtype=torch.int32)  # host: flags
         self.grid.world.allreduce_(flag, label="stop")
         anyone, nonfinite = host_values(flag)
         if nonfinite:
@@ -189,7 +189,8 @@ class Training(RunSetup):
             val_x, val_y = ((self.data.val_x, self.data.val_y) if count is None else
                             (self.data.val_x[:count], self.data.val_y[:count]))
             result = validation(self.model, self.optimizer, val_x, val_y,
-                                everyone=at_end or not asynchronous)
+                                everyone=at_end or not asynchronous,
+                                batch_size=self.run.trainer.batch_size)
         if result is not None:
             self.state.evaluation = result
             get_logger().info("step %d val %s", step, json.dumps(result))
@@ -243,8 +244,10 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     torch.manual_seed(run.seed)  # every rank builds the same initial model
     device = torch.device("cpu") if device is None else device
     precision = Precision(run.trainer.precision, device.type)
-    costs = load_machine_costs()
-    rates = load_compute_rates()
+    # a GPU run priced with its GPU's calibration, where the calibration holds it
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    costs = load_machine_costs(device=gpu)
+    rates = load_compute_rates(gpu, run.trainer.precision)
     parts = assemble(run, costs, rates=rates, slowdown=compute_slowdown(grid))
     data = load_data(run, parts, device, precision)
     dtype = dtype_of(run)
@@ -252,7 +255,7 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     place_whole(parts.model)  # every shard a strategy makes knows where it sits (checkpoints)
     syncs = parts.optimizer_cls.syncs_gradients
     # The planner models synchronous gradient exchange only: no prediction for other optimizers.
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()  # host: a dtype's size
     with torch.random.fork_rng(devices=[]):  # what is priced leaves the run's draws alone
         predicted = (accumulated_ops(parts.strategy, parts.model, parts.spec.input_shape,
                                      grid.shape, run.trainer.batch_size,
@@ -330,14 +333,17 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             meets = t.optimizer.meets_replicas(step - 1)
             # asynchronous replicas never wait for each other in a step: each step is a round
             pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
-            began, before = time.perf_counter(), grid.counter.snapshot()
+            # a step that reads its loss waits for the device anyway: its communication
+            # seconds are read whole; another's as far as the device has reported them
+            reads = t.reads_loss(step)
+            began, before = time.perf_counter(), grid.counter.snapshot(wait=reads)
             # activation memory is measured on the first step and the logged ones (the hooks
             # cost a few microseconds per saved tensor: a quarter of a small MLP's step)
             measured = (step == t.start.step + 1 or step % trainer.log_every == 0
                         or step == steps)
             loss, stopping = train_step(t, t.batch(), step, t.loss_comm if meets else grid.model,
                                         t.stop_request(stop.requested, meets),
-                                        t.meter if measured else None, t.reads_loss(step))
+                                        t.meter if measured else None, reads)
             unread: torch.Tensor | None = None  # the loss, left on the device
             if isinstance(loss, torch.Tensor):
                 unread = loss
@@ -345,7 +351,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                 state.loss = loss
             seconds = time.perf_counter() - began
             t.log_step(step, state.loss if unread is None else None, seconds,
-                       grid.counter.since(before), progress,
+                       grid.counter.since(before, wait=reads), progress,
                        replica_loss=not meets and grid.pc > 1)
             at_end = step == steps
             due = every is not None and step % every == 0 and not at_end

@@ -66,7 +66,7 @@ def host_values(buffer: torch.Tensor) -> list[float]:
     through NumPy, which refuses a device tensor, so a read here can never wait for a device."""
     if buffer.device.type != "cpu":
         raise ValueError(f"host_values reads host buffers only, not {buffer.device} tensors")
-    values: list[float] = buffer.to(torch.float64).numpy().tolist()
+    values: list[float] = buffer.to(torch.float64).numpy().tolist()  # host: checked above
     return values
 
 
@@ -81,6 +81,7 @@ class HostCopy:
         self._done: torch.cuda.Event | None = None
         self._host = packed
         if packed.device.type == "cuda":
+            # host: page-locked, the device's copy lands here
             self._host = torch.empty(packed.shape, dtype=dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._done = torch.cuda.Event()
