@@ -56,7 +56,9 @@ def reference(tmp: Path) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("target", [["strategy=model", "grid.pr=4", "grid.pc=1"],
+# strategy=model resumed under comm.backend=torch: its collectives through torch.distributed
+@pytest.mark.parametrize("target", [["strategy=model", "grid.pr=4", "grid.pc=1",
+                                     "comm.backend=torch"],
                                     ["strategy=data", "grid.pr=1", "grid.pc=4"]],
                          ids=["model_4x1", "data_1x4"])
 def test_a_2x2_grid_checkpoint_resumes_on_another_grid(tmp: Path, reference: Path,

@@ -51,6 +51,7 @@ RUNS: dict[str, tuple[list[str], int | None]] = {
     "tokens_p4_auto": ([*DATA, "grid.pc=4", *TOKENS, "strategy.sparse=auto"], None),
     # comm.backend=torch: torch.distributed (gloo) process groups over the same grid
     "grid_default_2x2_torch": (["comm.backend=torch"], None),
+    "auto_2x2_torch": (["strategy=auto", "comm.backend=torch"], None),
     "cnn_batch2_domain_2x2_torch": (["model=cnn", "strategy=domain", "grid.pr=2", "grid.pc=2",
                                      *BATCH2, "comm.backend=torch"], None),
     "tokens_p4_auto_torch": ([*DATA, "grid.pc=4", *TOKENS, "strategy.sparse=auto",
@@ -289,6 +290,7 @@ def test_experiment_configs_compose_and_validate(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name,reference,gap", [
     ("grid_default_2x2_torch", "mlp_p1", 1e-5),
+    ("auto_2x2_torch", "mlp_p1", 1e-5),
     ("cnn_batch2_domain_2x2_torch", "cnn_batch2_p1", 1e-9),
     ("tokens_p4_auto_torch", "tokens_p1", 1e-5),
 ])

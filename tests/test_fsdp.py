@@ -101,16 +101,17 @@ def test_accumulation_recomputation_2d_grids_and_sharded_checkpoints_train_as_on
     either), fsdp 2x2 (GPT's tensor parallelism over the model group, each part sharded over the
     batch group) at stage 1 with accumulation; checkpoints of both resumed under data, fsdp on
     another grid and stage, and grid, exactly. Every run moves the predicted bytes and holds the
-    predicted memory."""
+    predicted memory. The first two through torch.distributed (gloo: the calls NCCL takes)."""
     run = {name: tmp_path / name for name in ("one", "micro", "plain", "grid2d", "data",
                                                "stage2", "split")}
     first = [[*GPT_RUN, "grid.pr=1", "grid.pc=1", f"hydra.run.dir={run['one']}"],
              [*GPT_RUN, *FSDP, "grid.pr=1", "grid.pc=2", "trainer.accumulate_steps=2",
-              "trainer.activation_checkpointing=units", f"hydra.run.dir={run['micro']}"],
+              "trainer.activation_checkpointing=units", "comm.backend=torch",
+              f"hydra.run.dir={run['micro']}"],
              [*GPT_RUN, *FSDP, "grid.pr=1", "grid.pc=2", "trainer.checkpoint_every=2",
               f"hydra.run.dir={run['plain']}"],
              [*GPT_RUN, *FSDP, "strategy.stage=1", "grid.pr=2", "grid.pc=2",
-              "trainer.accumulate_steps=2", "trainer.checkpoint_every=2",
+              "trainer.accumulate_steps=2", "trainer.checkpoint_every=2", "comm.backend=torch",
               f"hydra.run.dir={run['grid2d']}"]]
     for result in run_cli_together(*first):
         assert_ok(result)
