@@ -365,3 +365,41 @@ def test_a_run_is_priced_by_the_gpu_it_runs_on(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4")
     assert pricing_device("auto") == pricing_device("cuda") == "NVIDIA A100-SXM4"
     assert pricing_device("cpu") is None
+
+
+class _StepEvent:
+    """A CUDA event's stand-in: `record` notes a time on a fake device clock."""
+
+    clock = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = _StepEvent.clock
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: _StepEvent) -> float:
+        return (end.at - self.at) * 1000  # milliseconds, as CUDA's
+
+
+def test_a_gpu_steps_time_is_the_devices_read_where_the_step_reads_its_loss(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's clock says when a step was queued; the history takes the device's times of
+    the unread steps once a step that reads its loss waits for the device."""
+    from runner.training.state import DeviceStepTimes, StepHistory
+
+    monkeypatch.setattr(torch.cuda, "Event", _StepEvent)
+    times, history = DeviceStepTimes(True), StepHistory()
+    for step, device_seconds in enumerate([0.5, 0.25, 0.75]):
+        times.begin()
+        _StepEvent.clock += device_seconds
+        times.end(len(history.seconds))
+        if step < 2:
+            history.add(0.001, 0, 0.0)  # queued at once: the host's time
+    found = times.resolve(history)
+    assert found == {0: 0.5, 1: 0.25, 2: 0.75}
+    assert history.seconds == [0.5, 0.25]  # the third is the current step's, added after
+    assert DeviceStepTimes(False).resolve(history) == {}  # the CPU: nothing recorded

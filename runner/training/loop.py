@@ -41,7 +41,7 @@ from runner.training.memory import SavedTensorMeter
 from runner.training.precision import Precision
 from runner.training.resume import start_or_resume
 from runner.training.sampling import EpochSampler
-from runner.training.state import RunSetup, TrainingState
+from runner.training.state import DeviceStepTimes, RunSetup, TrainingState
 from runner.training.step import (
     Feed,
     HostCopy,
@@ -327,6 +327,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     stopped_by = None
     title = f"{run.strategy.name} {grid.pr}x{grid.pc}"
     pace = grid.counter.pace  # what the watchdog's deadlines derive from
+    device_times = DeviceStepTimes(t.device.type == "cuda")
     with StopRequest() as stop, ProgressReporter(grid.rank == 0, steps, title) as progress:
         for step in range(t.start.step + 1, steps + 1):
             state.step = step
@@ -337,6 +338,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             # seconds are read whole; another's as far as the device has reported them
             reads = t.reads_loss(step)
             began, before = time.perf_counter(), grid.counter.snapshot(wait=reads)
+            device_times.begin()
             # activation memory is measured on the first step and the logged ones (the hooks
             # cost a few microseconds per saved tensor: a quarter of a small MLP's step)
             measured = (step == t.start.step + 1 or step % trainer.log_every == 0
@@ -350,6 +352,10 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             else:
                 state.loss = loss
             seconds = time.perf_counter() - began
+            device_times.end(len(state.history.seconds))
+            if reads:  # the device's own times of this step and the unread ones before it
+                seconds = device_times.resolve(state.history).get(len(state.history.seconds),
+                                                                  seconds)
             t.log_step(step, state.loss if unread is None else None, seconds,
                        grid.counter.since(before, wait=reads), progress,
                        replica_loss=not meets and grid.pc > 1)

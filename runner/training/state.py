@@ -95,6 +95,43 @@ class StepHistory:
         return sum(self.seconds)
 
 
+class DeviceStepTimes:
+    """A GPU step's time from CUDA events recorded on the current stream at its start and its
+    end: the host runs ahead of the device between the steps that read their loss, so its clock
+    says when a step was queued, not how long the device took. The events are read where a step
+    reads its loss (it waits for the device there anyway), and the history's entries of the
+    steps since are set from them. On the CPU (`enabled` False) nothing is recorded."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._start: Any = None
+        self._pending: list[tuple[int, Any, Any]] = []  # (history index, start, end)
+
+    def begin(self) -> None:
+        if self.enabled:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def end(self, index: int) -> None:
+        """The step that will be the history's entry `index` has been queued."""
+        if self.enabled:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((index, self._start, end))
+
+    def resolve(self, history: StepHistory) -> dict[int, float]:
+        """Wait for the device; each pending step's seconds, by history index (set into the
+        history where its entry exists already)."""
+        found: dict[int, float] = {}
+        for index, start, end in self._pending:
+            end.synchronize()
+            found[index] = start.elapsed_time(end) / 1000
+            if index < len(history.seconds):
+                history.seconds[index] = found[index]
+        self._pending.clear()
+        return found
+
+
 @dataclass
 class TrainingState:
     """Where the loop is: the last step begun and its loss (the start's step and NaN before the
