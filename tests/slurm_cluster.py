@@ -9,8 +9,8 @@ for them; there is no accounting database). Ports the operating system picks. Th
 stopped and their directory removed at the end.
 
 Where Slurm cannot be started (not installed, not root, a daemon that does not come up) the
-tests say why: they skip, except where `GRIDRUN_REQUIRE_SLURM=1` (`.ci/run` sets it and installs
-Debian's `slurm-wlm` and `munge`), where they fail.
+tests say why: they skip, except where `GRIDRUN_REQUIRE_SLURM=1`, where they fail. `.ci/run`
+installs Debian's `slurm-wlm` and `munge`.
 """
 
 from __future__ import annotations
