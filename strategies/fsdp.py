@@ -375,11 +375,10 @@ class SplitView:
               events: list[tuple[str, bool]] | None = None) -> tuple[dict[str, int], set[int]]:
         """`unit_calls` of the units at `paths` (of the host), keyed by those paths."""
         found: list[tuple[str, bool]] = []
-        calls, read = unit_calls(self.forward, sample_shape, [self.prefix + p if p else
-                                                              self.prefix.rstrip(".")
-                                                              for p in paths],
-                                 compute_dtype, found, self.sample_dtype)
+        # each unit's path in the forward's model → its path in the host
         back = {self.prefix + p if p else self.prefix.rstrip("."): p for p in paths}
+        calls, read = unit_calls(self.forward, sample_shape, list(back), compute_dtype, found,
+                                 self.sample_dtype)
         if events is not None:
             events += [(back[path], entering) for path, entering in found]
         return {back[path]: n for path, n in calls.items()}, read
@@ -699,9 +698,9 @@ class ShardedDataParallel(Strategy):
                 ops += [gather] * ((2 if again else 1) * calls[path]) + scatter
             else:
                 ops += ([gather, *scatter] + ([gather] if again else [])) * calls[path]
+        by_name = {id(p): name for name, p in whole}
         for params, exchange_group, size in self._whole_exchanges(whole, view.replicated,
                                                                   grid):
-            by_name = {id(p): name for name, p in whole}
             items = [(by_name[id(p)].split(".")[0], [(p.numel() * p.element_size(), p.dtype)])
                      for p in params]
             ops += predict_gradient_ops(items, exchange_group, size, *self.bucket_caps)
