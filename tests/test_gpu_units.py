@@ -368,9 +368,12 @@ def test_a_run_is_priced_by_the_gpu_it_runs_on(monkeypatch: pytest.MonkeyPatch,
 
 
 class _StepEvent:
-    """A CUDA event's stand-in: `record` notes a time on a fake device clock."""
+    """A CUDA event's stand-in: `record` notes a time on a fake device clock, and the device
+    has completed the events recorded up to `_StepEvent.completed`."""
 
     clock = 0.0
+    completed = 0.0
+    waits = 0
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.at = 0.0
@@ -378,8 +381,12 @@ class _StepEvent:
     def record(self) -> None:
         self.at = _StepEvent.clock
 
+    def query(self) -> bool:
+        return self.at <= _StepEvent.completed
+
     def synchronize(self) -> None:
-        return None
+        _StepEvent.waits += 1
+        _StepEvent.completed = max(_StepEvent.completed, self.at)
 
     def elapsed_time(self, end: _StepEvent) -> float:
         return (end.at - self.at) * 1000  # milliseconds, as CUDA's
@@ -388,18 +395,28 @@ class _StepEvent:
 def test_a_gpu_steps_time_is_the_devices_read_where_the_step_reads_its_loss(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The host's clock says when a step was queued; the history takes the device's times of
-    the unread steps once a step that reads its loss waits for the device."""
+    the steps the device has completed where a step reads its loss, without waiting for the
+    device there; a step it has not completed yet is read later, or after the last step."""
     from runner.training.state import DeviceStepTimes, StepHistory
 
     monkeypatch.setattr(torch.cuda, "Event", _StepEvent)
     times, history = DeviceStepTimes(True), StepHistory()
     for step, device_seconds in enumerate([0.5, 0.25, 0.75]):
-        times.begin()
+        times.begin(len(history.seconds))
         _StepEvent.clock += device_seconds
-        times.end(len(history.seconds))
+        times.end()
         if step < 2:
             history.add(0.001, 0, 0.0)  # queued at once: the host's time
+    _StepEvent.completed = _StepEvent.clock  # the third step's loss read: the device is there
     found = times.resolve(history)
-    assert found == {0: 0.5, 1: 0.25, 2: 0.75}
+    assert found == {0: 0.5, 1: 0.25, 2: 0.75} and _StepEvent.waits == 0
     assert history.seconds == [0.5, 0.25]  # the third is the current step's, added after
+    history.add(found[2], 0, 0.0)  # as the loop records it
+    times.begin(3)
+    _StepEvent.clock += 0.125
+    times.end()  # fp16: its flag read before the update, the device not at its end yet
+    assert times.resolve(history) == {} and _StepEvent.waits == 0
+    history.add(0.002, 0, 0.0)
+    times.finish(history)  # after the last step: waits for the device
+    assert history.seconds == [0.5, 0.25, 0.75, 0.125] and _StepEvent.waits == 1
     assert DeviceStepTimes(False).resolve(history) == {}  # the CPU: nothing recorded

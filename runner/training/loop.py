@@ -338,21 +338,20 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             # seconds are read whole; another's as far as the device has reported them
             reads = t.reads_loss(step)
             began, before = time.perf_counter(), grid.counter.snapshot(wait=reads)
-            device_times.begin()
+            device_times.begin(len(state.history.seconds))
             # activation memory is measured on the first step and the logged ones (the hooks
             # cost a few microseconds per saved tensor: a quarter of a small MLP's step)
             measured = (step == t.start.step + 1 or step % trainer.log_every == 0
                         or step == steps)
             loss, stopping = train_step(t, t.batch(), step, t.loss_comm if meets else grid.model,
                                         t.stop_request(stop.requested, meets),
-                                        t.meter if measured else None, reads)
+                                        t.meter if measured else None, reads, device_times)
             unread: torch.Tensor | None = None  # the loss, left on the device
             if isinstance(loss, torch.Tensor):
                 unread = loss
             else:
                 state.loss = loss
             seconds = time.perf_counter() - began
-            device_times.end(len(state.history.seconds))
             if reads:  # the device's own times of this step and the unread ones before it
                 seconds = device_times.resolve(state.history).get(len(state.history.seconds),
                                                                   seconds)
@@ -377,6 +376,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
             pace.begin("a checkpoint", state.step)
             t.checkpoint(state.step)
     pace.begin("the end of training", state.step)
+    device_times.finish(state.history)
     t.close()
     if stopped_by is not None:
         return interrupted_summary(t, state, stopped_by)

@@ -97,39 +97,54 @@ class StepHistory:
 
 class DeviceStepTimes:
     """A GPU step's time from CUDA events recorded on the current stream at its start and its
-    end: the host runs ahead of the device between the steps that read their loss, so its clock
-    says when a step was queued, not how long the device took. The events are read where a step
-    reads its loss (it waits for the device there anyway), and the history's entries of the
-    steps since are set from them. On the CPU (`enabled` False) nothing is recorded."""
+    end (after its update): the host runs ahead of the device between the steps that read their
+    loss, so its clock says when a step was queued, not how long the device took. The events
+    are read, without waiting, where a step reads its loss: that step's wait for its loss's copy
+    (queued after the update) has seen every event before it complete. A step whose end the
+    device has not reached there (fp16 reads its overflow flag before the update) is read at a
+    later one, or at `finish`. On the CPU (`enabled` False) nothing is recorded."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._start: Any = None
+        self._index = 0
         self._pending: list[tuple[int, Any, Any]] = []  # (history index, start, end)
 
-    def begin(self) -> None:
+    def begin(self, index: int) -> None:
+        """The step that will be the history's entry `index` begins."""
         if self.enabled:
+            self._index = index
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
 
-    def end(self, index: int) -> None:
-        """The step that will be the history's entry `index` has been queued."""
-        if self.enabled:
+    def end(self) -> None:
+        """The step's work, its update included, has been queued."""
+        if self.enabled and self._start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((index, self._start, end))
+            self._pending.append((self._index, self._start, end))
+            self._start = None
 
-    def resolve(self, history: StepHistory) -> dict[int, float]:
-        """Wait for the device; each pending step's seconds, by history index (set into the
-        history where its entry exists already)."""
+    def resolve(self, history: StepHistory, wait: bool = False) -> dict[int, float]:
+        """Each pending step's seconds, by history index, for the steps the device has
+        completed (all of them with `wait`); set into the history where its entry exists."""
         found: dict[int, float] = {}
+        left: list[tuple[int, Any, Any]] = []
         for index, start, end in self._pending:
-            end.synchronize()
+            if not (wait or end.query()):
+                left.append((index, start, end))
+                continue
+            if wait:
+                end.synchronize()
             found[index] = start.elapsed_time(end) / 1000
             if index < len(history.seconds):
                 history.seconds[index] = found[index]
-        self._pending.clear()
+        self._pending = left
         return found
+
+    def finish(self, history: StepHistory) -> None:
+        """After the last step: the steps not yet read, waiting for the device."""
+        self.resolve(history, wait=True)
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 
 from runner.core import CountedComm
 from runner.training.memory import SavedTensorMeter
-from runner.training.state import RunSetup
+from runner.training.state import DeviceStepTimes, RunSetup
 from strategies.base import MicroBatch
 
 
@@ -123,20 +123,17 @@ class Feed:
 
 
 def forward_backward_step(setup: RunSetup, feeds: Sequence[Feed], step: int,
-                          meter: SavedTensorMeter | None = None, copy_loss: bool = False
-                          ) -> tuple[torch.Tensor, HostCopy | None]:
+                          meter: SavedTensorMeter | None = None) -> torch.Tensor:
     """For each micro-batch: forward and loss (under the precision's autocast), backward (of
     the loss times fp16's scale), its gradients summed into the last's; the gradient
     exchanges the last micro-batch's backward started, completed. Returns the step's loss, the
     sum over the micro-batches (unscaled; float32 under autocast, whose cross-entropy is
-    float32), and with `copy_loss` its copy to the host, queued before the last backward.
-    `meter` counts the tensors kept for backward."""
+    float32). `meter` counts the tensors kept for backward."""
     model, debug, scaler = setup.model, setup.debug, setup.scaler
     model.zero_grad()
     total: torch.Tensor | None = None
-    copy: HostCopy | None = None
     with meter.step() if meter is not None else contextlib.nullcontext():
-        for i, feed in enumerate(feeds):
+        for feed in feeds:
             with (model.feeding(feed.micro) if feed.micro is not None
                   else contextlib.nullcontext()):
                 with setup.precision.autocast():
@@ -145,46 +142,51 @@ def forward_backward_step(setup: RunSetup, feeds: Sequence[Feed], step: int,
                         and total is None):
                     loss = inject_failure(debug.fail_mode, setup.rank, step, loss)
                 total = loss.detach() if total is None else total + loss.detach()
-                if copy_loss and i == len(feeds) - 1:
-                    copy = HostCopy([total])
                 (loss if scaler is None else loss * scaler.scale).backward()
     model.finish_gradient_sync()
     assert total is not None, "a step has at least one micro-batch"
-    return total, copy
+    return total
 
 
 def train_step(setup: RunSetup, feeds: Sequence[Feed], step: int, loss_comm: CountedComm,
                stop_requested: bool, meter: SavedTensorMeter | None = None,
-               read_loss: bool = True) -> tuple[float | torch.Tensor, bool]:
-    """Step `step` (1-based): the gradients of its micro-batches, then one all-reduce over
-    `loss_comm`, in host memory, for the mean loss, whether any rank is stopping and (fp16)
-    whether any rank's gradients overflowed, then the replica optimizer's update (skipped by
-    every rank on an overflow). Returns the mean loss, or with `read_loss` False (the same on
-    every rank of `loss_comm`) this rank's loss unread, on its device; and whether to stop.
+               read_loss: bool = True, device_times: DeviceStepTimes | None = None
+               ) -> tuple[float | torch.Tensor, bool]:
+    """Step `step` (1-based): the gradients of its micro-batches, then the replica optimizer's
+    update and one all-reduce over `loss_comm`, in host memory, for the mean loss, whether any
+    rank is stopping and (fp16) whether any rank's gradients overflowed, so that every rank
+    skips the update alike (fp16 reduces before the update). Returns the mean loss, or with
+    `read_loss` False (the same on every rank of `loss_comm`) this rank's loss unread, on its
+    device; and whether to stop. `device_times` marks the end of the step's work on the device.
 
-    Waits for the device once when `read_loss` (for the loss's copy), once under fp16 (for the
-    overflow flag, with the loss's copy when read), and otherwise never."""
+    Waits for the device once when `read_loss` (for the loss's copy, queued after the update:
+    the step's one wait covers its whole work, as a loop's `loss.item()` after its optimizer's
+    step does), once under fp16 (for the overflow flag, with the loss's copy when read, before
+    the update), and otherwise never."""
     debug, scaler = setup.debug, setup.scaler
     if debug.slow_rank == setup.rank and debug.slow_seconds:  # a straggler on purpose
         time.sleep(debug.slow_seconds)
-    loss, copy = forward_backward_step(setup, feeds, step, meter,
-                                       copy_loss=read_loss and scaler is None)
-    overflow: bool | None = None
+    loss = forward_backward_step(setup, feeds, step, meter)
     local: float | None = None
-    if scaler is not None:
-        found = scaler.unscale_found(setup.model.parameters())
-        if found is None:  # no gradients on this rank: nothing overflowed
-            overflow = False
-            local = HostCopy([loss]).values()[0] if read_loss else None
-        else:  # one wait for the flag and, when read, the loss
-            values = HostCopy([loss, found] if read_loss else [found]).values()
-            local, overflow = (values[0] if read_loss else None), bool(values[-1])
-    elif copy is not None:
-        local = copy.values()[0]
+    if scaler is None:
+        setup.optimizer.step(step - 1)
+        if device_times is not None:
+            device_times.end()
+        local = HostCopy([loss]).values()[0] if read_loss else None
+        mean, stopping, _ = reduce_control(local, loss.dtype, loss_comm, stop_requested)
+        return (loss if mean is None else mean), stopping
+    found = scaler.unscale_found(setup.model.parameters())
+    if found is None:  # no gradients on this rank: nothing overflowed
+        overflow = False
+        local = HostCopy([loss]).values()[0] if read_loss else None
+    else:  # one wait for the flag and, when read, the loss
+        values = HostCopy([loss, found] if read_loss else [found]).values()
+        local, overflow = (values[0] if read_loss else None), bool(values[-1])
     mean, stopping, overflowed = reduce_control(local, loss.dtype, loss_comm, stop_requested,
                                                 overflow)
-    if scaler is not None:
-        scaler.update(step, overflowed)
+    scaler.update(step, overflowed)
     if not overflowed:
         setup.optimizer.step(step - 1)
+    if device_times is not None:
+        device_times.end()
     return (loss if mean is None else mean), stopping
