@@ -1,11 +1,11 @@
 """SIGINT / SIGTERM / SIGUSR1 as a request to stop: finish the step, checkpoint, exit cleanly.
 
 The head forwards SIGTERM to the job whatever it got (launchers pass SIGTERM on to every rank,
-SIGINT not always; see `runner.cli.mpijob`), after writing the signal it got to a file: a rank that
-gets SIGTERM names that one instead (`relay_stop_signal_from`), so Ctrl-C reads "SIGINT" in the
-summary. A rank only notes the signal here. Ranks see it at different moments, so the training
-loop agrees on when to stop through a collective it already makes each step (the loss
-all-reduce).
+SIGINT not always; see `runner.cli.mpijob`; srun gets SIGUSR1), after writing the signal it got to
+a file: a rank that gets the relayed signal names that one instead (`relay_stop_signal_from`), so
+Ctrl-C reads "SIGINT" in the summary. A rank only notes the signal here. Ranks see it at
+different moments, so the training loop agrees on when to stop through a collective it already
+makes each step (the loss all-reduce).
 A second signal to a 1-process run (the head trains itself) interrupts at once, as usual.
 """
 
@@ -19,14 +19,17 @@ from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-RELAYED_AS = signal.SIGTERM  # what the head sends the ranks, whatever it got
+# What the head sends the ranks, whatever it got: SIGTERM through mpiexec; SIGUSR1 through
+# Slurm's srun, which kills the tasks at once on a SIGTERM of its own.
+RELAYED_AS = (signal.SIGTERM, signal.SIGUSR1)
 
 _relayed_from: Path | None = None
 
 
 def relay_stop_signal_from(path: Path | None) -> None:
-    """A SIGTERM this process gets stands for the signal named in `path` (written by the head
-    before it sends SIGTERM), when there is one; None: every signal stands for itself."""
+    """A SIGTERM or SIGUSR1 this process gets stands for the signal named in `path` (written by
+    the head before it relays the stop), when there is one; None: every signal stands for
+    itself."""
     global _relayed_from
     _relayed_from = path
 
@@ -34,7 +37,7 @@ def relay_stop_signal_from(path: Path | None) -> None:
 def _relayed_name(received: int) -> str:
     """The name of the signal the user sent: `received`, unless the head relayed another."""
     name = signal.Signals(received).name
-    if received != RELAYED_AS or _relayed_from is None:
+    if received not in RELAYED_AS or _relayed_from is None:
         return name
     try:
         relayed = json.loads(_relayed_from.read_text())["signal"]
