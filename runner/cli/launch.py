@@ -249,7 +249,7 @@ def slurm_outcome(run: RunConfig, job: slurm.WatchedJob) -> dict[str, Any]:
     if summary is not None and summary.get("status") == "completed":
         return summary
     if summary is not None and summary.get("status") == "interrupted":
-        raise RunInterrupted(f"slurm job {job.job_id} {state}: {summary['message']}")
+        raise RunInterrupted(f"slurm job {job.job_id}: {summary['message']}")
     if job.state is not None and job.state.state == "CANCELLED" and summary is None:
         raise RunInterrupted(f"slurm job {job.job_id} was cancelled before its run wrote a "
                              f"checkpoint; output: {job.run_dir}")

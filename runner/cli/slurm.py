@@ -446,9 +446,18 @@ class JobState:
         word = self.state.lower().replace("_", " ")
         if self.state == "PENDING" and self.reason and self.reason != "None":
             return f"{word} ({self.reason})"
-        if self.ended and self.exit_code not in ("", "0", "0:0"):
-            return f"{word} (exit code {self.exit_code})"
-        return word
+        status = _exit_status(self.exit_code) if self.ended else None
+        return f"{word} ({status})" if status else word
+
+
+def _exit_status(raw: str) -> str | None:
+    """squeue's exit_code (the batch script's wait status) in words; None for a clean exit."""
+    if not raw.isdigit() or int(raw) == 0:
+        return None
+    status = int(raw)
+    if status & 0x7F:
+        return f"signal {status & 0x7F}"
+    return f"exit code {status >> 8}"
 
 
 def job_states(job_ids: Sequence[str]) -> dict[str, JobState] | None:

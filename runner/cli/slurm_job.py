@@ -77,6 +77,41 @@ def _resume_own_checkpoints(run_dir: Path, restarts: int) -> None:
         atomic_write_text(directory.config, OmegaConf.to_yaml(config))
 
 
+def _newest_step(run_dir: Path) -> int:
+    """The step of the run's newest complete checkpoint (0: none)."""
+    from runner.checkpoint.layout import STEP_PREFIX, latest_checkpoint
+    from runner.records.rundir import RunDir
+
+    newest = latest_checkpoint(RunDir(run_dir).checkpoints)
+    return int(newest.name.removeprefix(STEP_PREFIX)) if newest is not None else 0
+
+
+def _no_progress(run_dir: Path, started_at: int) -> str | None:
+    """Why a start that stopped on Slurm's warning must not requeue the job: it kept no step
+    beyond where it began (the warning came before it could train: the next start, with the
+    same time limit, would do no better)."""
+    if _newest_step(run_dir) > started_at:
+        return None
+    return (f"Slurm's warning came before this start of the job kept a step beyond step "
+            f"{started_at}: not requeued (launcher.slurm.time leaves too little time after "
+            f"launcher.slurm.signal_s; Slurm may send the warning up to a minute early)")
+
+
+def _not_requeued(directory: RunDir, why: str | None) -> None:
+    """Say why the job is not requeued, in its output and in the run's summary (where the
+    head reads it)."""
+    if why is None:
+        return
+    print(f"error: {why}", file=sys.stderr, flush=True)
+    summary = directory.read_summary()
+    if summary is not None and summary.get("message"):
+        from runner.records.rundir import write_json
+
+        summary["message"] = f"{summary['message']}; {why}"
+        with contextlib.suppress(OSError):
+            write_json(directory.summary, summary)
+
+
 def _record_job(run_dir: Path, job_id: str | None, restarts: int) -> None:
     """The job in the run's summary: which one, and how many times it was requeued."""
     from runner.records.rundir import RunDir, write_json
@@ -112,14 +147,16 @@ def run_job(run_dir: Path, srun: list[str]) -> int:
         _resume_own_checkpoints(run_dir, restarts)
         run = load_run_config(directory.config)
         directory.summary.unlink(missing_ok=True)  # an earlier start's outcome
+        started_at = _newest_step(run_dir)
         _job = MPIJob(srun, run_dir, child_environment(), relay=signal.SIGUSR1,
                       second_kills=False)
         if _noted is not None:
             print(f"slurm job {job_id}: {_noted} before the ranks started: not starting them",
                   file=sys.stderr, flush=True)
-            if _noted == warning:
-                return REQUEUE_EXIT  # the next start goes on from where the run was
             _write_stopped(directory, _noted, job_id)
+            if _noted == warning:
+                _not_requeued(directory, _no_progress(run_dir, started_at))
+                return EXIT_FAILED
             return EXIT_INTERRUPTED
         print(f"slurm job {job_id}, start {restarts + 1}: {' '.join(srun)}", flush=True)
         result = _job.run()
@@ -128,7 +165,11 @@ def run_job(run_dir: Path, srun: list[str]) -> int:
             code = 0
         except RunInterrupted as exc:
             print(str(exc), file=sys.stderr, flush=True)
-            code = REQUEUE_EXIT if result.stop_signal == warning else EXIT_INTERRUPTED
+            code = EXIT_INTERRUPTED
+            if result.stop_signal == warning:
+                stuck = _no_progress(run_dir, started_at)
+                _not_requeued(directory, stuck)
+                code = REQUEUE_EXIT if stuck is None else EXIT_FAILED
         except RunFailed as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             code = EXIT_FAILED
