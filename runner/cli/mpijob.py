@@ -293,7 +293,8 @@ class MPIJob:
         path = stop_signal_path(self.run_dir)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, json.dumps({"signal": name, "time": time.time()}) + "\n")
+            atomic_write_text(path, json.dumps({"signal": name, "time": time.time(),
+                                                "relayed_as": _signal_name(self.relay)}) + "\n")
         except OSError:
             pass  # the ranks then name the SIGTERM they got
 
