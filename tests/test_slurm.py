@@ -50,6 +50,16 @@ def logged_steps(run_dir: Path) -> int:
         return 0
 
 
+def job_said(slurm: SlurmCluster, run_dir: Path) -> Callable[[], str]:
+    """What Slurm and the job say, for a test that waited in vain."""
+    def said() -> str:
+        job = slurm.run("scontrol", "show", "job", "--oneliner", submitted_job(run_dir)).stdout
+        outputs = "".join(p.read_text()[-1000:] for p in run_dir.glob("slurm-*.out"))
+        return f"{job}\n{outputs}"
+
+    return said
+
+
 def submitted_job(run_dir: Path) -> str:
     """The Slurm job of a run directory, once the head submitted it."""
     record = run_dir / slurm_module.JOB_RECORD
@@ -62,7 +72,8 @@ def preempt_from_outside(slurm: SlurmCluster, run_dir: Path) -> str:
     every process of the job (measured: SIGCONT, then SIGTERM, then SIGKILL after KillWait), and
     starts it again."""
     job_id = submitted_job(run_dir)
-    wait_for(lambda: logged_steps(run_dir) >= 20, f"steps in {run_dir}")
+    wait_for(lambda: logged_steps(run_dir) >= 20, f"steps in {run_dir}",
+             said=job_said(slurm, run_dir))
     requeued = slurm.run("scontrol", "requeue", job_id)
     assert requeued.returncode == 0, requeued.stderr
     return job_id
@@ -130,7 +141,8 @@ def test_a_preempted_run_requeues_itself_and_resumes_exactly(
         cwd=ROOT, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         job_id = submitted_job(run_dir)
-        wait_for(lambda: logged_steps(run_dir) >= 20, "the first start's steps")
+        wait_for(lambda: logged_steps(run_dir) >= 20, "the first start's steps",
+                 said=job_said(slurm, run_dir))
         warned = slurm.run("scancel", "--batch", f"--signal={slurm_module.WARNING_SIGNAL}",
                            job_id)
         assert warned.returncode == 0, warned.stderr
@@ -243,11 +255,15 @@ def test_slurm_options_need_launcher_slurm() -> None:
                                      "effect under launcher=slurm (add it)")
 
 
-def slurm_run(*overrides: str) -> RunConfig:
+def run_config(*overrides: str) -> RunConfig:
     from runner.cli.compose import compose
     from runner.config.schema import parse
 
-    return parse(compose(["launcher=slurm", *overrides]))
+    return parse(compose(list(overrides)))
+
+
+def slurm_run(*overrides: str) -> RunConfig:
+    return run_config("launcher=slurm", *overrides)
 
 
 def test_the_batch_script_sizes_the_job_from_the_run(tmp_path: Path) -> None:
@@ -399,6 +415,31 @@ def test_the_ranks_name_a_stop_relayed_to_srun(tmp_path: Path) -> None:
         assert interrupt._relayed_name(signal.SIGUSR1) == "SIGUSR1"
     finally:
         interrupt.relay_stop_signal_from(None)
+
+
+def test_launcher_srun_is_relayed_a_stop_as_sigusr1(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    """launcher=srun inside an allocation: the head's stop reaches srun as SIGUSR1 (measured:
+    the ranks stop with a checkpoint, named by the signal the head got); mpiexec keeps
+    SIGTERM."""
+    import signal
+
+    from runner.cli import launch
+
+    relays: list[int] = []
+
+    class Job:
+        def __init__(self, command: list[str], run_dir: Path, env: dict[str, str],
+                     relay: int) -> None:
+            relays.append(relay)
+
+        def run(self) -> None:
+            return None
+
+    monkeypatch.setattr(launch, "MPIJob", Job)
+    launch.run_mpi_job(run_config("launcher=srun"), tmp_path)
+    launch.run_mpi_job(run_config(), tmp_path)
+    assert relays == [signal.SIGUSR1, signal.SIGTERM]
 
 
 def test_the_cluster_starts_the_mpich_wheels_ranks_under_srun(slurm: SlurmCluster,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,11 @@ def mpi_command(launcher: LauncherConfig, nprocs: int, run_dir: Path) -> list[st
 
 
 def run_mpi_job(run: RunConfig, run_dir: Path) -> JobResult:
-    """Start the ranks, relay their output (inherited stdout/stderr), watch them to the end."""
-    return MPIJob(mpi_command(run.launcher, run.grid.size, run_dir), run_dir,
-                  child_environment()).run()
+    """Start the ranks, relay their output (inherited stdout/stderr), watch them to the end.
+    A stop goes to srun as SIGUSR1 (on a SIGTERM of its own it kills the ranks at once)."""
+    command = mpi_command(run.launcher, run.grid.size, run_dir)
+    relay = signal.SIGUSR1 if Path(command[0]).name == "srun" else signal.SIGTERM
+    return MPIJob(command, run_dir, child_environment(), relay=relay).run()
 
 
 def launcher_hint(run: RunConfig) -> tuple[str, str]:
