@@ -16,6 +16,7 @@ installs Debian's `slurm-wlm` and `munge`.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ REQUIRED = os.environ.get("GRIDRUN_REQUIRE_SLURM") == "1"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
 PARTITION = "debug"
 START_TIMEOUT_S = 30.0
+CRED_EXPIRE_S = 5  # Slurm takes no less (a smaller value stands for its default)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,16 @@ def _write_conf(directory: Path, cpus: int) -> None:
         "MpiDefault=none",
         "ReturnToService=2",
         "JobRequeue=1",
+        # Job ids of their own: MPICH names a job's shared memory after its PMI name, the job id
+        # under srun, and a segment a killed job left in /dev/shm would meet the next cluster's
+        # job of the same id (measured: MPI_Init fails, "Message truncated").
+        f"FirstJobId={random.randrange(1 << 16, 1 << 25)}",
+        # A requeued job waits the credential lifetime before it may start again (120 s by
+        # default), and then for the scheduler's next pass over pending jobs (every 60 s, the
+        # backfill's every 30 s, by default): a few seconds here, so that a requeue costs the
+        # tests little.
+        f"AuthInfo=cred_expire={CRED_EXPIRE_S}",
+        "SchedulerParameters=sched_interval=1,bf_interval=1",
         "MinJobAge=3600",
         "KillWait=5",
         f"NodeName=localhost CPUs={cpus} State=UNKNOWN",

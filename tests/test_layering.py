@@ -30,10 +30,10 @@ FLOORS: list[tuple[str, set[str]]] = [
 # Inside a room, top to bottom: its modules' order (a room not named here has none).
 ORDER: dict[str, list[set[str]]] = {
     "runner.cli": [
-        {"app", "worker"},
+        {"app", "worker", "slurm_job"},
         {"compose", "help", "launch", "sweep"},
         {"mpijob"},
-        {"preflight", "validation"},
+        {"preflight", "validation", "slurm"},
     ],
     "runner.training": [
         {"supervisor", "mpienv", "rank"},

@@ -159,7 +159,7 @@ def test_a_run_s_own_launcher_is_shown_not_run(original_2_ranks: Path, tmp_path:
     # the resume command of the replay repeats none of the run's launcher or Hydra overrides
     assert yaml.safe_load((again / ".hydra" / "overrides.yaml").read_text()) == saved
     assert yaml.safe_load((again / "config.yaml").read_text())["launcher"] == {
-        "command": None, "nproc_flag": "-n", "args": []}
+        "command": None, "nproc_flag": "-n", "args": [], "slurm": None}
 
     trusted = tmp_path / "trusted"
     result = replay(str(source), "--run-dir", str(trusted), "--trust-launcher")
@@ -211,7 +211,7 @@ def test_the_replay_takes_no_program_or_outside_path_from_the_run() -> None:
     before = json.dumps(values)
     cfg, notes = replay_config(values)
     assert json.dumps(values) == before  # the run's values are not edited in place
-    assert cfg["launcher"] == {"command": None, "nproc_flag": "-n", "args": []}
+    assert cfg["launcher"] == {"command": None, "nproc_flag": "-n", "args": [], "slurm": None}
     assert "hydra" not in cfg and cfg["plan"]["out"] is None and cfg["plan"]["world"] == 4
     assert cfg["trainer"] == {"steps": 3, "resume": None}
     assert cfg["debug"] == {"fail_at_step": None, "fail_on_rank": 0, "fail_mode": "raise",
@@ -222,7 +222,8 @@ def test_the_replay_takes_no_program_or_outside_path_from_the_run() -> None:
     assert len(notes) == 4 and "hydra" in notes[0] and "resume" in notes[2]
 
     cfg, _ = replay_config(values, launcher_command="srun --mpi=pmix", nproc_flag="--ntasks")
-    assert cfg["launcher"] == {"command": "srun --mpi=pmix", "nproc_flag": "--ntasks", "args": []}
+    assert cfg["launcher"] == {"command": "srun --mpi=pmix", "nproc_flag": "--ntasks", "args": [],
+                               "slurm": None}
     cfg, notes = replay_config(values, trust_launcher=True, keep_debug=True)
     assert cfg["launcher"] == values["launcher"] and cfg["debug"] == values["debug"]
     assert not any("launcher" in note or "debug" in note for note in notes)

@@ -117,7 +117,7 @@ class MPILauncher(Launcher):
             if isinstance(ret._return_value, RunInterrupted):  # the user stops the sweep
                 break
         self.gridrun_jobs += jobs
-        _finish_gridrun_sweep(sweep_dir, console, returns, self.gridrun_jobs)
+        finish_gridrun_sweep(sweep_dir, console, returns, self.gridrun_jobs)
         return returns
 
     def _run_gridrun_job(self, overrides: Sequence[str], number: int,
@@ -152,11 +152,12 @@ class MPILauncher(Launcher):
         return ret, SweepJob(number, shown, run_dir, RunDir(Path(run_dir)).read_summary())
 
 
-def _finish_gridrun_sweep(sweep_dir: Path, console: "Console", returns: Sequence[JobReturn],
-                          jobs: Sequence["SweepJob"]) -> None:
+def finish_gridrun_sweep(sweep_dir: Path, console: "Console", returns: Sequence[JobReturn],
+                         jobs: Sequence["SweepJob"], all_at_once: bool = False) -> None:
     """Print and write the sweep table (`jobs`: the sweep's so far), then end the sweep where
     this batch (`returns`) stopped or failed as expected (exit 130, exit 1); other failures are
-    left to Hydra."""
+    left to Hydra. `all_at_once`: the batch's jobs ran side by side (Slurm), not one after
+    another."""
     from runner.cli.launch import RunFailed, RunInterrupted
     from runner.cli.sweep import sweep_failures, sweep_rows, sweep_table, write_sweep_csv
     from runner.config.schema import ConfigError
@@ -166,10 +167,13 @@ def _finish_gridrun_sweep(sweep_dir: Path, console: "Console", returns: Sequence
     write_sweep_csv(sweep_dir / SWEEP_CSV, rows)
     console.print(sweep_table(rows, title=f"sweep {sweep_dir}"))
     console.print(f"sweep table: {sweep_dir / SWEEP_CSV}")
-    last = returns[-1]._return_value if returns else None
-    if isinstance(last, RunInterrupted):
-        print(f"{last}\nthe sweep stopped at job {jobs[-1].number}: the jobs after it did not "
-              f"run", file=sys.stderr)
+    stopped = [r._return_value for r in returns if isinstance(r._return_value, RunInterrupted)]
+    if stopped and all_at_once:
+        print("\n".join(map(str, stopped)) + "\nthe sweep was stopped", file=sys.stderr)
+        sys.exit(130)
+    if stopped:
+        print(f"{stopped[-1]}\nthe sweep stopped at job {jobs[-1].number}: the jobs after it "
+              f"did not run", file=sys.stderr)
         sys.exit(130)
     failures = sweep_failures(rows)
     expected = (ConfigError, RunFailed, HydraException)

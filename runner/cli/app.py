@@ -24,6 +24,8 @@ from runner.cli.compose import (
     config_dirs,
     one_line,
     register_configs,
+    slurm_options_problem,
+    with_slurm_launcher,
     with_target_groups,
     without_config_dirs,
 )
@@ -86,6 +88,9 @@ def precheck(args: list[str]) -> str | None:
         return "; ".join(problems)
     for note in notes:  # e.g. damaged checkpoints that trainer.resume=auto passes over
         print(f"note: {note}", file=sys.stderr, flush=True)
+    if run.launcher.slurm is not None and run.launcher.slurm.dry_run:
+        _checked, _checked_dir = run, run_dir  # printed by `main`: nothing is written
+        return None
     try:  # before Hydra or the run writes anything into it
         lock_run_dir(run_dir)
     except RunDirInUse as exc:
@@ -177,7 +182,11 @@ def main() -> None:
         # As `python -m runner` does: a user's `_target_` and `plugins` modules in the working
         # directory import from the `gridrun` console script too (the ranks run `python -m`).
         sys.path.insert(0, str(Path.cwd()))
-    sys.argv[1:] = with_target_groups(sys.argv[1:])
+    sys.argv[1:] = with_slurm_launcher(with_target_groups(sys.argv[1:]))
+    problem = slurm_options_problem(sys.argv[1:])
+    if problem:
+        print_error(problem)
+        sys.exit(EXIT_BAD_INPUT)
     _mpi = detect_mpi_environment()
     if _mpi is not None and _mpi.rank != 0:
         from runner.training.rank import follow_rank0
@@ -191,6 +200,11 @@ def main() -> None:
     if problem:
         print_error(problem)
         sys.exit(EXIT_BAD_INPUT)
+    if _checked is not None and _checked_dir is not None:
+        from runner.cli.launch import print_dry_run
+
+        if print_dry_run(_checked, _checked_dir):  # before Hydra writes a run directory
+            sys.exit(0)
     if _checked_dir is not None:
         sys.argv[1:] = _same_run_dir(sys.argv[1:], _checked_dir)
     register_configs()

@@ -2,8 +2,9 @@
 
 The schema (`runner.config.schema`) is registered in Hydra's ConfigStore: the root's typed sections
 and the options of the groups it owns (`grid/default`, `trainer/default`, `launcher/bundled`,
-`launcher/srun`, `logger/none`, `logger/tensorboard`). `conf/` holds the plugin groups and the
-root's defaults list. Hydra's multi-line composition errors become the one line a user needs.
+`launcher/srun`, `launcher/slurm`, `logger/none`, `logger/tensorboard`). `conf/` holds the plugin
+groups and the root's defaults list. Hydra's multi-line composition errors become the one line a
+user needs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from runner.config.schema import (
     GridConfig,
     LauncherConfig,
     LoggerConfig,
+    SlurmConfig,
     TrainerConfig,
 )
 
@@ -53,6 +55,12 @@ def register_configs() -> None:
     store.store(group="trainer", name="default", node=TrainerConfig)
     store.store(group="launcher", name="bundled", node=LauncherConfig)
     store.store(group="launcher", name="srun", node=LauncherConfig(command="srun"))
+    # A batch job continues from its newest checkpoint when Slurm starts it again (a requeue):
+    # the run resumes `auto` unless the command line names a checkpoint (the first start finds
+    # none and starts fresh).
+    store.store(group="launcher", name="slurm", package="_global_",
+                node={"launcher": LauncherConfig(slurm=SlurmConfig()),
+                      "trainer": {"resume": "auto"}})
     store.store(group="logger", name="none", node=LoggerConfig)
     store.store(group="logger", name="tensorboard", node=LoggerConfig(name="tensorboard"))
     # The direction of a sweep follows the run's objective (conf/experiment/tune_lr.yaml).
@@ -76,6 +84,34 @@ def with_target_groups(args: list[str]) -> list[str]:
         if names_target and not chooses:
             added.append(f"{group}={TARGET_OPTION}")
     return [*args, *added]
+
+
+def _chosen(args: list[str], group: str) -> str | None:
+    """The option `args` choose for a config group (`launcher=slurm`: slurm), if any."""
+    for arg in args:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key == group:
+            return value
+    return None
+
+
+def with_slurm_launcher(args: list[str]) -> list[str]:
+    """`args` with `launcher=slurm` added where the sweep's Hydra launcher is Slurm's
+    (`hydra/launcher=slurm`: every job a batch job) and no `launcher=` says otherwise."""
+    if _chosen(args, "hydra/launcher") == "slurm" and _chosen(args, "launcher") is None:
+        return [*args, "launcher=slurm"]
+    return args
+
+
+def slurm_options_problem(args: list[str]) -> str | None:
+    """A `launcher.slurm.*` override without `launcher=slurm`, whose section is null then."""
+    if _chosen(args, "launcher") == "slurm":
+        return None
+    for arg in args:
+        key = arg.lstrip("+~").partition("=")[0]
+        if key == "launcher.slurm" or key.startswith("launcher.slurm."):
+            return f"{arg}: the Slurm options take effect under launcher=slurm (add it)"
+    return None
 
 
 def config_dirs(args: list[str]) -> list[str]:
@@ -154,12 +190,14 @@ def _schema_keys(section: str) -> list[str] | None:
     import dataclasses
     import typing
 
+    from runner.config.schema import section_type
+
     schema: type = ConfigSchema
     for part in filter(None, section.split(".")):
-        hints = typing.get_type_hints(schema)
-        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+        nested = section_type(typing.get_type_hints(schema).get(part))
+        if nested is None:
             return None
-        schema = hints[part]
+        schema = nested
     return [f.name for f in dataclasses.fields(schema)]
 
 

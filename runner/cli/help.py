@@ -35,7 +35,7 @@ GROUP_ORDER = ("model", "dataset", "grid", "strategy", "optimizer", "trainer", "
 GROUP_HINTS = {
     "grid": "the process grid pr x pc: keys below",
     "trainer": "the training loop: keys below",
-    "launcher": "how ranks start, the bundled mpiexec or srun: keys below",
+    "launcher": "how ranks start: the bundled mpiexec, srun, or a Slurm batch job: keys below",
     "logger": "where metrics go besides metrics.jsonl",
     "experiment": "a named bundle of the above, applied last",
 }
@@ -47,6 +47,8 @@ EXAMPLES = [
     ("gridrun grid.pc=2", "override any key: KEY=VALUE"),
     ("gridrun model=cnn strategy=data grid.pr=1 grid.pc=4", "choose options of the groups"),
     ("gridrun -m grid.pr=1,2", "a sweep: one MPI job per combination, then a sweep table"),
+    ("gridrun launcher=slurm launcher.slurm.time=1:00:00", "a Slurm batch job; -m "
+     "hydra/launcher=slurm submits a sweep's jobs at once"),
     ("gridrun model._target_=my_pkg.nets.MyNet model.width=64",
      "your own model class, with its own arguments"),
     ("gridrun experiment=digits_cnn", "a named experiment"),
@@ -140,9 +142,13 @@ def engine_keys(only: str | None = None,
         hints = typing.get_type_hints(schema)
         for field in dataclasses.fields(schema):
             annotation = hints[field.name]
-            if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            section = config_module.section_type(annotation)
+            if section is not None and section is not annotation:  # null unless chosen
+                rows.append((f"{prefix}{field.name}", "section|null = null",
+                             docs.get((schema.__name__, field.name), "")))
+            if section is not None:
                 if prefix or (field.name == only if only else field.name not in skip):
-                    add(annotation, f"{prefix}{field.name}.")
+                    add(section, f"{prefix}{field.name}.")
                 continue
             if not prefix and (only or field.name in config_module.PLUGIN_GROUPS):
                 continue

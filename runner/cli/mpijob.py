@@ -4,10 +4,12 @@ a word (SIGKILL, the OOM killer, a segfault) is named with its signal; a job the
 end by itself after a rank died is killed; no rank process outlives the job. SIGINT or SIGTERM to
 the head asks the ranks to stop cleanly (they checkpoint); a second one kills them. No Hydra here.
 
-The head forwards SIGTERM whatever it got: every launcher passes SIGTERM on to the ranks, SIGINT
-not always (Slurm's srun only reports the job's state at a first Ctrl-C; MPICH's mpiexec passes it
-on, with lines of its own). So that the ranks still say which signal the user sent, the head first
-writes its name to `RUN_DIR/.ranks/stop-signal` (read by `runner.training.interrupt`).
+The head forwards SIGTERM whatever it got: mpiexec passes SIGTERM on to the ranks, SIGINT not
+always (Slurm's srun only reports the job's state at a first Ctrl-C; MPICH's mpiexec passes it on,
+with lines of its own). srun is the exception: on a SIGTERM of its own it kills the tasks at once
+(Slurm 22.05), while it passes SIGUSR1 on: a job under srun is relayed SIGUSR1 (`relay`). So that
+the ranks still say which signal the user sent, the head first writes its name to
+`RUN_DIR/.ranks/stop-signal` (read by `runner.training.interrupt`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ POLL_S = 0.1
 # (MPICH needs ~40 ms after a SIGKILL; it never ends a job whose rank exited non-zero before
 # MPI init: the others wait in MPI_Init for ever).
 KILL_GRACE_S = 3.0
-STOP_MESSAGE = ("stopping: the ranks finish their step and write a checkpoint "
-                "(press Ctrl-C again to kill the job)")
+STOP_MESSAGE = "stopping: the ranks finish their step and write a checkpoint"
+SECOND_STOP_KILLS = " (press Ctrl-C again to kill the job)"
 
 
 def _proc_state(pid: int) -> str | None:
@@ -129,10 +131,15 @@ class JobResult:
 
 
 class MPIJob:
-    """One `mpiexec` job and its ranks, watched from the head."""
+    """One `mpiexec` job and its ranks, watched from the head. `relay`: the signal the launcher
+    gets when the head is asked to stop (srun: SIGUSR1, which it forwards to the tasks; on a
+    SIGTERM of its own it kills them). `second_kills`: a second stop request kills the job (in a
+    Slurm job, Slurm ends it after its KillWait by itself)."""
 
-    def __init__(self, command: list[str], run_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, command: list[str], run_dir: Path, env: dict[str, str],
+                 relay: int = signal.SIGTERM, second_kills: bool = True) -> None:
         self.command, self.run_dir, self.env = command, Path(run_dir), env
+        self.relay, self.second_kills = relay, second_kills
         self.records: dict[int, dict[str, Any]] = {}
         self.vanished: list[dict[str, Any]] = []  # supervisors gone without a record
         self.stop_signal: str | None = None
@@ -156,6 +163,8 @@ class MPIJob:
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=stop_with_parent())
             previous = self._install_handlers()
+            if self.stop_signal is not None:  # asked (`on_signal`) before mpiexec started
+                self._relay(self.stop_signal)
             killed = self._watch()
             code = self.process.returncode
             self._refresh(force=True)
@@ -259,18 +268,24 @@ class MPIJob:
     def _install_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}  # only the main thread may; a head elsewhere is not at a terminal
-        return {signum: signal.signal(signum, self._on_signal)
+        return {signum: signal.signal(signum, self.on_signal)
                 for signum in (signal.SIGINT, signal.SIGTERM)}
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """A request to stop (a signal handler while the job runs)."""
         if self.stop_signal is not None:
-            self.kill_requested = True  # asked twice: the poll loop kills the job at once
+            # asked twice: the poll loop kills the job at once
+            self.kill_requested = self.second_kills
             return
         self.stop_signal = _signal_name(signum)
-        print(STOP_MESSAGE, file=sys.stderr, flush=True)
+        self._relay(self.stop_signal)
+
+    def _relay(self, name: str) -> None:
+        print(STOP_MESSAGE + (SECOND_STOP_KILLS if self.second_kills else ""), file=sys.stderr,
+              flush=True)
         if self.process is not None and self.process.poll() is None:
-            self._tell_ranks(self.stop_signal)
-            self.process.send_signal(signal.SIGTERM)  # mpiexec passes it on to every rank
+            self._tell_ranks(name)
+            self.process.send_signal(self.relay)  # the launcher passes it on to every rank
 
     def _tell_ranks(self, name: str) -> None:
         """The signal the head got, for the ranks that get SIGTERM in its place (written before
@@ -278,7 +293,8 @@ class MPIJob:
         path = stop_signal_path(self.run_dir)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, json.dumps({"signal": name, "time": time.time()}) + "\n")
+            atomic_write_text(path, json.dumps({"signal": name, "time": time.time(),
+                                                "relayed_as": _signal_name(self.relay)}) + "\n")
         except OSError:
             pass  # the ranks then name the SIGTERM they got
 

@@ -1,7 +1,9 @@
 """What is checked on the machine before a run starts, after the config itself is valid: that
-the launcher exists, that the run directory is a directory of its own (not the current one) and
-can be made and written, and that its disk has room for the checkpoints the run will keep. A
-problem is one line, before any MPI job exists."""
+the launcher exists, that the run directory is a directory of its own (not the current one, not
+one a pending or running Slurm job will write) and can be made and written, and that its disk has
+room for the checkpoints the run will keep; under `launcher=slurm`, what Slurm would make of the
+job (`runner.cli.slurm.submission_problems`). A problem is one line, before any MPI job exists
+and before anything is submitted."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from runner.checkpoint.space import checkpoint_bytes, space_problem
+from runner.cli.slurm import live_job_problem, submission_problems
 from runner.config.schema import LauncherConfig, RunConfig
 from runner.records.rundir import earlier_records, held_by_live_run, run_dir_problem, unwritable
 from runner.training.mpienv import bundled_mpiexec
@@ -65,9 +68,12 @@ def available_memory() -> int | None:
 
 
 def ranks_on_this_machine(run: RunConfig, inside_mpi_job: bool) -> int | None:
-    """How many of the run's ranks this machine hosts (None: not known here, e.g. srun)."""
+    """How many of the run's ranks this machine hosts (None: not known here, e.g. srun, or a
+    Slurm batch job)."""
     import os
 
+    if run.launcher.slurm is not None:
+        return None
     if run.grid.size == 1:
         return 1
     if inside_mpi_job:
@@ -164,18 +170,57 @@ def machine_problems(run: RunConfig, parts: CheckedParts, run_dir: Path,
     validation built (`runner.cli.validation.validate_parts`: one plain model for every check
     below, its parameter names, shapes and bytes and the planner's counts); what is worth
     saying but no problem goes to `notes`."""
-    problems = [] if inside_mpi_job or run.grid.size == 1 else launcher_problems(run.launcher)
+    notes = notes if notes is not None else []
+    batch_job = run.launcher.slurm is not None
+    if batch_job and inside_mpi_job:
+        return ["launcher=slurm submits a batch job: start it from a shell, not inside an MPI "
+                "job"]
+    problems = ([] if inside_mpi_job or run.grid.size == 1 or batch_job
+                else launcher_problems(run.launcher))
     memory = memory_problem(run, parts, inside_mpi_job)
     if memory:
         problems.append(memory)
-    problems += resume_problems(run, run_dir, _built(parts)[1],
-                                notes if notes is not None else [])
-    problem = run_dir_problem(run_dir) or owner_problem(run, run_dir) or unwritable(run_dir)
+    problems += resume_problems(run, run_dir, _built(parts)[1], notes)
+    if batch_job:
+        problems += submission_problems(run, run_dir, predicted_step_seconds(run, parts), notes)
+    problem = (run_dir_problem(run_dir) or live_job_problem(run_dir)
+               or owner_problem(run, run_dir) or unwritable(run_dir))
     if problem:
         return [*problems, problem]
     needed, what = checkpoint_space_needed(run, parts)
     problem = space_problem(run_dir, needed, what)
     return [*problems, problem] if problem else problems
+
+
+def predicted_step_seconds(run: RunConfig, parts: CheckedParts) -> float | None:
+    """The planner's step time for the run, at this machine's calibrated costs and rates: for
+    the Slurm time limit against the checkpoint interval (None where that is not checked, or the
+    planner prices no step: an optimizer that does not sum gradients)."""
+    options = run.launcher.slurm
+    if options is None or options.time is None or run.trainer.checkpoint_every is None:
+        return None
+    from runner.config.machine import load_compute_rates, load_machine_costs
+    from runner.training import assembly
+    from runner.training.precision import HALF_TYPES
+    from strategies.base import PricingContext, predict_step
+
+    spec, model, _, optimizer_cls = _built(parts)
+    if not optimizer_cls.syncs_gradients:
+        return None
+    trainer = run.trainer
+    pricing = PricingContext(
+        costs=load_machine_costs(), rows_touched=assembly.rows_touched(parts.dataset),
+        compute_dtype=HALF_TYPES.get(trainer.precision),
+        rates=load_compute_rates(None, trainer.precision), global_batch=trainer.batch_size,
+        optimizer=assembly.optimizer_kind(run.optimizer),
+        accumulate_steps=trainer.accumulate_steps,
+        activation_checkpointing=trainer.activation_checkpointing)
+    strategy = assembly.build_strategy(run.strategy, pricing)
+    try:
+        return predict_step(strategy, model, spec.input_shape, run.grid,
+                            run.trainer.batch_size).total_s
+    except (RuntimeError, ValueError, NotImplementedError):  # no price: nothing to check
+        return None
 
 
 def _built(parts: CheckedParts) -> tuple[DatasetSpec, nn.Module, Strategy,

@@ -13,19 +13,21 @@ from rich.table import Table
 COLUMNS = ("job", "overrides", "status", "final_loss", "val_accuracy", "workers_val_accuracy",
            "wall_time_s", "median_step_time_s", "comm_time_share", "comm_bytes_per_step",
            "predicted_comm_bytes_per_step", "comm_time_s_per_step",
-           "predicted_comm_time_s_per_step", "run_dir", "error")
+           "predicted_comm_time_s_per_step", "requeued", "run_dir", "error")
 
 
 @dataclass(frozen=True)
 class SweepJob:
     """One job's row: its overrides, its run directory and the `summary.json` read from there
-    (None: the job failed, or wrote none), or why it failed."""
+    (None: the job failed, or wrote none), or why it failed; `requeued`: how many times Slurm
+    started its batch job again (None: not a batch job)."""
 
     number: int
     overrides: Sequence[str]
     run_dir: str
     summary: Mapping[str, Any] | None
     error: str | None = None
+    requeued: int | None = None
 
 
 def sweep_rows(jobs: Sequence[SweepJob]) -> list[dict[str, Any]]:
@@ -34,7 +36,8 @@ def sweep_rows(jobs: Sequence[SweepJob]) -> list[dict[str, Any]]:
         summary = job.summary or {}
         row: dict[str, Any] = {key: summary.get(key) for key in COLUMNS}
         row.update(job=job.number, overrides=" ".join(job.overrides), run_dir=job.run_dir,
-                   status="completed" if job.error is None else "failed", error=job.error)
+                   status="completed" if job.error is None else "failed", error=job.error,
+                   requeued=job.requeued)
         rows.append(row)
     return rows
 
@@ -56,12 +59,16 @@ def _cell(value: Any, spec: str) -> str:
 
 def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for header in ("job", "overrides", "final loss", "val acc", "time (s)", "step (ms)",
-                   "comm share", "comm bytes/step (predicted)", "comm ms/step (predicted)"):
+    batch_jobs = any(row.get("requeued") is not None for row in rows)  # a Slurm sweep's
+    headers = ["job", "overrides", "final loss", "val acc", "time (s)", "step (ms)",
+               "comm share", "comm bytes/step (predicted)", "comm ms/step (predicted)"]
+    for header in headers + (["requeued"] if batch_jobs else []):
         table.add_column(header, justify="left" if header == "overrides" else "right")
     for row in rows:
+        requeued = [_cell(row.get("requeued"), "d")] if batch_jobs else []
         if row["status"] != "completed":
-            table.add_row(str(row["job"]), row["overrides"], "[red]failed[/red]", *[""] * 6)
+            table.add_row(str(row["job"]), row["overrides"], "[red]failed[/red]", *[""] * 6,
+                          *requeued)
             continue
         step_ms = None if row["median_step_time_s"] is None else row["median_step_time_s"] * 1e3
         table.add_row(
@@ -71,7 +78,7 @@ def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
             f"{_cell(row['comm_bytes_per_step'], ',.0f')} "
             f"({_cell(row['predicted_comm_bytes_per_step'], ',.0f')})",
             f"{_cell(_scaled(row['comm_time_s_per_step']), '.3f')} "
-            f"({_cell(_scaled(row['predicted_comm_time_s_per_step']), '.3f')})")
+            f"({_cell(_scaled(row['predicted_comm_time_s_per_step']), '.3f')})", *requeued)
     return table
 
 

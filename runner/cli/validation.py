@@ -30,9 +30,10 @@ if TYPE_CHECKING:  # the assembly imports torch: loaded when a config is checked
 
 def device_problems(run: RunConfig) -> list[str]:
     """trainer.device, trainer.precision and comm.cuda_aware; a GPU asked for where torch sees
-    none is refused here, before any rank starts (the head runs where the ranks do)."""
+    none is refused here, before any rank starts (the head runs where the ranks do, but for a
+    Slurm batch job's: they run on the nodes Slurm gives it)."""
     trainer, problems = run.trainer, []
-    if trainer.device == "cuda":
+    if trainer.device == "cuda" and run.launcher.slurm is None:
         import torch
 
         if not torch.cuda.is_available():
@@ -70,6 +71,10 @@ def _range_problems(run: RunConfig, world_size: int | None) -> list[str]:
     trainer, debug, grid = run.trainer, run.debug, run.grid
     problems += _lr_problems(run)
     problems += device_problems(run)
+    if run.launcher.slurm is not None:
+        from runner.cli.slurm import option_problems
+
+        problems += option_problems(run)
     if trainer.resume is not None and not trainer.resume:
         problems.append("trainer.resume='': must be null, auto or a checkpoint path")
     elif trainer.resume not in (None, "auto"):

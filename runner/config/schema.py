@@ -162,6 +162,47 @@ class TrainerConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """A run as a Slurm batch job (`launcher=slurm`): grid.pr × grid.pc tasks, one rank each,
+    started by srun inside the job; these options add to that."""
+
+    partition: Optional[str] = None  # noqa: UP045
+    """The partition (sbatch --partition; null: the cluster's default)."""
+    account: Optional[str] = None  # noqa: UP045
+    """The account the job is charged to (sbatch --account; null: the user's default)."""
+    qos: Optional[str] = None  # noqa: UP045
+    """The quality of service (sbatch --qos; null: the default)."""
+    time: Optional[str] = None  # noqa: UP045
+    """The time limit in Slurm's format: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS
+    (sbatch --time; null: the partition's default)."""
+    nodes: Optional[int] = at_least(1, None)  # noqa: UP045
+    """Nodes (sbatch --nodes; null: as many as Slurm places the tasks on)."""
+    ntasks_per_node: Optional[int] = at_least(1, None)  # noqa: UP045
+    """Ranks per node (sbatch --ntasks-per-node; null: as Slurm places them)."""
+    cpus_per_task: Optional[int] = at_least(1, None)  # noqa: UP045
+    """CPUs per rank (sbatch --cpus-per-task; null: trainer.threads where set, else 1)."""
+    gpus_per_task: Optional[int] = at_least(0, None)  # noqa: UP045
+    """GPUs per rank (sbatch --gpus-per-task; null: 1 under trainer.device=cuda, else none)."""
+    overcommit: bool = False
+    """More ranks than CPUs (sbatch --overcommit: one CPU per node, shared by its ranks);
+    without it a job that needs more CPUs than its partition has is refused."""
+    extra: list[str] = field(default_factory=list)
+    """More sbatch options, an #SBATCH line each, after gridrun's own (so they override them):
+    e.g. [--mem=16G, --constraint=a100]."""
+    signal_s: int = within(1, 65535, 60, "the range of Slurm's --signal")
+    """Seconds before the time limit at which Slurm warns the job (SIGUSR1 to the batch script):
+    the ranks stop at a step's end with a checkpoint, and the job requeues itself to go on from
+    it."""
+    poll_s: float = within(0.1, 3600.0, 5.0, "a tenth of a second to an hour")
+    """Seconds between the head's questions to Slurm about the job's state while it waits."""
+    dry_run: bool = False
+    """Print the batch script and the sbatch command, and submit nothing."""
+    mpi: str = "pmi2"
+    """srun's --mpi: how the ranks' MPI meets Slurm (pmi2 for MPICH, the bundled one; pmix for
+    many site builds)."""
+
+
+@dataclass
 class LauncherConfig:
     """How P > 1 ranks are started when the runner is not already inside an MPI job."""
 
@@ -171,6 +212,9 @@ class LauncherConfig:
     """The launcher's flag for the number of ranks."""
     args: list[str] = field(default_factory=list)
     """Extra launcher arguments, before the program."""
+    slurm: Optional[SlurmConfig] = None  # noqa: UP045
+    """A Slurm batch job instead (launcher=slurm sets it, with its options; null: the ranks
+    start from this process, by command)."""
 
     @property
     def argv(self) -> list[str]:
@@ -332,8 +376,9 @@ def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> An
     for name, annotation in hints.items():
         if name not in value or (not key and name in PLUGIN_GROUPS):  # see _plugin
             continue
-        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-            values[name] = _section(_join(key, name), annotation, value[name], problems)
+        nested = section_type(annotation)
+        if nested is not None and (value[name] is not None or nested is annotation):
+            values[name] = _section(_join(key, name), nested, value[name], problems)
             continue
         problem = (type_problem(_join(key, name), value[name], annotation)
                    or declared_problem(_join(key, name), value[name], metadata[name]))
@@ -342,6 +387,20 @@ def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> An
         else:
             values[name] = value[name]
     return schema(**values)
+
+
+def section_type(annotation: Any) -> type[Any] | None:
+    """The dataclass of a section key, `X` or `Optional[X]` (a section that may be null);
+    None for any other key."""
+    import typing
+
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        return annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if (len(args) == 1 and type(None) in typing.get_args(annotation)
+            and isinstance(args[0], type) and dataclasses.is_dataclass(args[0])):
+        return args[0]
+    return None
 
 
 def _join(key: str, name: str) -> str:
@@ -454,9 +513,11 @@ def bool_override_problems(overrides: list[str]) -> list[str]:
         key, sep, value = override.lstrip("+~").partition("=")
         if not sep or "." not in key:
             continue
-        section, _, name = key.partition(".")
-        schema = _hints(ConfigSchema).get(section)
-        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        *sections, name = key.split(".")
+        schema: type[Any] | None = ConfigSchema
+        for section in sections:  # launcher.slurm.dry_run: through the nested sections
+            schema = section_type(_hints(schema).get(section)) if schema is not None else None
+        if schema is None:
             continue
         if _hints(schema).get(name) is bool and value.strip().lower() not in BOOL_WORDS:
             problems.append(f"{key}={value}: must be true or false")

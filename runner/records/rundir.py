@@ -83,7 +83,8 @@ class RunDirLock:
     host and start time, under an exclusive `flock` that the kernel drops when the owner dies,
     however it dies (so a lock left by a killed run is stale and is taken over). Where the file
     system cannot `flock`, the pid is checked instead (on the same host; a lock of another host
-    is honoured until it is removed by hand)."""
+    is honoured until it is removed by hand, but for one an earlier start of the same Slurm batch
+    job left)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK_FILE
@@ -112,7 +113,8 @@ class RunDirLock:
             except FileNotFoundError:
                 pass
             os.close(fd)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+              **slurm_start()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
@@ -139,6 +141,11 @@ class RunDirLock:
 
     @staticmethod
     def _stale(owner: dict[str, Any]) -> bool:
+        mine = slurm_start()
+        if (mine and owner.get("slurm_job") == mine["slurm_job"]
+                and isinstance(owner.get("slurm_start"), int)
+                and owner["slurm_start"] < mine["slurm_start"]):
+            return True  # an earlier start of this Slurm job, which Slurm ended (a requeue)
         if owner.get("host") != socket.gethostname():
             return False
         try:
@@ -157,6 +164,15 @@ class RunDirLock:
         return (f"the run directory {self.path.parent} is in use by another run (pid "
                 f"{owner.get('pid', '?')} on {owner.get('host', '?')}{when}): choose another "
                 f"hydra.run.dir, or wait for that run to end")
+
+
+def slurm_start() -> dict[str, Any]:
+    """Which start of which Slurm batch job this process belongs to (empty outside one): a
+    lock an earlier start of the same job left is stale, on whichever node it ran."""
+    job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0")
+    if not job or not restarts.isdigit():
+        return {}
+    return {"slurm_job": job, "slurm_start": int(restarts)}
 
 
 _held: dict[Path, RunDirLock] = {}

@@ -1,11 +1,11 @@
 """SIGINT / SIGTERM / SIGUSR1 as a request to stop: finish the step, checkpoint, exit cleanly.
 
 The head forwards SIGTERM to the job whatever it got (launchers pass SIGTERM on to every rank,
-SIGINT not always; see `runner.cli.mpijob`), after writing the signal it got to a file: a rank that
-gets SIGTERM names that one instead (`relay_stop_signal_from`), so Ctrl-C reads "SIGINT" in the
-summary. A rank only notes the signal here. Ranks see it at different moments, so the training
-loop agrees on when to stop through a collective it already makes each step (the loss
-all-reduce).
+SIGINT not always; see `runner.cli.mpijob`; srun gets SIGUSR1), after writing the signal it got,
+and the one it relays, to a file: a rank that gets the relayed signal names the head's instead
+(`relay_stop_signal_from`), so Ctrl-C reads "SIGINT" in the summary. A rank only notes the
+signal here. Ranks see it at different moments, so the training loop agrees on when to stop
+through a collective it already makes each step (the loss all-reduce).
 A second signal to a 1-process run (the head trains itself) interrupts at once, as usual.
 """
 
@@ -19,14 +19,17 @@ from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-RELAYED_AS = signal.SIGTERM  # what the head sends the ranks, whatever it got
+# What the head sends the ranks, whatever it got, unless its file names another ("relayed_as":
+# SIGUSR1 through Slurm's srun, which kills the tasks at once on a SIGTERM of its own).
+RELAYED_AS = signal.SIGTERM
 
 _relayed_from: Path | None = None
 
 
 def relay_stop_signal_from(path: Path | None) -> None:
-    """A SIGTERM this process gets stands for the signal named in `path` (written by the head
-    before it sends SIGTERM), when there is one; None: every signal stands for itself."""
+    """The signal the head relays (SIGTERM, or the file's "relayed_as") stands for the signal
+    named in `path` (written by the head before it relays the stop), when there is one; None:
+    every signal stands for itself."""
     global _relayed_from
     _relayed_from = path
 
@@ -34,14 +37,15 @@ def relay_stop_signal_from(path: Path | None) -> None:
 def _relayed_name(received: int) -> str:
     """The name of the signal the user sent: `received`, unless the head relayed another."""
     name = signal.Signals(received).name
-    if received != RELAYED_AS or _relayed_from is None:
+    if _relayed_from is None:
         return name
     try:
-        relayed = json.loads(_relayed_from.read_text())["signal"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return name  # no file: the SIGTERM came from elsewhere
+        written = json.loads(_relayed_from.read_text())
+        relayed, relayed_as = written["signal"], written.get("relayed_as", RELAYED_AS.name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return name  # no file: the signal came from elsewhere
     names = {s.name for s in STOP_SIGNALS}
-    return relayed if relayed in names else name
+    return relayed if relayed in names and name == relayed_as else name
 
 
 class StopRequest:
