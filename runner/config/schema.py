@@ -261,6 +261,9 @@ class DebugConfig:
     """This rank sleeps `slow_seconds` in every step: a straggler (null: none)."""
     slow_seconds: float = within(0, MAX_SLOW_SECONDS, 0.0, "a day at most")
     """How long the straggler sleeps per step."""
+    deadline_floor_s: Optional[float] = at_least(0.1, None)  # noqa: UP045
+    """The least deadline a collective's is derived down to from the timed steps (null: 30 s):
+    lower, a hung rank ends the job sooner (a test of that path)."""
     stage_host_tensors: bool = False
     """Send host tensors through the staging path that GPU tensors take under an MPI without
     CUDA support (copied into pooled host buffers and back): tests that path without a GPU."""

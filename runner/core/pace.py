@@ -46,6 +46,7 @@ class Pace:
         self.rounds = 0  # rounds timed
         self.slowest_s = 0.0
         self.steps_per_round = 1  # the most steps a timed round took
+        self.floor_s = FLOOR_S  # the least derived deadline (`debug.deadline_floor_s` lowers it)
         self._clock = clock
         self._round_began: float | None = None  # None: the round in progress is not timed
         self._round_steps = 0
@@ -98,9 +99,10 @@ class Pace:
                                    f"timed")
         unit = "step" if self.steps_per_round == 1 else "stretch between the replicas' meetings"
         paced = ROUND_FACTOR * self.slowest_s
-        derived = FLOOR_S if paced <= FLOOR_S else float(math.ceil(paced))  # whole seconds
-        rule = (f"the {FLOOR_S:g} s floor, above {ROUND_FACTOR:g} × the slowest {unit} so far "
-                f"({self.slowest_s:.2f} s)" if derived == FLOOR_S else
+        floor = self.floor_s
+        derived = floor if paced <= floor else float(math.ceil(paced))  # whole seconds
+        rule = (f"the {floor:g} s floor, above {ROUND_FACTOR:g} × the slowest {unit} so far "
+                f"({self.slowest_s:.2f} s)" if derived == floor else
                 f"{ROUND_FACTOR:g} × the slowest {unit} so far ({self.slowest_s:.2f} s)")
         if derived >= cap_s:
             return Deadline(cap_s, f"{setting}, below {derived:.0f} s: {rule}")

@@ -318,6 +318,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     (rank 0 also writes it)."""
     started = time.perf_counter()
     grid.counter.isolate = run.debug.isolate_comm
+    if run.debug.deadline_floor_s is not None:
+        grid.counter.pace.floor_s = run.debug.deadline_floor_s
     # A file-size limit (ulimit -f) then fails the write with EFBIG, which is reported, instead
     # of killing the rank without a word.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
