@@ -410,7 +410,7 @@ def test_two_runs_into_one_directory_through_the_command_line(tmp_path: Path) ->
 
     run_dir = tmp_path / "shared"
     first = subprocess.Popen(
-        [sys.executable, "-m", "runner", "grid.pr=1", "grid.pc=2", "trainer.steps=120",
+        [sys.executable, "-m", "runner", "grid.pr=1", "grid.pc=2", "trainer.steps=60",
          "debug.slow_rank=0", "debug.slow_seconds=0.05",  # long enough to be in the way
          "seed=1", f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
@@ -428,7 +428,7 @@ def test_two_runs_into_one_directory_through_the_command_line(tmp_path: Path) ->
         _, err = first.communicate(timeout=240)
     assert first.returncode == 0, err
     summary = read_summary(run_dir)
-    assert summary["seed"] == 1 and summary["steps"] == 120
+    assert summary["seed"] == 1 and summary["steps"] == 60
     assert not (run_dir / LOCK_FILE).exists()
 
 

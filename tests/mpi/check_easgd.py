@@ -304,7 +304,7 @@ def asynchronous_methods_do_not_wait_for_a_straggler() -> None:
     straggler = {"slow_rank": SIZE - 1, "slow_seconds": 0.04}
     ratios = {}
     for name in (*ASYNCHRONOUS, "sync_easgd"):  # each optimizer's default lr
-        path = train_run(config({"name": name}, steps=40, debug=straggler),
+        path = train_run(config({"name": name}, steps=20, debug=straggler),
                          OUT / f"straggler_{name}", grid)
         if RANK == 0:
             rates = summary(path)["steps_per_s_by_rank"]
