@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,28 @@ def test_sgd_is_pytorchs_sgd_bit_for_bit(momentum: float, weight_decay: float,
     assert sgd.lr == torch_sgd.param_groups[0]["lr"]
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), ours.parameters(),
                                                  strict=True))
+
+
+def test_a_process_collects_its_oldest_objects_seldom_while_it_starts_then_as_usual() -> None:
+    """In a fresh interpreter (the collector's state is the process's): full collections are
+    deferred through the imports, and once the run trains what start-up made is frozen out of
+    the collector's sight and CPython's thresholds are back; a second call changes nothing."""
+    code = """if True:
+        import gc
+        from runner.records.process import defer_full_collections, start_up_done
+        defaults = gc.get_threshold()
+        defer_full_collections()
+        assert gc.get_threshold() == (*defaults[:2], 1000), gc.get_threshold()
+        import torch  # noqa: F401
+        before = gc.get_freeze_count()
+        start_up_done()
+        assert gc.get_threshold() == defaults, gc.get_threshold()
+        frozen = gc.get_freeze_count()
+        assert frozen > before + 50_000, (before, frozen)
+        start_up_done()
+        assert gc.get_freeze_count() == frozen and gc.get_threshold() == defaults
+        print("ok")
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr

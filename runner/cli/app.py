@@ -237,8 +237,9 @@ def main() -> None:
 def run() -> None:
     """The `gridrun` console script: `python -m runner`'s way out (no interpreter teardown,
     `runner.records.process.end_process`)."""
-    from runner.records.process import end_process
+    from runner.records.process import defer_full_collections, end_process
 
+    defer_full_collections()  # until the run trains or its job is watched
     try:
         main()
     except SystemExit as exc:  # bad input, a failed or interrupted run, Hydra's own exits

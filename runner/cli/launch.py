@@ -25,6 +25,7 @@ from runner.cli import slurm
 from runner.cli.mpijob import JobResult, MPIJob
 from runner.config.schema import ConfigError, LauncherConfig, RunConfig
 from runner.records.console import make_console, summary_table
+from runner.records.process import start_up_done
 from runner.records.rundir import (
     RunDir,
     RunDirInUse,
@@ -138,6 +139,7 @@ def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, An
         if outcome.get("status") == "interrupted":
             raise RunInterrupted(outcome["message"])
         return outcome
+    start_up_done()  # from here the head watches the ranks
     return job_outcome(run, directory, run_mpi_job(run, directory.path))
 
 
@@ -230,6 +232,7 @@ def submit_checked(cfg: DictConfig, run_dir: Path) -> tuple[RunConfig, str | Non
 
 def _execute_slurm(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, Any]:
     """Submit the run's batch job, show its state while it runs, and return its summary."""
+    start_up_done()  # from here the head watches the job
     job_id = submit_slurm(cfg, run, directory)
     release_run_dir(directory.path)  # the job holds it while it runs (runner.cli.slurm_job)
     console = make_console()

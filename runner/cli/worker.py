@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from runner.records.process import end_process
+from runner.records.process import defer_full_collections, end_process
 from runner.training.mpienv import detect_mpi_environment
 from runner.training.supervisor import supervise
 
@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m runner.cli.worker RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[1])
+    defer_full_collections()  # until the rank trains (runner.records.process)
     job = detect_mpi_environment()
     if job is not None and hasattr(os, "fork"):
         code = supervise(run_dir, job.rank)

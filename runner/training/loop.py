@@ -32,6 +32,7 @@ from runner.core.placement import place_whole
 from runner.records.board import TensorBoardWriter
 from runner.records.console import ProgressReporter, make_console, summary_table
 from runner.records.logs import get_logger
+from runner.records.process import start_up_done
 from runner.records.rundir import MetricsWriter, RunDir, git_commit, write_json
 from runner.training.assembly import RunParts, assemble, dtype_of
 from runner.training.devices import describe_device
@@ -324,6 +325,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     # of killing the rank without a word.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     t = build_training(run, run_dir, grid, device)
+    start_up_done()  # torch's, the model's and the data's objects: out of later collections
     state, trainer = t.state, run.trainer
     steps, every, eval_every = trainer.steps, trainer.checkpoint_every, trainer.eval_every
     stopped_by = None
