@@ -1,5 +1,5 @@
 """The runner of the MPI check scripts: `@check` functions run in order on every rank; rank 0
-prints `ok <name>` for each one that passed on all ranks; a failure prints that rank's
+prints `ok <name> <seconds>s` for each one that passed on all ranks; a failure prints that rank's
 traceback and aborts the job (tests/test_mpi_checks.py reads the `ok` lines).
 
 The communication backend the scripts' grids use is `BACKEND`: `--backend=mpi|torch` among a
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -56,10 +57,11 @@ def run_checks() -> None:
         if only and fn.__name__ not in only:
             continue
         try:
+            started = time.perf_counter()
             fn()
             world.Barrier()
             if world.Get_rank() == 0:
-                print(f"ok {fn.__name__}", flush=True)
+                print(f"ok {fn.__name__} {time.perf_counter() - started:.2f}s", flush=True)
         except BaseException:
             sys.stderr.write(f"[rank {world.Get_rank()}] {fn.__name__} FAILED\n"
                              f"{traceback.format_exc()}")
