@@ -271,11 +271,12 @@ def _fake_device_measurement(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
 
     started: list[tuple[str, int, int]] = []
 
-    def run(kind: str, ranks: int, repeats: int) -> dict[str, Any]:
-        started.append((kind, ranks, repeats))
+    def run(kinds: list[str], ranks: int, repeats: int) -> dict[str, dict[str, Any]]:
+        started.extend((kind, ranks, repeats) for kind in kinds)
         sizes = calibration.DEVICE_SIZES
-        return {"ranks": ranks, "sizes": sizes, "seconds": [4e-5 + 1e-11 * n for n in sizes],
-                "path": "staged through host buffers (MPI)"}
+        return {kind: {"ranks": ranks, "sizes": sizes,
+                       "seconds": [4e-5 + 1e-11 * n for n in sizes],
+                       "path": "staged through host buffers (MPI)"} for kind in kinds}
 
     monkeypatch.setattr(calibration, "measure_compute",
                         lambda threads=1, device="cpu": _fake_compute(
@@ -322,10 +323,11 @@ def test_calibration_stores_the_gpu_by_name_and_runs_on_it_are_priced_with_it(
     monkeypatch.setattr(calibration, "usable_cores", lambda: 2)
     monkeypatch.setattr(calibration, "measure_local",
                         lambda: {"table_pass": 1e-10, "sparse_row": 1e-9})
-    monkeypatch.setattr(calibration, "_run", lambda kind, ranks, repeats: (
-        host_sweep if not kind.startswith("device") else {
+    monkeypatch.setattr(calibration, "_run", lambda kinds, ranks, repeats: {
+        kind: host_sweep if not kind.startswith("device") else {
             "ranks": ranks, "sizes": calibration.DEVICE_SIZES,
-            "seconds": [4e-5 + 1e-11 * n for n in calibration.DEVICE_SIZES], "path": "x"}))
+            "seconds": [4e-5 + 1e-11 * n for n in calibration.DEVICE_SIZES], "path": "x"}
+        for kind in kinds})
     stored = calibration.measure(repeats=1, device=True)
     name = "NVIDIA H100 80GB HBM3"
     assert list(stored["devices"]) == [name] and path.exists()

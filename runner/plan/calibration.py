@@ -209,7 +209,14 @@ def _device_worker(backend: str, repeats: int) -> None:
         shutdown_torch_distributed()
 
 
-def _worker(kind: str, repeats: int) -> None:
+def _worker(kinds: str, repeats: int) -> None:
+    """Each of the comma-separated measurements in turn, in this one MPI job (its start,
+    interpreter and torch, is paid once), rank 0 printing one JSON line for each."""
+    for kind in kinds.split(","):
+        _measure_kind(kind, repeats)
+
+
+def _measure_kind(kind: str, repeats: int) -> None:
     import torch
     from mpi4py import MPI
 
@@ -757,7 +764,7 @@ def measure_device(repeats: int = 20, index: int = 0) -> dict:
     compute = measure_compute(device=device)
     half = _products(_Timer(1, device, torch.bfloat16))
     ranks, backend = device_collective_plan(torch.cuda.device_count(), usable_cores())
-    sweep = _run(f"device_{backend}", ranks, repeats)
+    sweep = _run([f"device_{backend}"], ranks, repeats)[f"device_{backend}"]
     return {"name": name, "compute": compute, "compute_bf16": {**compute, **half},
             "collective": {**fit_collective(sweep), "backend": backend,
                            "path": sweep.get("path")},
@@ -774,17 +781,22 @@ def _mpiexec() -> str:
     return found
 
 
-def _run(kind: str, ranks: int, repeats: int) -> dict:
+def _run(kinds: list[str], ranks: int, repeats: int) -> dict[str, dict]:
+    """The measurements `kinds` in one MPI job of `ranks`, by kind."""
     command = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "runner.plan.calibration",
-               kind, str(repeats)]
+               ",".join(kinds), str(repeats)]
     out = subprocess.run(command, capture_output=True, text=True)
-    lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines:
+    found: dict[str, dict] = {}
+    for line in out.stdout.strip().splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            found[result["kind"]] = result
+    missing = [kind for kind in kinds if kind not in found]
+    if out.returncode != 0 or missing:
         said = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CalibrationFailed(f"the {ranks}-rank {kind} measurement failed "
-                                f"(exit code {out.returncode}): {said}")
-    result: dict = json.loads(lines[-1])
-    return result
+        raise CalibrationFailed(f"the {ranks}-rank {' and '.join(missing or kinds)} "
+                                f"measurement failed (exit code {out.returncode}): {said}")
+    return found
 
 
 def measure(repeats: int = 20, collective_ranks: int | None = None,
@@ -803,16 +815,19 @@ def measure(repeats: int = 20, collective_ranks: int | None = None,
     elif not PINGPONG_RANKS <= collective_ranks <= cores:
         raise CalibrationRefused(f"an all-reduce sweep on {collective_ranks} ranks: needs "
                                  f"{PINGPONG_RANKS} to {cores} ranks here (a core each)")
-    ping = _run("pingpong", PINGPONG_RANKS, repeats)
+    # the measurements on two ranks in one job; the all-reduce sweep there too when it has two
+    pair = ["pingpong", "call"] + (["allreduce"] if collective_ranks == PINGPONG_RANKS else [])
+    measured = _run(pair, PINGPONG_RANKS, repeats)
+    if collective_ranks != PINGPONG_RANKS:
+        measured |= _run(["allreduce"], collective_ranks, repeats)
+    ping, sweep, calls = measured["pingpong"], measured["allreduce"], measured["call"]["calls"]
     alpha_p2p, beta_p2p = fit([float(n) for n in ping["sizes"]], ping["seconds"])
-    sweep = _run("allreduce", collective_ranks, repeats)
     p = collective_ranks
     # t = 2α⌈log p⌉ + 2β(p−1)/p n: fit intercept and slope, then undo the factors
     a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
-    calls = _run("call", PINGPONG_RANKS, repeats)["calls"]
     # twice the cores: the scheduler's share of a synchronisation, priced only for runs that
     # put more ranks than cores on a node
-    sync = _run("oversubscribed", 2 * cores, max(3, repeats // 4))["sync"]
+    sync = _run(["oversubscribed"], 2 * cores, max(3, repeats // 4))["oversubscribed"]["sync"]
     result = {
         "point_to_point": {"alpha": max(alpha_p2p, 0.0), "beta": beta_p2p,
                            "ranks": PINGPONG_RANKS, "sizes": ping["sizes"],
