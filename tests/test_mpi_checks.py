@@ -13,32 +13,32 @@ import pytest
 from tests.conftest import ROOT, run_mpi_script
 
 # script: the world sizes it runs at, per backend (check_core carves grids up to 2x3 out of 6
-# ranks). The torch variants run at one size each where the mpi ones run at two: the larger,
-# whose grids and uneven pieces cover more. check_easgd stays on mpi: its windows are MPI's
-# under either backend. check_model_grid and check_domain run under torch with
-# `make test-backends` (GRIDRUN_TEST_ALL_BACKENDS=1: ~31 s more on 2 cores, where gloo is
-# slow) and under mpi only in `make test`, for its time: there their strategies' torch path is
-# covered end to end by the command-line runs of tests/test_cli_runs.py (grid 2 x 2, domain
-# 2 x 2: one process's losses, the predicted bytes), and every operation they use by
-# check_core's adjoint tests.
+# ranks). A script runs the checks of the check scripts it imports in its own launch (a launch
+# of 4 ranks costs ~6 s of CPU in interpreters and torch before any check; with the transformers
+# library, ~17 s). The torch variants run at one size each where the mpi ones run at two: the
+# larger, whose grids and uneven pieces cover more. check_easgd stays on mpi: its windows are
+# MPI's under either backend. check_model_grid (with check_domain and check_layouts) runs under
+# torch with `make test-backends` (GRIDRUN_TEST_ALL_BACKENDS=1: ~31 s more on 2 cores, where
+# gloo is slow) and under mpi only in `make test`, for its time: there their strategies' torch
+# path is covered end to end by the command-line runs of tests/test_cli_runs.py (grid 2 x 2,
+# domain 2 x 2, auto 2 x 2: one process's losses, the predicted bytes), and every operation
+# they use by check_core's adjoint tests.
 ALL_BACKENDS = os.environ.get("GRIDRUN_TEST_ALL_BACKENDS") == "1"
 BOTH: dict[str, tuple[int, ...]] = {"mpi": (4,), **({"torch": (4,)} if ALL_BACKENDS else {})}
 SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
+    # with check_sparse.py (the sparse exchange of embedding gradients)
     "tests/mpi/check_data_parallel.py": {"mpi": (2, 4), "torch": (4,)},
     "tests/mpi/check_core.py": {"mpi": (6,), "torch": (6,)},
+    # with check_domain.py and check_layouts.py (per-layer layouts, strategy=auto)
     "tests/mpi/check_model_grid.py": BOTH,
-    "tests/mpi/check_domain.py": BOTH,
-    "tests/mpi/check_layouts.py": {"mpi": (4,)},
     "tests/mpi/check_easgd.py": {"mpi": (4,)},
-    "tests/mpi/check_sparse.py": {"mpi": (2, 4), "torch": (4,)},
-    # with check_tensor_parallel.py and check_sequence.py, which it imports
+    # with check_tensor_parallel.py and check_sequence.py
     "tests/mpi/check_gpt.py": {"mpi": (4,)},
-    # the conformance corpus: every model under every strategy, or refused
-    "tests/mpi/check_corpus.py": {"mpi": (4,)},
     # parallel plans by module name: the transformers library's models, a user's block; with
-    # check_plan_vocab (a head split by vocabulary, scored split) and check_plan_resume
-    # (planned runs resumed on other grids and strategies; vision transformers by plan), and
-    # check_fsdp (sharded data parallelism at every stage)
+    # check_plan_vocab (a head split by vocabulary, scored split), check_plan_resume
+    # (planned runs resumed on other grids and strategies; vision transformers by plan),
+    # check_fsdp (sharded data parallelism at every stage) and check_corpus (the conformance
+    # corpus: every model under every strategy, or refused)
     "tests/mpi/check_plans.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()

@@ -1,5 +1,5 @@
 """The conformance corpus (`tests/corpus_models.py`) under every strategy, against one process,
-in one launch: `mpiexec -n 4 python THIS TMPDIR`.
+in one launch: `mpiexec -n 4 python THIS TMPDIR`, or in check_plans.py's, which imports it.
 
 For every corpus model (and the transformers library's GPT-2 and BERT where it is installed)
 and every (strategy, grid) of `CASES`, the head's validation either refuses the run (each
@@ -37,7 +37,7 @@ from tests import corpus_models as corpus  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
-OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_corpus")
+OUT = (Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp")) / "check_corpus"
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 MODELS = (*corpus.IMAGE_MODELS, *corpus.TOKEN_MODELS,
           *(corpus.TRANSFORMERS_MODELS if HAVE_TRANSFORMERS else ()))

@@ -1,4 +1,5 @@
-"""Checks that need real ranks, run as one MPI launch: `mpiexec -n 4 python THIS`.
+"""Checks that need real ranks, run as one MPI launch: `mpiexec -n 4 python THIS` (with the
+checks of `check_sparse.py`, which it imports).
 
 Prints `ok <name>` per passed check; any failure prints its traceback and aborts the job.
 The reference for every gradient is computed independently: each rank also computes the
@@ -7,6 +8,7 @@ full-batch gradient sequentially and compares.
 
 from __future__ import annotations
 
+import check_sparse  # noqa: F401
 import torch
 import torch.nn.functional as F
 from harness import BACKEND, check, run_checks

@@ -1,5 +1,6 @@
 """Domain parallelism against the sequential model, in one launch:
-`mpiexec -n 4 python THIS TMPDIR`. Groups smaller than 4 use the first ranks of the world.
+`mpiexec -n 4 python THIS TMPDIR`, or in check_model_grid.py's, which imports it. Groups
+smaller than 4 use the first ranks of the world.
 
 - each height-split convolution and pooling layer: output and the gradients of input, weight
   and bias equal torch's on the whole image (kernels 1, 3, 5; strides 1, 2; padding 0, 1, 2;
@@ -26,7 +27,7 @@ from strategies.spatial import SpatialWindowed
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
-OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_domain")
+OUT = (Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp")) / "check_domain"
 
 
 GRID_OF = make_grids([(2, 1), (3, 1), (4, 1), (2, 2)])

@@ -1,5 +1,5 @@
 """Per-layer layouts (`strategy=auto`, `strategies/layouts.py`) against the sequential model, in
-one launch: `mpiexec -n 4 python THIS TMPDIR`.
+one launch: `mpiexec -n 4 python THIS TMPDIR`, or in check_model_grid.py's, which imports it.
 
 - every layout of every layer kind (domain in height and in height × width), alone and mixed in
   one model (pinned), on grids 2x1, 4x1,
@@ -31,7 +31,7 @@ from strategies.auto import AutoLayout
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
-OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/check_layouts")
+OUT = (Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp")) / "check_layouts"
 GRIDS = [(2, 1), (4, 1), (1, 4), (2, 2)]
 GRID_OF = make_grids(GRIDS)
 BATCH = 14  # divisible by every pc here; pieces of 14 over 4 ranks are uneven

@@ -1,5 +1,7 @@
 """Model and grid strategies against the sequential model, in one launch:
-`mpiexec -n 4 python THIS TMPDIR`. Grids smaller than 4 use the first ranks of the world.
+`mpiexec -n 4 python THIS TMPDIR` (with the checks of `check_layouts.py` and `check_domain.py`,
+which it imports: one start of 4 ranks for all three). Grids smaller than 4 use the first ranks
+of the world.
 
 - each distributed layer: forward output and the gradients of input, weight and bias equal the
   sequential layer's once assembled (shards gathered, partial input gradients summed);
@@ -19,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+import check_domain  # noqa: F401
+import check_layouts  # noqa: F401
 import pytest
 import torch
 from harness import check, make_grids, run_checks, train_losses, train_run

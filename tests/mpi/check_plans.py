@@ -1,6 +1,7 @@
 """Parallel plans by module name (strategies/module_plan.py) against one process, in one launch:
 `mpiexec -n 4 python THIS [OUT]` (with the checks of `check_plan_vocab.py`,
-`check_plan_resume.py` and `check_fsdp.py` (sharded data parallelism), which it imports).
+`check_plan_resume.py`, `check_fsdp.py` (sharded data parallelism) and `check_corpus.py` (the
+conformance corpus), which it imports: the ranks import torch and the transformers library once).
 
 The transformers library's Llama (its declared plan), GPT-2 and BERT (plans given) and a user's
 attention block (a plan given, and one derived from its structure under model and auto; the
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # `tests` is this checkout's, whatever else is installed
 
 # their checks run in this launch too (one start of 4 ranks instead of four)
+import check_corpus  # noqa: E402, F401
 import check_fsdp  # noqa: E402, F401
 import check_plan_resume  # noqa: E402, F401
 import check_plan_vocab  # noqa: E402, F401

@@ -1,5 +1,5 @@
 """The sparse exchange of embedding gradients on real ranks, one launch: `mpiexec -n P python THIS`
-(P = 2 and 4).
+(P = 2 and 4), or in check_data_parallel.py's, which imports it.
 
 - the row-sparse operators against the dense all-reduce they replace, with a rank that has no
   rows, duplicate indices, and a table smaller than P (owners with no rows): rows dealt or in
