@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Every strategy's equivalence checks under both communication backends (make test runs
-# check_model_grid and check_domain under mpi only, for its time).
+# check_model_grid, with check_domain and check_layouts, under mpi only, for its time).
 test-backends: $(STAMP)
 	GRIDRUN_TEST_ALL_BACKENDS=1 $(PY) -m pytest -q tests/test_mpi_checks.py
 
