@@ -104,6 +104,9 @@ class SlurmLauncher(Launcher):
             return [job.ret for job in submitted]
         if watched:
             from runner.cli.slurm import JobWatch
+            from runner.records.process import start_up_done
+
+            start_up_done()  # from here the head watches the jobs
 
             poll_s = min(slurm_options.poll_s for job in submitted
                          if job.job_id is not None and job.run is not None
