@@ -14,7 +14,7 @@ import torch
 
 from runner.core.cost import CommOp, log2_ceil, op_time, step_bytes, step_time
 from runner.plan.calibration import fit
-from tests.conftest import ROOT
+from tests.conftest import run_module
 
 A, B = 1e-5, 1e-9
 
@@ -71,11 +71,7 @@ def test_activation_memory_by_hand() -> None:
 
 
 def plan_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
-    return subprocess.run([sys.executable, "-m", "runner.plan", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **(env or {})})
+    return run_module("runner.plan", *args, timeout=180, env=env)
 
 
 def test_alexnet_plan_from_shapes_alone(tmp_path: Path) -> None:

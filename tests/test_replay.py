@@ -21,11 +21,11 @@ import yaml
 from runner.replay import compare, kept_override, main, replay_config, uncompared
 from tests.conftest import (
     MPIEXEC,
-    ROOT,
     assert_ok,
     read_metrics,
     read_summary,
     run_cli,
+    run_module,
     train_losses,
 )
 
@@ -36,8 +36,7 @@ RUN_2_RANKS = ["strategy=data", "grid.pr=1", "grid.pc=2", "trainer.steps=4",
 
 
 def replay(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "runner.replay", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    return run_module("runner.replay", *args)
 
 
 @pytest.fixture(scope="module")

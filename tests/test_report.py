@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 import yaml
 
-from tests.conftest import ROOT, assert_ok, read_summary, run_cli
+from tests.conftest import assert_ok, read_summary, run_cli, run_module
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SECRET = "hunter2-not-for-reports"
@@ -29,9 +27,7 @@ RUN = ["strategy=data", "grid.pr=1", "trainer.steps=12", "trainer.eval_every=4",
 
 
 def report(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "runner.report", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return run_module("runner.report", *args, timeout=120, env=env)
 
 
 def assert_images(markdown: Path) -> list[Path]:
