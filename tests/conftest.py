@@ -87,7 +87,10 @@ class RunCache:
 
 def run_mpi_script(script: str, ranks: int, *args: str,
                    timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, str(ROOT / script), *args],
+    """`mpiexec -n RANKS python SCRIPT ARGS`, through tests/mpi/start.py (start-up without
+    the collector's repeated walks, as a gridrun rank's)."""
+    return subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable,
+                           str(ROOT / "tests" / "mpi" / "start.py"), str(ROOT / script), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

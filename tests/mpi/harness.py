@@ -50,6 +50,9 @@ def check(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def run_checks() -> None:
+    from runner.records.process import start_up_done
+
+    start_up_done()  # collections as usual again (tests/mpi/start.py deferred them)
     world = MPI.COMM_WORLD
     # GRIDRUN_CHECKS=name1,name2 runs only those (for debugging one check by hand)
     only = {n for n in os.environ.get("GRIDRUN_CHECKS", "").split(",") if n}
