@@ -53,16 +53,20 @@ def wait_politely() -> None:
         time.sleep(0.002)
 
 
-def accepted(model: str, strategy: str, pr: int, pc: int) -> bool:
-    """Rank 0's validation of the run (as the head's before any rank starts), for all ranks."""
-    verdict = None
-    if RANK == 0:
+def accepted_runs() -> set[tuple[str, str, int, int]]:
+    """The (model, strategy, pr, pc) the head's validation accepts (as before any rank starts),
+    each validated on one rank, for all ranks."""
+    mine = set()
+    combos = [(model, strategy, pr, pc) for strategy, pr, pc in corpus.CASES for model in MODELS]
+    for index, (model, strategy, pr, pc) in enumerate(combos):
+        if index % WORLD.Get_size() != RANK:
+            continue
         try:
             validate(OmegaConf.create(corpus.run_config(model, strategy, pr, pc)))
-            verdict = True
+            mine.add((model, strategy, pr, pc))
         except ConfigError:
-            verdict = False
-    return bool(WORLD.bcast(verdict, root=0))
+            pass
+    return set().union(*WORLD.allgather(mine))
 
 
 @check
@@ -75,11 +79,12 @@ def every_accepted_run_gives_one_process_losses_and_the_predicted_bytes() -> Non
                              OUT / f"{model}_reference", ProcessGrid(1, 1))
             mine[model] = train_losses(path)[0]
     reference = {k: v for part in WORLD.allgather(mine) for k, v in part.items()}
+    runs = accepted_runs()
     trained = []
     for strategy, pr, pc in corpus.CASES:
         grid = GRIDS[pr, pc]
         for model in MODELS:
-            if not accepted(model, strategy, pr, pc):
+            if (model, strategy, pr, pc) not in runs:
                 continue
             if grid is not None:
                 path = train_run(corpus.run_config(model, strategy, pr, pc),
