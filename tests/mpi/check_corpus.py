@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,16 +22,16 @@ from harness import (  # noqa: E402
     assert_one_process,
     check,
     make_grids,
+    one_process_losses,
     run_checks,
-    train_losses,
     train_run,
+    wait_politely,
 )
 from mpi4py import MPI  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from runner.cli.validation import validate  # noqa: E402
 from runner.config.schema import ConfigError  # noqa: E402
-from runner.core import ProcessGrid  # noqa: E402
 from tests import corpus_models as corpus  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -43,14 +42,6 @@ MODELS = (*corpus.IMAGE_MODELS, *corpus.TOKEN_MODELS,
           *(corpus.TRANSFORMERS_MODELS if HAVE_TRANSFORMERS else ()))
 GRIDS = make_grids(sorted({(pr, pc) for _, pr, pc in corpus.CASES}))
 TOLERANCE = 1e-9
-
-
-def wait_politely() -> None:
-    """A barrier that sleeps while it waits (MPI's spins, taking the cores from the ranks at
-    work on a grid of fewer ranks)."""
-    request = WORLD.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
 
 
 def accepted_runs() -> set[tuple[str, str, int, int]]:
@@ -71,14 +62,8 @@ def accepted_runs() -> set[tuple[str, str, int, int]]:
 
 @check
 def every_accepted_run_gives_one_process_losses_and_the_predicted_bytes() -> None:
-    # one process's losses: each rank runs a quarter of the models on a grid of its own
-    mine = {}
-    for index, model in enumerate(MODELS):
-        if index % WORLD.Get_size() == RANK:
-            path = train_run(corpus.run_config(model, "data", 1, 1),
-                             OUT / f"{model}_reference", ProcessGrid(1, 1))
-            mine[model] = train_losses(path)[0]
-    reference = {k: v for part in WORLD.allgather(mine) for k, v in part.items()}
+    reference = one_process_losses({model: (corpus.run_config(model, "data", 1, 1),
+                                            OUT / f"{model}_reference") for model in MODELS})
     runs = accepted_runs()
     trained = []
     for strategy, pr, pc in corpus.CASES:

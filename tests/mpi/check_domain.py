@@ -18,7 +18,14 @@ import sys
 from pathlib import Path
 
 import torch
-from harness import assert_one_process, check, make_grids, run_checks, train_losses, train_run
+from harness import (
+    assert_one_process,
+    check,
+    make_grids,
+    one_process_losses,
+    run_checks,
+    train_run,
+)
 from mpi4py import MPI
 from torch import nn
 
@@ -128,10 +135,10 @@ def run(pr: int, pc: int, grid: ProcessGrid, model: str) -> Path:
 
 @check
 def domain_training_reproduces_the_single_process_losses() -> None:
+    references = one_process_losses({model: (run_config(1, 1, model),
+                                             OUT / f"domain_{model}_1x1") for model in MODELS})
     for model in MODELS:
-        reference = (train_losses(run(1, 1, ProcessGrid(1, 1), model))[0] if RANK == 0
-                     else None)
-        reference = WORLD.bcast(reference, root=0)
+        reference = references[model]
         for pr, pc in ((2, 1), (4, 1), (2, 2)):
             grid = GRID_OF[pr, pc]
             if grid is None:

@@ -13,6 +13,7 @@ the same launch, the checks of `check_tensor_parallel.py` and `check_sequence.py
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's 
 import check_sequence  # noqa: F401
 import check_tensor_parallel  # noqa: F401
 import pytest
-from harness import check, make_grids, run_checks, train_losses, train_run
+from harness import check, make_grids, one_process_losses, run_checks, train_losses, train_run
 from mpi4py import MPI
 
 from tests.test_host_syncs import BASE, assert_as_the_readme_states, train_counting
@@ -71,13 +72,13 @@ RUNS = [
 ]
 
 
-def reference(model: dict, name: str) -> list[float]:
-    losses = None
-    if RANK == 0:
-        losses = train_losses(train_run(run_config({"name": "data"}, 1, 1, model),
-                                        OUT / name, GRID_OF[1, 1]))[0]
-    result: list[float] = WORLD.bcast(losses, root=0)
-    return result
+@functools.cache
+def references() -> dict[str, list[float]]:
+    """One process's losses for each model of `RUNS`, by `json.dumps(model, sort_keys=True)`."""
+    models = {json.dumps(model, sort_keys=True): model for _, _, _, _, model, _ in RUNS}
+    return one_process_losses({key: (run_config({"name": "data"}, 1, 1, model),
+                                     OUT / f"reference_{index}")
+                               for index, (key, model) in enumerate(models.items())})
 
 
 def assert_same(name: str, want: list[float], got: list[float]) -> None:
@@ -88,11 +89,7 @@ def assert_same(name: str, want: list[float], got: list[float]) -> None:
 
 @check
 def every_strategy_reproduces_the_single_process_losses() -> None:
-    wanted: dict[str, list[float]] = {}
-    for _, _, _, _, model, _ in RUNS:
-        key = json.dumps(model, sort_keys=True)
-        if key not in wanted:
-            wanted[key] = reference(model, f"reference_{len(wanted)}")
+    wanted = references()
     for name, strategy, pr, pc, model, bytes_checked in RUNS:
         grid = GRID_OF[pr, pc]
         path = train_run(run_config(strategy, pr, pc, model), OUT / name, grid)
@@ -111,7 +108,7 @@ def every_strategy_reproduces_the_single_process_losses() -> None:
 
 @check
 def a_checkpoint_resumes_on_other_grids() -> None:
-    want = reference(GPT, "reference_resume")
+    want = references()[json.dumps(GPT, sort_keys=True)]
     grid = GRID_OF[2, 2]
     first = train_run(run_config({"name": "grid", "tp_layout": "pairing"}, 2, 2,
                                  checkpoint_every=10), OUT / "written", grid)

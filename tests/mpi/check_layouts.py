@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from harness import check, make_grids, run_checks, train_losses, train_run
+from harness import check, make_grids, one_process_losses, run_checks, train_losses, train_run
 from mpi4py import MPI
 from torch import nn
 
@@ -167,11 +167,8 @@ RUNS = [
 @check
 def training_reproduces_the_single_process_losses() -> None:
     steps = 15
-    reference = None
-    if RANK == 0:
-        reference = train_losses(train_run(run_config(CNN, None, 1, 1, steps), OUT / "reference",
-                                           ProcessGrid(1, 1)))[0]
-    reference = WORLD.bcast(reference, root=0)
+    reference = one_process_losses({"cnn": (run_config(CNN, None, 1, 1, steps),
+                                            OUT / "reference")})["cnn"]
     for name, model, pins, pr, pc in RUNS:
         grid = GRID_OF[pr, pc]
         if grid is None:

@@ -25,7 +25,7 @@ import check_domain  # noqa: F401
 import check_layouts  # noqa: F401
 import pytest
 import torch
-from harness import check, make_grids, run_checks, train_losses, train_run
+from harness import check, make_grids, one_process_losses, run_checks, train_losses, train_run
 from mpi4py import MPI
 from torch import nn
 
@@ -311,11 +311,11 @@ def run(strategy: str, model: str, pr: int, pc: int, grid: ProcessGrid) -> Path:
 
 @check
 def training_reproduces_the_single_process_losses() -> None:
-    for model in ("mlp", "cnn", "vgg_bn", "resnet"):
-        reference = None
-        if RANK == 0:
-            reference = train_losses(run("grid", model, 1, 1, ProcessGrid(1, 1)))[0]
-        reference = WORLD.bcast(reference, root=0)
+    models = ("mlp", "cnn", "vgg_bn", "resnet")
+    references = one_process_losses({model: (run_config("grid", model, 1, 1),
+                                             OUT / f"grid_{model}_1x1") for model in models})
+    for model in models:
+        reference = references[model]
         for strategy in ("model", "grid"):
             for pr, pc in GRIDS:
                 if strategy == "model" and pc != 1:

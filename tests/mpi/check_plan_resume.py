@@ -21,7 +21,6 @@ import functools
 import importlib.util
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,11 @@ from harness import (  # noqa: E402
     assert_one_process,
     check,
     make_grids,
+    one_process_losses,
     run_checks,
     train_losses,
     train_run,
+    wait_politely,
 )
 from mpi4py import MPI  # noqa: E402
 from plan_harness import (  # noqa: E402
@@ -92,20 +93,7 @@ def run_config(strategy: str, pr: int, pc: int, steps: int = STEPS,
 @functools.cache
 def uninterrupted() -> list[float]:
     """One process's losses over all the steps (every rank gets them)."""
-    losses = None
-    if WORLD.Get_rank() == 0:
-        losses = train_losses(train_run(run_config("data", 1, 1), OUT / "one", GRIDS[1, 1]))[0]
-    wait_for_everyone()
-    result: list[float] = WORLD.bcast(losses, root=0)
-    return result
-
-
-def wait_for_everyone() -> None:
-    """A barrier that sleeps while it waits: MPI's own spins, taking the shared cores from the
-    ranks still at work."""
-    request = WORLD.Ibarrier()
-    while not request.Test():
-        time.sleep(0.005)
+    return one_process_losses({"one": (run_config("data", 1, 1), OUT / "one")})["one"]
 
 
 def write_checkpoint(name: str, strategy: str, pr: int, pc: int,
@@ -158,7 +146,7 @@ def a_planned_checkpoint_resumes_under_other_grids_and_strategies() -> None:
     resume("resumed_model", planned, "model", 4, 1, want)
     # the norms on a rank's positions: their weights whole, as in the checkpoint
     resume("resumed_sequence", planned, "model", 2, 1, want, SEQUENCE_PLAN)
-    wait_for_everyone()
+    wait_politely()
 
 
 @check
@@ -183,7 +171,7 @@ def a_domain_planned_checkpoint_resumes_under_grid_and_data() -> None:
         assert layouts["model.layers.0.mlp"] == "sequence", layouts
     resume("resumed_domain_grid", written, "grid", 2, 2, want)
     resume("resumed_domain_data", written, "data", 1, 4, want)
-    wait_for_everyone()
+    wait_politely()
 
 
 # -- vision transformers split by a plan, against one process ---------------------------------
@@ -228,7 +216,7 @@ def vision_transformers_by_plan_equal_one_process() -> None:
         if HAVE_TRANSFORMERS:
             compare_images(hf_vit, plan_vit_models.HF_VIT_PLAN, strategy_name, shape)
         compare_images(timm_style_vit, plan_vit_models.TIMM_VIT_PLAN, strategy_name, shape)
-        wait_for_everyone()
+        wait_politely()
 
 
 if __name__ == "__main__":
