@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := bundled-mpi,dev,text,tensorboard,sweep,transformers
 
-.PHONY: setup run test test-backends lint bench reproduce dist clean gpu-checks
+.PHONY: setup compile run test test-backends lint bench reproduce dist clean gpu-checks
 
 setup: $(STAMP)
 
@@ -27,17 +27,23 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-run: $(STAMP)
+# The checkout's bytecode, written where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# every rank and head would compile gridrun's modules again (0.14 s of each process's start on
+# 2 cores). Only what changed is compiled again.
+compile: $(STAMP)
+	$(PY) -m compileall -q runner strategies hydra_plugins tests > /dev/null
+
+run: compile
 	$(PY) -m runner $(ARGS)
 
-test: $(STAMP)
+test: compile
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Every strategy's equivalence checks under both communication backends (make test runs
 # check_model_grid, with check_domain and check_layouts, under mpi only, for its time).
-test-backends: $(STAMP)
+test-backends: compile
 	GRIDRUN_TEST_ALL_BACKENDS=1 $(PY) -m pytest -q tests/test_mpi_checks.py
 
 lint: $(STAMP)
