@@ -1,7 +1,7 @@
 """`python -m runner ARGS` for the tests, without an interpreter start and torch's import per run.
 
 Every command-line run of the suite starts a head that imports torch, Hydra and the plugins
-(about 2 s of CPU on 2 cores, before it validates and starts any rank): over the suite's ~100
+(1.5-2 s of CPU on 2 cores, before it validates and starts any rank): over the suite's ~100
 heads, minutes. Here a head is forked from a server that imported those modules once
 (multiprocessing's forkserver, which forks a fresh child per run from a process that has never
 run anything), and then runs `python -m runner`'s own code as that command would: `runner`'s
@@ -10,7 +10,8 @@ environment, its standard output and error in files, its exit code the process's
 the real command's (mpiexec starts them as it would).
 
 A fork must not copy a thread pool: torch's import starts OpenMP's, so the server imports with
-OMP_NUM_THREADS=1 and a head sets torch's threads to what a fresh process would have.
+OMP_NUM_THREADS=1 and a head sets torch's threads to what a fresh process has (`FRESH_THREADS`,
+read when the suite is collected, before any test could change this process's).
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+import torch
+
 # What a head imports before it validates a run (what every head would import again).
 PRELOAD = ["torch", "hydra", "runner.cli.app", "runner.cli.launch", "runner.cli.validation",
            "runner.cli.preflight", "runner.training.assembly", "runner.training.loop",
            "runner.training.rank", "strategies"]
 
+# Read in the suite's own process (the forked heads import this module under the server's
+# OMP_NUM_THREADS=1, and are given it).
+FRESH_THREADS = torch.get_num_threads()
 _context: ForkServerContext | None = None
 
 
@@ -62,8 +68,6 @@ def _head(module: str, args: list[str], cwd: str, env: dict[str, str], out: str,
           threads: int) -> None:
     """In the forked child: `python -m MODULE ARGS` from `cwd` with `env`, to its exit code
     (what the interpreter would print for an uncaught exception or a `sys.exit` message, too)."""
-    import torch
-
     from runner.records.process import exit_code
 
     os.chdir(cwd)
@@ -95,8 +99,6 @@ def _started(module: str, jobs: list[list[str]], cwd: Path, env: dict[str, str] 
              ) -> Iterator[list[tuple[BaseProcess, Path, Path]]]:
     """A forked head per job, each with its output files; any still running at the end is
     stopped (SIGTERM: the head forwards it to its ranks)."""
-    import torch
-
     context = _server()
     environment = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="gridrun-head-") as folder:
@@ -105,8 +107,7 @@ def _started(module: str, jobs: list[list[str]], cwd: Path, env: dict[str, str] 
             for index, args in enumerate(jobs):
                 out, err = Path(folder) / f"{index}.out", Path(folder) / f"{index}.err"
                 process = context.Process(target=_head, args=(
-                    module, args, str(cwd), environment, str(out), str(err),
-                    torch.get_num_threads()))
+                    module, args, str(cwd), environment, str(out), str(err), FRESH_THREADS))
                 process.start()
                 started.append((process, out, err))
             yield started
@@ -117,12 +118,16 @@ def _started(module: str, jobs: list[list[str]], cwd: Path, env: dict[str, str] 
                     process.join()
 
 
+def _read(path: Path) -> str:
+    """What a head wrote to `path` (nothing, where it ended before it began)."""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def _result(module: str, args: list[str], process: BaseProcess, out: Path, err: Path
             ) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess([sys.executable, "-m", module, *args],
                                        process.exitcode if process.exitcode is not None else -1,
-                                       out.read_text(errors="replace"),
-                                       err.read_text(errors="replace"))
+                                       _read(out), _read(err))
 
 
 def run_heads(module: str, jobs: list[list[str]], cwd: Path, timeout: float,
@@ -137,7 +142,6 @@ def run_heads(module: str, jobs: list[list[str]], cwd: Path, timeout: float,
                 process.terminate()
                 process.join()
                 raise subprocess.TimeoutExpired([sys.executable, "-m", module, *args], timeout,
-                                                out.read_text(errors="replace"),
-                                                err.read_text(errors="replace"))
+                                                _read(out), _read(err))
             results.append(_result(module, args, process, out, err))
         return results
