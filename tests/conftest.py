@@ -16,18 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 # Generous: 4 ranks on 2 cores; a hang must still end the test rather than the CI job.
 TIMEOUT_S = 240
-# GRIDRUN_TEST_SUBPROCESS_HEADS=1: every head a fresh interpreter, as a user's shell starts it
-# (tests.heads forks them from one that imported torch and the plugins once).
-SUBPROCESS_HEADS = os.environ.get("GRIDRUN_TEST_SUBPROCESS_HEADS") == "1"
 
 
 def run_module(module: str, *args: str, timeout: float = TIMEOUT_S,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m MODULE ARGS` from the checkout (a forked head, `tests.heads`)."""
-    if SUBPROCESS_HEADS:
-        return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
     return run_heads(module, [list(args)], ROOT, timeout, env)[0]
 
 
@@ -46,23 +39,7 @@ def run_cli_together(*jobs: list[str],
                      timeout: float = TIMEOUT_S) -> list[subprocess.CompletedProcess[str]]:
     """`python -m runner ARGS` for every job at once (independent runs: their start-ups
     overlap), waiting for all of them; a job still running when another times out is stopped."""
-    if not SUBPROCESS_HEADS:
-        return run_heads("runner", list(jobs), ROOT, timeout)
-    processes = [subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for args in jobs]
-    results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(process.args, process.returncode,
-                                                       stdout, stderr))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()  # the head forwards it to its ranks
-                process.communicate()
-    return results
+    return run_heads("runner", list(jobs), ROOT, timeout)
 
 
 class RunCache:

@@ -37,6 +37,8 @@ PRELOAD = ["torch", "hydra", "runner.cli.app", "runner.cli.launch", "runner.cli.
            "runner.cli.preflight", "runner.training.assembly", "runner.training.loop",
            "runner.training.rank", "strategies"]
 
+# GRIDRUN_TEST_SUBPROCESS_HEADS=1: every head a fresh interpreter, as a user's shell starts it.
+SUBPROCESS_HEADS = os.environ.get("GRIDRUN_TEST_SUBPROCESS_HEADS") == "1"
 # Read in the suite's own process (the forked heads import this module under the server's
 # OMP_NUM_THREADS=1, and are given it).
 FRESH_THREADS = torch.get_num_threads()
@@ -130,10 +132,34 @@ def _result(module: str, args: list[str], process: BaseProcess, out: Path, err: 
                                        _read(out), _read(err))
 
 
+def _fresh_heads(module: str, jobs: list[list[str]], cwd: Path, timeout: float,
+                 env: dict[str, str] | None) -> list[subprocess.CompletedProcess[str]]:
+    """`run_heads` with a fresh interpreter for every head."""
+    processes = [subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd,
+                                  env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+                 for args in jobs]
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(process.args, process.returncode,
+                                                       stdout, stderr))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()  # the head forwards it to its ranks
+                process.communicate()
+    return results
+
+
 def run_heads(module: str, jobs: list[list[str]], cwd: Path, timeout: float,
               env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
-    """`python -m MODULE ARGS` for every job at once, forked heads; `subprocess.TimeoutExpired`
-    where one is still running after `timeout` seconds (all are stopped then)."""
+    """`python -m MODULE ARGS` for every job at once, forked heads (fresh interpreters under
+    `SUBPROCESS_HEADS`); `subprocess.TimeoutExpired` where one is still running after `timeout`
+    seconds (all are stopped then)."""
+    if SUBPROCESS_HEADS:
+        return _fresh_heads(module, jobs, cwd, timeout, env)
     with _started(module, jobs, cwd, env) as started:
         results = []
         for (process, out, err), args in zip(started, jobs, strict=True):
