@@ -284,3 +284,30 @@ def test_auto_resumes_past_a_damaged_newest_checkpoint(tmp: Path, reference: Pat
     summary = read_summary(run_dir)
     assert summary["resumed_from"]["step"] == 20
     assert losses(run_dir) == losses(reference)
+
+
+def test_auto_with_every_checkpoint_damaged_refuses_and_keeps_the_run(tmp: Path,
+                                                                      reference: Path) -> None:
+    """resume=auto never starts afresh over a run whose checkpoints are all damaged: one line
+    naming each checkpoint and why, exit 2, before any rank starts; the run's metrics, outcome
+    and checkpoints are left exactly as they were (nothing truncated, set aside or pruned)."""
+    run_dir = tmp / "all_damaged"
+    shutil.copytree(reference, run_dir)
+    for number, shard in ((40, "rank-00001.pt"), (20, "rank-00003.pt")):
+        path = run_dir / "checkpoints" / f"step-{number:08d}" / shard
+        path.write_bytes(path.read_bytes()[:100])
+    before = {path.relative_to(run_dir): path.read_bytes()
+              for path in sorted(run_dir.rglob("*")) if path.is_file()}
+    result = run_cli(*GRID, "trainer.steps=60", "trainer.resume=auto",
+                     f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: trainer.resume=auto: no checkpoint of "
+                           f"{run_dir / 'checkpoints'} verifies (checkpoints/step-00000040: "
+                           f"rank-00001.pt: truncated"), line
+    assert "checkpoints/step-00000020: rank-00003.pt: truncated" in line
+    assert "another hydra.run.dir" in line
+    after = {path.relative_to(run_dir): path.read_bytes()
+             for path in sorted(run_dir.rglob("*")) if path.is_file()}
+    assert after == before

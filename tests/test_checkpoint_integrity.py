@@ -1,7 +1,8 @@
 """Checkpoints that prove themselves, in one process (no MPI): real checkpoints written by
 `save_checkpoint` on a 1 x 1 grid, then damaged the ways a disk, a copy or a hostile tester
 damages them. Every damage is one line naming the checkpoint, the file and the reason;
-`resume=auto` falls back past it; a named damaged checkpoint is refused."""
+`resume=auto` falls back past it (and refuses when every checkpoint is damaged); a named damaged
+checkpoint is refused."""
 
 from __future__ import annotations
 
@@ -319,9 +320,17 @@ def test_auto_falls_back_past_damaged_checkpoints_and_says_why(run_dir: Path) ->
     # named explicitly, the damaged checkpoint is refused: no fallback
     assert refusal(verify, newest).startswith(f"checkpoint {newest}: {SHARD}: truncated")
     assert refusal(verify, run_dir).startswith(f"checkpoint {newest}: {SHARD}: truncated")
+    # every checkpoint damaged: refused, each named with its reason (a fresh start would
+    # replace the run they record), on the head and on the ranks alike
     (older / "manifest.json").write_text("[]")
-    assert verify_resume("auto", run_dir / "checkpoints", meta_model()) == (None, [
-        notes[0], "skipped checkpoints/step-00000020: manifest.json: not a JSON object"])
+    expected = (f"no checkpoint of {run_dir / 'checkpoints'} verifies "
+                f"({notes[0].removeprefix('skipped ')}; checkpoints/step-00000020: manifest.json: "
+                f"not a JSON object): starting afresh would replace the run they record; repair "
+                f"or move them, or start the new run in another hydra.run.dir")
+    assert refusal(verify_resume, "auto", run_dir / "checkpoints", meta_model()) == expected
+    assert refusal(find_resume_checkpoint, "auto", run_dir / "checkpoints") == expected
+    # no complete checkpoint at all: nothing to lose there, a fresh start
+    assert find_resume_checkpoint("auto", run_dir / "nothing") == (None, [])
 
 
 def _start(run_dir: Path, resume: str, *overrides: str) -> Any:

@@ -206,8 +206,11 @@ def find_resume_checkpoint(resume: str | None, checkpoints: Path | None,
 
     `auto`: the newest complete checkpoint under `checkpoints` whose every shard verifies
     (read, hashed, unpickled, checked: `Checkpoint.verify`), skipping damaged ones with a note
-    each; None when none verifies (a fresh start). A path: that checkpoint, or a run
-    directory's newest; a damaged one raises `DamagedCheckpoint` (it was named: no fallback).
+    each; None when there is no complete checkpoint (a fresh start). When there are some and
+    none verifies, `CheckpointError` naming each and why: a fresh start there would replace the
+    run they record (its metrics cut back, the damaged checkpoints pruned), which is only ever
+    the user's explicit choice. A path: that checkpoint, or a run directory's newest; a damaged
+    one raises `DamagedCheckpoint` (it was named: no fallback).
     `read_named=False` only looks at a named checkpoint's shards (there, regular files of the
     recorded sizes): for the ranks, which hash what they load. `auto` always reads, so that
     every caller picks the same checkpoint."""
@@ -223,6 +226,12 @@ def find_resume_checkpoint(resume: str | None, checkpoints: Path | None,
                 notes.append(f"skipped {short_name(candidate)}: {exc.file}: {exc.reason}")
                 continue
             return candidate, notes + checkpoint.notes
+        if notes:
+            reasons = "; ".join(note.removeprefix("skipped ") for note in notes)
+            raise CheckpointError(
+                f"no checkpoint of {checkpoints} verifies ({reasons}): starting afresh would "
+                f"replace the run they record; repair or move them, or start the new run in "
+                f"another hydra.run.dir")
         return None, notes
     path = resolve_resume(resume, None)
     assert path is not None
