@@ -8,6 +8,11 @@ model's pieces are also at most about EVAL_TARGETS targets (its logits are targe
 vocabulary). The loss and accuracy are sums over the pieces: the same numbers however the set is
 cut, up to floating-point summation order.
 
+A piece with fewer rows than the ranks that split it (`trainer.eval_samples=1` on a 2 x 2 grid)
+would leave a rank without rows, which not every layer's collectives take: it is scored padded
+with copies of its first row, and those copies scored alone are taken off again (`_fed`), so an
+empty shard contributes nothing and the numbers are one process's.
+
 Inputs and targets are scored on the model's device (moved there when they arrive elsewhere);
 the sums stay there until the last piece (one read back), and only the three sums each rank
 contributes travel, as a host float64 control message."""
@@ -64,8 +69,12 @@ def _chunks(rows: int, targets_per_row: int, batch_size: int | None = None,
     return [pieces.slice(i) for i in range(count)]
 
 
-def _score(model: ParallelModel, pieces: Iterable[tuple[torch.Tensor, torch.Tensor]],
-           comm: CountedComm) -> Evaluation:
+# A piece's inputs and targets on this rank, and the sign its score is summed with (-1: padding
+# scored alone, taken off again).
+Fed = tuple[torch.Tensor, torch.Tensor, int]
+
+
+def _score(model: ParallelModel, pieces: Iterable[Fed], comm: CountedComm) -> Evaluation:
     """Loss and accuracy of `model` fed each piece's inputs, each rank scoring its output
     rows, summed over `comm`."""
     device = model_device(model)
@@ -73,14 +82,14 @@ def _score(model: ParallelModel, pieces: Iterable[tuple[torch.Tensor, torch.Tens
     count = 0
     model.eval()
     with torch.no_grad():
-        for x, targets in pieces:
+        for x, targets, sign in pieces:
             x = x.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             score = model.score(model(x), targets, correct=True)
             assert score.correct is not None
             # summed on the device in float64, piece by piece: no read back per piece
-            sums += torch.stack([score.loss_sum.double(), score.correct.double()])
-            count += score.count
+            sums += sign * torch.stack([score.loss_sum.double(), score.correct.double()])
+            count += sign * score.count
     model.train()
     loss_sum, correct = sums.tolist()  # one read back from the device
     # host: control (three numbers, summed over the ranks)
@@ -95,14 +104,38 @@ def evaluate(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
     """Validation loss and accuracy over the whole set in global batches of at most
     `batch_size` rows (None: the whole set at once, a language model's in pieces), the rows of
     each split over all ranks."""
-    def pieces() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def pieces() -> Iterator[Fed]:
         # one piece at a time: a user's lazily read dataset reads only this rank's rows of it
         for rows in _chunks(len(x), targets_per_row(y), batch_size, model.grid.pc):
-            size = rows.stop - rows.start
-            yield (x[_within(rows, model.input_rows(size))],
-                   y[_within(rows, model.output_rows(size))])
+            yield from _fed(model, x, y, rows)
 
     return _score(model, pieces(), model.loss_comm)
+
+
+def _fed(model: ParallelModel, x: torch.Tensor, y: torch.Tensor, piece: slice
+         ) -> Iterator[Fed]:
+    """This rank's inputs and targets of `piece`, split as a training batch is. A piece too
+    short to give every batch group a row is fed with `pc` copies of its first row after it,
+    and then those copies alone with the sign -1: the sums are the piece's own, and no rank is
+    fed an empty shard. Each is yielded before the next one's rows are asked for (a model may
+    note the size of the batch it is about to be fed, `input_rows`)."""
+    size, pc = piece.stop - piece.start, model.grid.pc
+    if size >= pc:
+        yield (x[_within(piece, model.input_rows(size))],
+               y[_within(piece, model.output_rows(size))], 1)
+        return
+    padded = torch.cat([torch.arange(piece.start, piece.stop),
+                        torch.full((pc,), piece.start)])
+    for order, sign in ((padded, 1), (padded[size:], -1)):
+        rows = len(order)
+        yield (x[_picked(order, model.input_rows(rows), x)],
+               y[_picked(order, model.output_rows(rows), y)], sign)
+
+
+def _picked(order: torch.Tensor, rows: slice, data: object) -> torch.Tensor:
+    """The set's rows at `rows` of `order`, as an index into `data` (on its device)."""
+    index = order[rows]
+    return index.to(data.device) if isinstance(data, torch.Tensor) else index
 
 
 def _within(piece: slice, rows: slice) -> slice:
@@ -117,10 +150,10 @@ def evaluate_replica(model: ParallelModel, x: torch.Tensor, y: torch.Tensor,
     `batch_size` rows) and each rank scores its sub-shard."""
     grid = model.grid
 
-    def pieces() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def pieces() -> Iterator[Fed]:
         # x[rows]: every row (a user's map-style dataset is read only on indexing)
         for rows in _chunks(len(x), targets_per_row(y), batch_size, grid.pc):
-            yield x[rows], y[_within(rows, model.own_rows(rows.stop - rows.start))]
+            yield x[rows], y[_within(rows, model.own_rows(rows.stop - rows.start))], 1
 
     return _score(model, pieces(), grid.model)
 
