@@ -518,3 +518,34 @@ def test_every_declared_choice_and_range_is_checked_by_the_parse() -> None:
                                              "optimizer": {"name": "sgd"}})
         assert len(problems) == 1 and problems[0].startswith(f"{key}="), (key, problems)
         assert run.grid == GridShape(2, 2) or key.startswith("grid.")
+
+
+# -- a validation set too small for the grid ----------------------------------------------------
+
+def test_an_empty_validation_shard_gives_one_processs_numbers(tmp_path: Path) -> None:
+    """`trainer.eval_samples=1` leaves one of the default grid's two batch groups without a
+    validation row: the run completes, and its validation is one process's."""
+    from tests.conftest import assert_ok, read_metrics, read_summary, run_cli_together
+
+    common = ["trainer.steps=3", "trainer.eval_samples=1", "trainer.dtype=float64"]
+    grid, one = tmp_path / "grid", tmp_path / "one"
+    for result in run_cli_together([*common, f"hydra.run.dir={grid}"],
+                                   [*common, "grid.pr=1", "grid.pc=1", f"hydra.run.dir={one}"]):
+        assert_ok(result)
+    got, want = read_summary(grid), read_summary(one)
+    assert got["grid"] == {"pr": 2, "pc": 2}
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-9)
+    assert got["val_accuracy"] == want["val_accuracy"]
+    val = [r for r in read_metrics(grid) if r.get("split") == "val"]
+    assert val and val[-1]["loss"] == pytest.approx(want["val_loss"], rel=1e-9)
+
+
+def test_an_empty_validation_shard_under_every_strategy(tmp_path: Path) -> None:
+    """tests/mpi/check_empty_shards.py: sets of 1 and 3 rows on grids of 2 and 4 batch groups
+    under data, model, grid, domain, auto, fsdp (1-D and 2-D) and plans, against one process."""
+    from tests.conftest import run_mpi_script
+
+    script = "tests/mpi/check_empty_shards.py"
+    result = run_mpi_script(script, 4, str(tmp_path))
+    passed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert result.returncode == 0 and len(passed) == 2, result.stderr[-4000:]
