@@ -23,10 +23,10 @@ hashes, as one trained on the CPU, and loads on a machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +56,7 @@ from runner.checkpoint.layout import (
 from runner.core import ProcessGrid
 from runner.core.placement import Placement
 from runner.optim.sync import ReplicaOptimizer, UnsavableState
+from runner.records import safe_paths
 from runner.records.rundir import atomic_write_text
 from strategies import ParallelModel
 from strategies.sparse_exchange import UnevenState
@@ -190,9 +191,12 @@ class _HashingWriter:
 
 
 def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> ShardRecord:
-    """Write `payload` to `path` atomically; its record hashes the bytes as written."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
+    """Write `payload` to `path` atomically; its record hashes the bytes as written. Reached
+    from the run directory without following a link (`safe_paths`)."""
+    root, relative = safe_paths.locate(path)
+    tmp = relative.with_name(f".{relative.name}.tmp")
+    fd = safe_paths.open_file(root, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(fd, "wb") as f:
         writer = _HashingWriter(f)
         try:
             torch.save(payload, cast("IO[bytes]", writer))
@@ -202,7 +206,7 @@ def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> ShardRecord:
             raise
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    safe_paths.move(root, tmp, relative)
     return ShardRecord(writer.size, writer.sha256.hexdigest())
 
 
@@ -265,7 +269,7 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
     _raise_first(grid.world.allgather_object(error), step, path if grid.rank == 0 else None)
     if grid.rank == 0 and keep:
         for old in complete_checkpoints(checkpoints)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_quietly(old)
     return path
 
 
@@ -298,10 +302,17 @@ def _writers(reported: Sequence[Sequence[Entry]]) -> dict[str, int]:
 
 
 def _fresh_directory(path: Path) -> None:
-    """An empty directory for this step's files (a crash may have left a partial one)."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+    """An empty directory for this step's files (a crash may have left a partial one); a link
+    on the way is refused, never followed."""
+    root, relative = safe_paths.locate(path)
+    safe_paths.remove_tree(root, relative)
+    safe_paths.make_dir(root, relative)
+
+
+def _remove_quietly(path: Path) -> None:
+    """Remove a checkpoint's folder as far as possible (links inside removed as links)."""
+    with contextlib.suppress(OSError):
+        safe_paths.remove_tree(*safe_paths.locate(path))
 
 
 def _attempt(write: Any) -> str | None:
@@ -319,6 +330,6 @@ def _raise_first(errors: list[str | None], step: int, incomplete: Path | None = 
     if failure is None:
         return
     if incomplete is not None:
-        shutil.rmtree(incomplete, ignore_errors=True)  # best effort: it has no manifest anyway
+        _remove_quietly(incomplete)  # best effort: it has no manifest anyway
     raise CheckpointError(f"checkpoint at step {step} not written: rank {failure[0]}: "
                           f"{failure[1]}")

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from runner.cli import slurm
 from runner.cli.mpijob import JobResult, MPIJob
 from runner.config.schema import ConfigError, LauncherConfig, RunConfig
+from runner.records import safe_paths
 from runner.records.console import make_console, summary_table
 from runner.records.process import start_up_done
 from runner.records.rundir import (
@@ -35,6 +36,7 @@ from runner.records.rundir import (
     set_aside_earlier,
     write_json,
 )
+from runner.records.safe_paths import PathRefused
 from runner.training.mpienv import bundled_mpiexec, child_environment
 
 
@@ -118,10 +120,18 @@ def execute(cfg: DictConfig, run_dir: Path, run: RunConfig | None = None) -> dic
         release_run_dir(run_dir)
 
 
+def _create(directory: RunDir, cfg: DictConfig) -> None:
+    """The run directory and its config written, and an earlier run's outcome in it (resumed,
+    or rerun) removed: it is not this run's. A link where they go: `ConfigError` naming it."""
+    try:
+        directory.create(cfg)
+        safe_paths.remove(directory.path, "summary.json")
+    except PathRefused as exc:
+        raise ConfigError([str(exc)]) from None
+
+
 def _execute(cfg: DictConfig, run: RunConfig, directory: RunDir) -> dict[str, Any]:
-    directory.create(cfg)
-    # An earlier run's outcome in this directory (resumed, or rerun) is not this run's.
-    directory.summary.unlink(missing_ok=True)
+    _create(directory, cfg)
     if run.grid.size == 1:
         from runner.training.rank import run_rank
 
@@ -197,8 +207,7 @@ def print_dry_run(run: RunConfig, run_dir: Path, label: str = "") -> bool:
 def submit_slurm(cfg: DictConfig, run: RunConfig, directory: RunDir) -> str:
     """Write the run directory and its batch script, and submit it: the job id. `RunFailed`
     quotes sbatch where it refused."""
-    directory.create(cfg)
-    directory.summary.unlink(missing_ok=True)  # an earlier start's outcome is not this run's
+    _create(directory, cfg)
     script = slurm.write_batch_script(run, directory.path)
     try:
         job_id = slurm.submit(script)

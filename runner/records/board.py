@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
 from numbers import Real
 from pathlib import Path
 from typing import Any
+
+from runner.records import safe_paths
 
 INSTALL_HINT = "pip install 'gridrun[tensorboard]'"
 
@@ -25,8 +28,11 @@ class TensorBoardWriter:
     def __init__(self, directory: Path, start_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        # The folder, made without following a link, is held open and named by its descriptor:
+        # a link put in its place later does not lead the event files out of the run directory.
+        self._folder = safe_paths.open_dir(*safe_paths.locate(directory), create=True)
         # purge_step: a resumed run drops the events of the steps it runs again
-        self._writer = SummaryWriter(log_dir=str(directory),
+        self._writer = SummaryWriter(log_dir=safe_paths.fd_path(self._folder),
                                      purge_step=start_step + 1 if start_step else None)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -38,3 +44,4 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._writer.close()
+        os.close(self._folder)

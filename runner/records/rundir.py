@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.records import safe_paths
 from runner.records.rundir_files import load_json
+from runner.records.safe_paths import PathRefused
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,6 +39,10 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+
+    def __post_init__(self) -> None:
+        # what is written under it is reached from it without following links out of it
+        safe_paths.register_root(self.path)
 
     @property
     def config(self) -> Path:
@@ -62,14 +69,15 @@ class RunDir:
 
     def create(self, cfg: DictConfig) -> None:
         """Make the directory and write the resolved config (once, by the head or rank 0)."""
-        self.logs.mkdir(parents=True, exist_ok=True)
+        safe_paths.make_dir(self.path, "logs")
         atomic_write_text(self.config, OmegaConf.to_yaml(cfg, resolve=True))
 
     def read_summary(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.summary.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        try:  # within bounds, and no FIFO waited on: it may be anyone's
+            summary = load_json(self.summary)
+        except (OSError, ValueError):
             return None
+        return summary if isinstance(summary, dict) else None
 
 
 LOCK_FILE = ".lock"
@@ -77,6 +85,45 @@ LOCK_FILE = ".lock"
 
 class RunDirInUse(RuntimeError):
     """Another live run holds the run directory."""
+
+
+class RunDirRefused(RunDirInUse):
+    """The run directory holds a link (or a FIFO, a device) where the run would write: it is
+    not taken, as one held by another run is not."""
+
+
+# Where a run, a resume, a report or a replay writes in a run directory: folders (each entry
+# inside them too) and files. A link there would lead the write out of the directory.
+WRITTEN_FOLDERS = (".hydra", "logs", "checkpoints", ".ranks", "tensorboard", "report", "replays")
+WRITTEN_FILES = (LOCK_FILE, "config.yaml", "metrics.jsonl", "summary.json", "slurm-job.sh",
+                 "slurm-job.json")
+
+
+def unsafe_place(run_dir: Path) -> str | None:
+    """The first place in `run_dir` where a run would write through a link or into a file
+    that is not a regular one, as the one line that refuses it (None: there is none). Checked
+    before anything is written; the writes themselves never follow a link either
+    (`runner.records.safe_paths`), this only says so before a rank has started."""
+    def problem(path: Path, folder: bool) -> str | None:
+        try:
+            mode = path.lstat().st_mode
+        except OSError:
+            return None  # missing: made by the run
+        if stat.S_ISLNK(mode):
+            return str(safe_paths.LinkRefused(path))
+        if not folder and not stat.S_ISREG(mode):
+            return str(safe_paths.NotRegularRefused(path))
+        return None
+
+    run_dir = Path(run_dir)
+    found = [problem(run_dir / name, False) for name in WRITTEN_FILES]
+    for name in WRITTEN_FOLDERS:
+        found.append(problem(run_dir / name, True))
+        if found[-1] is None and (run_dir / name).is_dir():
+            with contextlib.suppress(OSError):
+                found.extend(problem(entry, entry.is_dir())
+                             for entry in sorted((run_dir / name).iterdir())[:10_000])
+    return next((line for line in found if line is not None), None)
 
 
 class RunDirLock:
@@ -93,11 +140,12 @@ class RunDirLock:
         self._made_directory = False
 
     def acquire(self) -> None:
-        """Take the lock or raise `RunDirInUse` naming its owner (makes the directory)."""
+        """Take the lock or raise `RunDirInUse` naming its owner (makes the directory); a
+        link in the lock's place: `safe_paths.LinkRefused`."""
         self._made_directory = not self.path.parent.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        safe_paths.make_dir(self.path.parent, "")
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = safe_paths.open_file(self.path.parent, LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -109,7 +157,7 @@ class RunDirLock:
                     os.close(fd)
                     raise RunDirInUse(self._in_use_message()) from None
             try:  # the owner may have removed the file between our open and our lock
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                if os.lstat(self.path).st_ino == os.fstat(fd).st_ino:
                     break
             except FileNotFoundError:
                 pass
@@ -126,7 +174,7 @@ class RunDirLock:
         owner = self._owner()
         if owner is not None and owner.get("pid") == os.getpid():
             with contextlib.suppress(OSError):
-                self.path.unlink()
+                safe_paths.remove(self.path.parent, LOCK_FILE)
         os.close(self._fd)  # drops the flock
         self._fd = None
         if self._made_directory:  # nothing was run in it after all: leave nothing behind
@@ -135,7 +183,8 @@ class RunDirLock:
 
     def _owner(self) -> dict[str, Any] | None:
         try:
-            owner = json.loads(self.path.read_text() or "null")
+            owner = json.loads(safe_paths.read_bytes(self.path.parent, LOCK_FILE, 1 << 16)
+                               or b"null")
         except (OSError, ValueError):
             return None
         return owner if isinstance(owner, dict) else None
@@ -185,8 +234,17 @@ def lock_run_dir(run_dir: Path) -> None:
     key = Path(run_dir).resolve()
     if key in _held:
         return
-    lock = RunDirLock(key)
-    lock.acquire()
+    safe_paths.register_root(run_dir)
+    problem = unsafe_place(Path(run_dir))
+    if problem is not None:
+        raise RunDirRefused(problem)
+    # made and written as named: inside an enclosing run directory (a replay's), no link on
+    # the way is followed
+    lock = RunDirLock(Path(os.path.abspath(run_dir)))
+    try:
+        lock.acquire()
+    except PathRefused as exc:  # put there since it was checked
+        raise RunDirRefused(str(exc)) from None
     if not _held:
         atexit.register(release_run_dirs)
     _held[key] = lock
@@ -275,17 +333,13 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary name, flush it to disk, then rename: readers never see a
     half-written file, and a crash never leaves a complete name over incomplete contents. A
     failed write (a full disk) removes its temporary file and raises an `OSError` naming
-    `path`."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    `path`; a link on the way inside its run directory, or in its place, is refused
+    (`safe_paths.LinkRefused`)."""
     try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        safe_paths.replace_file(*safe_paths.locate(path), text.encode())
+    except PathRefused:
+        raise
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
@@ -301,13 +355,16 @@ class MetricsWriter:
 
     def __init__(self, path: Path, continue_after: int | None = None) -> None:
         self.path = path
-        if continue_after is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines()
+        root, relative = safe_paths.locate(path)  # no link followed, no FIFO opened
+        if continue_after is not None and os.path.lexists(path):
+            text = safe_paths.read_bytes(root, relative, -1).decode(errors="replace")
+            kept = [line for line in text.splitlines()
                     if (step := _line_step(line)) is not None and step <= continue_after]
             atomic_write_text(path, "".join(f"{line}\n" for line in kept))
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            self._fd = safe_paths.open_file(root, relative, os.O_WRONLY | os.O_APPEND)
         else:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = safe_paths.open_file(root, relative,
+                                            os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
         """One line, whole or not at all: a write the disk cannot take whole is cut back to
@@ -372,8 +429,8 @@ def versions() -> dict[str, str | None]:
 
 def held_by_live_run(run_dir: Path) -> bool:
     """Whether a live run holds `run_dir`'s lock now (its `flock` is taken)."""
-    try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+    try:  # neither a link followed nor a FIFO waited on
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -394,13 +451,14 @@ def earlier_records(run_dir: Path) -> list[str]:
     """What in `run_dir` records a run that trained (empty: nothing a new start could lose),
     each as a short phrase: metrics lines, an outcome, checkpoints."""
     directory, found = RunDir(Path(run_dir)), []
-    try:
-        size = directory.metrics.stat().st_size if directory.metrics.is_file() else 0
-        if 0 < size <= COUNTED_BYTES:
-            with directory.metrics.open("rb") as f:
+    try:  # a link or a FIFO in its place is no record (and is refused where it is written)
+        fd = safe_paths.open_file(directory.path, "metrics.jsonl", os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if 0 < size <= COUNTED_BYTES:
                 found.append(f"metrics.jsonl ({sum(1 for _ in f)} lines)")
-        elif size:
-            found.append(f"metrics.jsonl ({size / (1 << 20):,.0f} MiB)")
+            elif size:
+                found.append(f"metrics.jsonl ({size / (1 << 20):,.0f} MiB)")
     except OSError:
         pass
     if directory.summary.is_file():
@@ -420,16 +478,19 @@ def set_aside_earlier(run_dir: Path, names: tuple[str, ...] = ("config.yaml", "s
     """Move what an earlier start left under `names` into `run_dir/earlier-<time>/` (a resume
     rewrites them: the earlier ones stay readable there). Returns that folder, or None when
     there was nothing to move."""
-    present = [Path(run_dir) / name for name in names if (Path(run_dir) / name).exists()]
+    present = [name for name in names if os.path.lexists(Path(run_dir) / name)]
     if not present:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = Path(run_dir) / f"earlier-{stamp}"
-    suffix = 1
-    while folder.exists():
-        suffix += 1
-        folder = Path(run_dir) / f"earlier-{stamp}-{suffix}"
-    folder.mkdir()
-    for path in present:
-        os.replace(path, folder / path.name)
-    return folder
+    with safe_paths.opened_dir(run_dir) as fd:  # renamed, never followed
+        suffix = 1
+        while True:
+            name = f"earlier-{stamp}" + (f"-{suffix}" if suffix > 1 else "")
+            try:
+                os.mkdir(name, 0o777, dir_fd=fd)
+                break
+            except FileExistsError:  # a folder, or anything else, of that name
+                suffix += 1
+        for moved in present:
+            safe_paths.move(run_dir, moved, f"{name}/{moved}")
+    return Path(run_dir) / name
