@@ -193,11 +193,13 @@ class MapRows:
     """A map-style dataset over tensors, its rows optionally replaced."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-                 odd: dict[int, tuple[object, object]] | None = None) -> None:
+                 odd: dict[int, tuple[object, object]] | None = None,
+                 length: int | None = None) -> None:
         self.x, self.y, self.num_classes, self.odd = x, y, num_classes, odd or {}
+        self.length = len(x) if length is None else length  # a length may overstate the rows
 
     def __len__(self) -> int:
-        return len(self.x)
+        return self.length
 
     def __getitem__(self, index: int) -> tuple[object, object]:
         return self.odd.get(index, (self.x[index], self.y[index]))
@@ -213,16 +215,16 @@ BAD_DATA = {
     "val features differ": (lambda: (pairs(), pairs(8, 5)),
                             "the val set has inputs of shape (5,), the training set's are (4,)"),
     "a label below 0": (lambda: ((pairs()[0], pairs()[1] - 1), pairs(8)),
-                        "the train set has labels from -1 to 1: class indices lie in [0, 3)"),
+                        "the train set's row 5: target -1 is outside [0, 3) classes"),
     "an empty validation split": (lambda: (pairs(), pairs(0)), "the val set is empty"),
     "nan in the inputs": (lambda: ((pairs()[0].index_fill(0, torch.tensor([3]), float("nan")),
                                     pairs()[1]), pairs(8)),
-                          "the train set has 4 input value(s) that are not finite"),
+                          "the train set's row 3: input value nan is not finite"),
     "a map-style label past the classes": (
         lambda: (MapRows(*pairs(), num_classes=3, odd={39: (pairs()[0][0], 7)}),
                  MapRows(*pairs(8), num_classes=3)),
-        "the train set's row 39 has labels from 7 to 7: class indices lie in [0, 3) (3 "
-        "classes) (read in the head: rows 0..39, 16 of 40)"),
+        "the train set's row 39: target 7 is outside [0, 3) classes (read in the head: rows "
+        "0..39, 16 of 40)"),
     "a map-style row of another shape": (
         lambda: (MapRows(*pairs(), num_classes=3), MapRows(*pairs(8), num_classes=3,
                                                            odd={7: (pairs(1, 6)[0][0], 1)})),
@@ -233,7 +235,7 @@ BAD_DATA = {
     "an infinity in the val inputs": (
         lambda: (pairs(), (pairs(8)[0].index_fill(0, torch.tensor([1]), float("inf")),
                            pairs(8)[1])),
-        "the val set has 4 input value(s) that are not finite"),
+        "the val set's row 1: input value inf is not finite"),
     "an empty training split": (lambda: (pairs(0), pairs(8)), "the train set is empty"),
     "a map-style dataset silent on its classes": (
         lambda: (SilentRows(*pairs()), SilentRows(*pairs(8))),
@@ -241,7 +243,28 @@ BAD_DATA = {
     "a map-style val label past the classes": (
         lambda: (MapRows(*pairs(), num_classes=3),
                  MapRows(*pairs(8), num_classes=3, odd={0: (pairs()[0][0], 3)})),
-        "the val set's row 0 has labels from 3 to 3: class indices lie in [0, 3)"),
+        "the val set's row 0: target 3 is outside [0, 3) classes"),
+    "bool targets": (lambda: ((pairs()[0], pairs()[1] > 0), pairs(8)),
+                     "the train targets must be class indices (integers, one per row), got "
+                     "torch.bool"),
+    "float targets": (lambda: ((pairs()[0], pairs()[1].double()), pairs(8)),
+                      "the train targets must be class indices (integers, one per row), got "
+                      "torch.float64"),
+    "complex features": (lambda: ((pairs()[0].to(torch.complex64), pairs()[1]), pairs(8)),
+                         "the train set's row 0: input (-1.1258398294448853+0j) is a "
+                         "torch.complex64: inputs are real numbers"),
+    "a map-style bool target": (
+        lambda: (MapRows(*pairs(), num_classes=3, odd={3: (pairs()[0][3], torch.tensor(True))}),
+                 MapRows(*pairs(8), num_classes=3)),
+        "the train set's row 3: target True is a torch.bool, not a class index (an integer)"),
+    "map-style complex features": (
+        lambda: (MapRows(pairs()[0].to(torch.complex64), pairs()[1], num_classes=3),
+                 MapRows(*pairs(8), num_classes=3)),
+        "the train set's row 0: input (-1.1258398294448853+0j) is a torch.complex64"),
+    "a map-style length past its rows": (
+        lambda: (MapRows(*pairs(), num_classes=3, length=41), MapRows(*pairs(8), num_classes=3)),
+        "the train set's row 40 cannot be read (IndexError: index 40 is out of bounds for "
+        "dimension 0 with size 40): its __len__ says 41 rows"),
 }
 
 
@@ -277,10 +300,32 @@ def test_bad_data_is_one_line_of_validation() -> None:
     with pytest.raises(ConfigError) as refused:
         validate(cfg)
     assert refused.value.problems == [
-        "dataset._target_=tests.test_user_code.data_with_a_negative_label: the train set has "
-        "labels from -1 to 1: class indices lie in [0, 3) (3 classes)"]
+        "dataset._target_=tests.test_user_code.data_with_a_negative_label: the train set's "
+        "row 5: target -1 is outside [0, 3) classes"]
 
 
 def data_with_a_negative_label() -> tuple[object, object]:
     x, y = pairs()
     return (x, y - 1), pairs(8)
+
+
+# -- a user's bad row, met on a rank ---------------------------------------------------------
+
+BAD_ROW = 200  # not among the rows the head reads of 400 (`sampled_rows`)
+BAD_ROWS = {"target": (None, 10), "bool target": (None, torch.tensor(True)),
+            "complex input": (torch.full((8,), 1 + 2j), None),
+            "nan input": (torch.tensor([0.0] * 7 + [float("nan")]), None)}
+
+
+def rows_with(kind: str = "none", rows: int = 400) -> tuple[object, object]:
+    """A map-style dataset of `rows` rows of 8 features and 10 classes whose row `BAD_ROW`
+    holds `BAD_ROWS[kind]` in place of its input or its target (None: its own)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 8, generator=generator)
+    y = torch.randint(0, 10, (rows,), generator=generator)
+    odd: dict[int, tuple[object, object]] = {}
+    if kind in BAD_ROWS:
+        bad_x, bad_y = BAD_ROWS[kind]
+        odd[BAD_ROW] = (x[BAD_ROW] if bad_x is None else bad_x,
+                        y[BAD_ROW] if bad_y is None else bad_y)
+    return MapRows(x, y, 10, odd), MapRows(x[:64], y[:64], 10)

@@ -43,6 +43,79 @@ class ClassificationData:
     val_y: torch.Tensor
 
 
+class DatasetError(ValueError):
+    """A dataset's rows do not keep the contract: one line naming the row and the value."""
+
+
+def is_class_index(dtype: torch.dtype) -> bool:
+    """Whether values of `dtype` are class indices: integers (a bool is a truth value)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def dtype_problem(values: torch.Tensor, inputs: bool) -> str | None:
+    """What is wrong with the type of a row's inputs (complex, bool) or targets (not an
+    integer), named with its first value."""
+    first = values.reshape(-1)[0].item() if values.numel() else None
+    if inputs and (values.is_complex() or values.dtype == torch.bool):
+        return (f"input {first} is a {values.dtype}: inputs are real numbers (features) or "
+                f"integers (token ids)")
+    if not inputs and not is_class_index(values.dtype):
+        return f"target {first} is a {values.dtype}, not a class index (an integer)"
+    return None
+
+
+def targets_problem(targets: torch.Tensor, classes: int) -> tuple[int, str] | None:
+    """The first row of `targets` (one or more per row) with a target that is no class index
+    in [0, `classes`), and what it is; None: every one is. Vectorised: one pass."""
+    problem = dtype_problem(targets, inputs=False)
+    if problem is not None:
+        return 0, problem
+    flat = targets.reshape(len(targets), -1)
+    outside = (flat < 0) | (flat >= classes)
+    if not bool(outside.any()):
+        return None
+    row = int(outside.any(dim=1).nonzero()[0])
+    value = int(flat[row][outside[row]][0])
+    return row, f"target {value} is outside [0, {classes}) classes"
+
+
+def inputs_problem(inputs: torch.Tensor, vocab: int | None = None) -> tuple[int, str] | None:
+    """The first row of `inputs` with a value that is not finite (features), or a token id
+    outside [0, `vocab`) (integers), and what it is; None: every one is fine. Vectorised."""
+    problem = dtype_problem(inputs, inputs=True)
+    if problem is not None:
+        return 0, problem
+    flat = inputs.reshape(len(inputs), -1)
+    if inputs.is_floating_point():
+        bad = ~torch.isfinite(flat)
+        what = "input value {} is not finite"
+    elif vocab is not None:
+        bad = (flat < 0) | (flat >= vocab)
+        what = f"token id {{}} is outside the vocabulary [0, {vocab})"
+    else:
+        return None
+    if not bool(bad.any()):
+        return None
+    row = int(bad.any(dim=1).nonzero()[0])
+    return row, what.format(flat[row][bad[row]][0].item())
+
+
+def check_loaded(data: ClassificationData, spec: DatasetSpec,
+                 label: str = "") -> ClassificationData:
+    """`data` as loaded, having kept `spec`'s contract, each set checked whole in one
+    vectorised pass (a user's map-style dataset, read lazily, checks each batch's rows as it
+    reads them): `DatasetError` names the first row that does not, prefixed with `label`."""
+    for name, inputs, targets in (("train", data.train_x, data.train_y),
+                                  ("val", data.val_x, data.val_y)):
+        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+            continue
+        problem = (inputs_problem(inputs, spec.vocab_size)
+                   or targets_problem(targets, spec.num_classes))
+        if problem is not None:
+            raise DatasetError(f"{label}the {name} set's row {problem[0]}: {problem[1]}")
+    return data
+
+
 def _split(x: torch.Tensor, y: torch.Tensor, val_size: int) -> ClassificationData:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(_SPLIT_SEED))
     val, train = order[:val_size], order[val_size:]
@@ -95,7 +168,7 @@ class Digits:
         target = data[:, -1].astype(int, copy=False)
         x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
         y = torch.tensor(target, dtype=torch.long)
-        return _split(x, y, self.spec().val_size)
+        return check_loaded(_split(x, y, self.spec().val_size), self.spec(), "dataset=digits: ")
 
 
 MAX_NOISE = 1e6  # beyond it the samples are noise alone (and float32 overflows near 1e38)
@@ -142,7 +215,8 @@ class Synthetic:
         prototypes = (flat / flat.std(dim=1, keepdim=True)).reshape(prototypes.shape)
         y = torch.randint(0, self.classes, (self.samples,), generator=gen)
         x = prototypes[y] + self.noise * torch.randn(self.samples, *self.shape, generator=gen)
-        return _split(x, y, self.spec().val_size)
+        return check_loaded(_split(x, y, self.spec().val_size), self.spec(),
+                            "dataset=synthetic: ")
 
 
 def zipf_mandelbrot(size: int, exponent: float, shift: float) -> torch.Tensor:
@@ -218,7 +292,7 @@ class ZipfTokens:
             draws = torch.multinomial(probabilities[c].float(), len(members) * self.seq_len,
                                       replacement=True, generator=gen)
             x[members] = draws.view(len(members), self.seq_len)
-        return _split(x, y, self.spec().val_size)
+        return check_loaded(_split(x, y, self.spec().val_size), self.spec(), "dataset=tokens: ")
 
     def next_token(self) -> NextTokens:
         """The same documents, one token longer, as next-token targets: inputs a document's
@@ -353,7 +427,7 @@ class Cifar10:
             take, CIFAR10_RECORD) for path, take in files]
         for (path, _), chunk in zip(files, chunks, strict=True):
             if chunk.size and int(chunk[:, 0].max()) >= len(self.classes):
-                raise ValueError(f"dataset.root={self.root}: {path} has label "
+                raise DatasetError(f"dataset.root={self.root}: {path} has label "
                                  f"{int(chunk[:, 0].max())}, but dataset.classes names "
                                  f"{len(self.classes)} classes")
         records = np.concatenate(chunks)
@@ -369,4 +443,5 @@ class Cifar10:
     def load(self) -> ClassificationData:
         train_x, train_y = self._read(self._train_files())
         val_x, val_y = self._read([self._records("test_batch.bin")])
-        return ClassificationData(train_x, train_y, val_x, val_y)
+        return check_loaded(ClassificationData(train_x, train_y, val_x, val_y), self.spec(),
+                            f"dataset.root={self.root}: ")

@@ -11,6 +11,14 @@ under `data`, the whole batch of its model group under `model`), so the dataset'
 (files, a memory map) is never read whole. What cannot be learned from one row without reading
 them all is asked of the dataset itself: `num_classes` (or a `classes` list, torchvision's
 convention) and, for token ids, `vocab_size`.
+
+What the rows hold is checked as they are read, in one vectorised pass over each batch's rows:
+a target that is not an integer class index in [0, classes) (a bool, a float), an input that is
+complex or not finite, a token id outside the vocabulary, a row that cannot be read (a
+`__len__` that claims more rows than `__getitem__` gives). Tensors are checked whole, once, when
+they are loaded; the head checks them too, and a sample of a map-style dataset's rows, before any
+rank starts (`check_rows`). A problem is `UserDatasetError`: one line naming the row and the
+value.
 """
 
 from __future__ import annotations
@@ -20,27 +28,41 @@ from typing import Any
 
 import torch
 
-from runner.zoo.datasets import ClassificationData, DatasetSpec
+from runner.zoo.datasets import (
+    ClassificationData,
+    DatasetError,
+    DatasetSpec,
+    check_loaded,
+    dtype_problem,
+    inputs_problem,
+    is_class_index,
+    targets_problem,
+)
 
 
-class UserDatasetError(ValueError):
+class UserDatasetError(DatasetError):
     """The user's dataset does not keep the contract (one line: what and why)."""
 
 
 class LazyRows:
     """The inputs or the targets of a map-style dataset, read row by row on indexing. The two
-    views of one dataset share the rows last read: a batch's targets come with its inputs."""
+    views of one dataset share the rows last read: a batch's targets come with its inputs.
+    The rows read are checked (`rows_problem`) before they are handed on: `name` is the set's
+    name, `limit` the number of classes (targets) or the vocabulary (token ids), `shape` a
+    row's (None: the first row read's)."""
 
     def __init__(self, dataset: Any, field: int, shared: dict[int, tuple[Any, Any]],
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, name: str = "train",
+                 limit: int | None = None, shape: tuple[int, ...] | None = None) -> None:
         self.dataset, self.field, self.shared, self.dtype = dataset, field, shared, dtype
+        self.name, self.limit, self.shape = name, limit, shape
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def _row(self, index: int) -> Any:
         if index not in self.shared:
-            self.shared[index] = _item(self.dataset, index)
+            self.shared[index] = _item(self.dataset, index, self.name)
         return self.shared[index][self.field]
 
     def __getitem__(self, index: torch.Tensor | slice | Sequence[int]) -> torch.Tensor:
@@ -53,21 +75,47 @@ class LazyRows:
         if self.field == 0:  # a new batch: forget the previous one's rows
             self.shared.clear()
         rows = [torch.as_tensor(self._row(i)) for i in indices]
-        stacked = torch.stack(rows) if rows else torch.empty(0)
+        if not rows:
+            return torch.empty(0)
+        shape = self.shape if self.shape is not None else tuple(rows[0].shape)
+        for i, row in zip(indices, rows, strict=True):  # per row, not per value: shape, dtype
+            what = (f"has {'inputs' if self.field == 0 else 'a target'} of shape "
+                    f"{tuple(row.shape)}, the training set's are {shape}"
+                    if tuple(row.shape) != shape else dtype_problem(row, self.field == 0))
+            if what:
+                raise UserDatasetError(f"the {self.name} set's row {i}: {what}")
+        stacked = torch.stack(rows)
+        problem = (inputs_problem(stacked, self.limit) if self.field == 0
+                   else targets_problem(stacked, self.limit or 0))
+        if problem is not None:
+            raise UserDatasetError(f"the {self.name} set's row {indices[problem[0]]}: "
+                                   f"{problem[1]}")
         return stacked.to(self.dtype) if self.dtype is not None else stacked
 
     def is_floating_point(self) -> bool:
         return torch.as_tensor(self._row(0)).is_floating_point()
 
     def to(self, dtype: torch.dtype) -> LazyRows:
-        return LazyRows(self.dataset, self.field, self.shared, dtype)
+        return LazyRows(self.dataset, self.field, self.shared, dtype, self.name, self.limit,
+                        self.shape)
 
 
-def _item(dataset: Any, index: int) -> tuple[Any, Any]:
-    item = dataset[index]
+def _item(dataset: Any, index: int, name: str = "train") -> tuple[Any, Any]:
+    """Row `index` of a map-style dataset; what the user's `__getitem__` raises is one line
+    naming the row (an IndexError within `__len__`: a length that claims too many rows)."""
+    try:
+        item = dataset[index]
+    except Exception as exc:  # the user's code
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raised = f"{type(exc).__name__}{': ' + first if first else ''}"
+        if isinstance(exc, IndexError):
+            raise UserDatasetError(f"the {name} set's row {index} cannot be read ({raised}): "
+                                   f"its __len__ says {len(dataset)} rows") from None
+        raise UserDatasetError(f"the {name} set's row {index}: __getitem__ raised "
+                               f"{raised}") from None
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise UserDatasetError(f"row {index} is a {type(item).__name__}, not an (input, target) "
-                               f"pair")
+        raise UserDatasetError(f"the {name} set's row {index} is a {type(item).__name__}, not "
+                               f"an (input, target) pair")
     return item[0], item[1]
 
 
@@ -85,7 +133,7 @@ def _tensor_pair(name: str, part: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if len(inputs) != len(targets):
         raise UserDatasetError(f"the {name} set has {len(inputs)} inputs and {len(targets)} "
                                f"targets")
-    if targets.ndim != 1 or targets.is_floating_point():
+    if targets.ndim != 1 or not is_class_index(targets.dtype):
         raise UserDatasetError(f"the {name} targets must be class indices (integers, one per "
                                f"row), got {targets.dtype} of shape {tuple(targets.shape)}")
     return inputs, targets
@@ -140,6 +188,7 @@ class TargetDataset:
         if _is_map_style(train):
             first, _ = _item(train, 0)
             sample = torch.as_tensor(first)
+            _refuse_input_type("the train set's row 0", sample)
             classes = _declared(train, "num_classes") or _class_list(train)
             if classes is None:
                 raise UserDatasetError("the training Dataset says nothing of its classes: give "
@@ -149,6 +198,7 @@ class TargetDataset:
             vocab = _declared(train, "vocab_size")
         else:
             inputs, targets = _tensor_pair("train", train)
+            _refuse_input_type("the train set's row 0", inputs)
             sample = inputs[0]
             val_targets = _tensor_pair("val", val)[1] if not _is_map_style(val) else targets
             classes = _declared(train, "num_classes") or _inferred_classes(targets,
@@ -165,14 +215,21 @@ class TargetDataset:
 
     def check(self) -> None:
         """What the head checks of the data before any rank starts (`check_rows`); a rank
-        reads only its rows and checks nothing."""
+        checks tensors again as it loads them, and a map-style dataset's rows as it reads
+        them (`LazyRows`)."""
         spec = self.spec()
         for name, part in zip(("train", "val"), self._made(), strict=True):
-            check_rows(name, part, spec.input_shape, spec.num_classes)
+            check_rows(name, part, spec.input_shape, spec.num_classes, spec.vocab_size)
 
     def load(self) -> ClassificationData:
         train, val = self._made()
-        return ClassificationData(*_columns(train), *_columns(val))
+        spec = self.spec()
+        data = ClassificationData(*_columns(train, "train", spec), *_columns(val, "val", spec))
+        try:  # the tensors, whole (the user's function may give a rank other data)
+            check_loaded(data, spec)
+        except DatasetError as exc:
+            raise UserDatasetError(str(exc)) from None
+        return data
 
 
 # Rows of a map-style dataset read in the head to check it (the first, the last and some
@@ -202,53 +259,54 @@ def _inferred_classes(*labels: torch.Tensor) -> int:
     return largest + 1
 
 
-def check_rows(name: str, part: Any, shape: tuple[int, ...], classes: int) -> None:
+def check_rows(name: str, part: Any, shape: tuple[int, ...], classes: int,
+               vocab: int | None = None) -> None:
     """The `name` set keeps the contract before any rank reads it: rows, each input of `shape`
-    (the training set's), finite floats, labels in [0, `classes`). Tensors are checked whole;
-    a map-style dataset on `sampled_rows`, and the error says it was a sample."""
+    (the training set's), real and finite (or token ids below `vocab`), targets class indices
+    in [0, `classes`). Tensors are checked whole; a map-style dataset on `sampled_rows`, and
+    the error says it was a sample."""
     if _is_map_style(part):
         rows = sampled_rows(len(part))
-        items = [(i, *_item(part, i)) for i in rows]
-        where = f"(read in the head: rows {rows[0]}..{rows[-1]}, {len(rows)} of {len(part)})"
-        for index, x, y in items:
-            x, y = torch.as_tensor(x), torch.as_tensor(y)
-            problem = _row_problem(tuple(x.shape), shape, x, y.reshape(-1), classes)
-            if problem:
-                raise UserDatasetError(f"the {name} set's row {index} {problem} {where}")
+        where = f" (read in the head: rows {rows[0]}..{rows[-1]}, {len(rows)} of {len(part)})"
+        for index in rows:
+            x, y = (torch.as_tensor(value) for value in _item(part, index, name))
+            if tuple(x.shape) != shape:
+                raise UserDatasetError(f"the {name} set's row {index} has inputs of shape "
+                                       f"{tuple(x.shape)}, the training set's are {shape}")
+            problem = (inputs_problem(x.unsqueeze(0), vocab)
+                       or targets_problem(y.reshape(1, -1), classes))
+            if problem is not None:
+                raise UserDatasetError(f"the {name} set's row {index}: {problem[1]}{where}")
         return
     inputs, targets = _tensor_pair(name, part)
-    problem = _row_problem(tuple(inputs.shape[1:]), shape, inputs, targets, classes)
-    if problem:
-        raise UserDatasetError(f"the {name} set {problem}")
+    if tuple(inputs.shape[1:]) != shape:
+        raise UserDatasetError(f"the {name} set has inputs of shape {tuple(inputs.shape[1:])}, "
+                               f"the training set's are {shape}")
+    problem = inputs_problem(inputs, vocab) or targets_problem(targets, classes)
+    if problem is not None:
+        raise UserDatasetError(f"the {name} set's row {problem[0]}: {problem[1]}")
 
 
-def _row_problem(got: tuple[int, ...], shape: tuple[int, ...], inputs: torch.Tensor,
-                 labels: torch.Tensor, classes: int) -> str | None:
-    """What is wrong with these inputs (rows of shape `got`) and labels (None: nothing)."""
-    if got != shape:
-        return f"has inputs of shape {got}, the training set's are {shape}"
-    if inputs.is_floating_point() and not bool(torch.isfinite(inputs).all()):
-        bad = int((~torch.isfinite(inputs)).sum())
-        return f"has {bad} input value(s) that are not finite (nan or inf)"
-    if labels.is_floating_point():
-        return f"has labels of {labels.dtype}: class indices are integers"
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
-        low, high = int(labels.min()), int(labels.max())
-        return (f"has labels from {low} to {high}: class indices lie in [0, {classes}) "
-                f"({classes} classes)")
-    return None
+def _refuse_input_type(where: str, inputs: torch.Tensor) -> None:
+    """Inputs that are neither real numbers nor token ids (complex, bool), refused by name."""
+    problem = dtype_problem(inputs, inputs=True)
+    if problem is not None:
+        raise UserDatasetError(f"{where}: {problem}")
 
 
 def _rows_of(part: Any) -> Any:
     return part if _is_map_style(part) else part[0]
 
 
-def _columns(part: Any) -> tuple[Any, Any]:
-    """Inputs and targets: the tensors themselves, or lazy views of a map-style dataset."""
+def _columns(part: Any, name: str, spec: DatasetSpec) -> tuple[Any, Any]:
+    """Inputs and targets: the tensors themselves, or lazy views of a map-style dataset that
+    check the rows they read against `spec`."""
     if not _is_map_style(part):
         return part[0], part[1]
     shared: dict[int, tuple[Any, Any]] = {}
-    return LazyRows(part, 0, shared), LazyRows(part, 1, shared, torch.long)
+    return (LazyRows(part, 0, shared, name=name, limit=spec.vocab_size,
+                     shape=spec.input_shape),
+            LazyRows(part, 1, shared, torch.long, name=name, limit=spec.num_classes))
 
 
 def _declared(dataset: Any, name: str) -> int | None:
