@@ -49,10 +49,10 @@ it starts (or that one rank trains in this process).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -63,8 +63,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.cli.launch import RunFailed, RunInterrupted, checked_run, execute, mpi_command
 from runner.config.schema import ConfigError, DebugConfig, LauncherConfig, PlanConfig, RunConfig
+from runner.records import safe_paths
 from runner.records.console import print_error
 from runner.records.rundir_files import RunFileError, parse_yaml, read_text
+from runner.records.safe_paths import PathRefused
 from runner.report.data import read_metrics
 
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
@@ -356,7 +358,14 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
     values, notes = replay_config(values, launcher_command=launcher_command,
                                   nproc_flag=nproc_flag, trust_launcher=trust_launcher,
                                   keep_debug=keep_debug)
-    new_dir = new_dir or run_dir / "replays" / time.strftime("%Y%m%d-%H%M%S")
+    if new_dir is None:  # inside the run: reached from it without following a link
+        safe_paths.register_root(run_dir)
+        new_dir = run_dir / "replays" / time.strftime("%Y%m%d-%H%M%S")
+        refused = safe_paths.refusal_on_the_way(run_dir, new_dir.relative_to(run_dir))
+        if refused is not None:
+            print_error(str(refused))
+            return EXIT_BAD_INPUT
+    safe_paths.register_root(new_dir)
     if _holds_a_run(new_dir):  # the original itself, say: its losses would be overwritten
         print_error(f"{new_dir} already holds a run: choose another --run-dir")
         return EXIT_BAD_INPUT
@@ -372,14 +381,19 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
     print(f"replaying {run_dir} in {new_dir}")
     print(f"launcher: {launch_line(run, new_dir)}", flush=True)
     if overrides is not None:  # the overrides a resume command repeats
-        (new_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         kept = [o for o in overrides if kept_override(o, keep_debug)]
-        (new_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(kept))
+        try:
+            safe_paths.replace_file(new_dir, ".hydra/overrides.yaml",
+                                    yaml.safe_dump(kept).encode(), create_dirs=True)
+        except PathRefused as exc:
+            print_error(str(exc))
+            return EXIT_BAD_INPUT
     try:
         execute(cfg, new_dir, run)
     except ConfigError as exc:
         if made:  # nothing ran: leave nothing behind
-            shutil.rmtree(new_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                safe_paths.remove_tree(*safe_paths.locate(new_dir))
         print_error(str(exc))
         return EXIT_BAD_INPUT
     except (RunFailed, RunInterrupted) as exc:

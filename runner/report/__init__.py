@@ -9,9 +9,11 @@ OmegaConf: a run's files are data, shown as written, and no interpolation in the
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePath
 
+from runner.records import safe_paths
 from runner.records.rundir_files import RunFileError
+from runner.records.safe_paths import PathRefused
 from runner.report.data import (
     ReportError,
     Run,
@@ -34,7 +36,10 @@ def write_report(path: Path, out: Path | None = None) -> list[Path]:
         raise ReportError(f"{path}: no such directory")
     if not path.is_dir():
         raise ReportError(f"{path}: not a directory")
-    out = out if out is not None else path / "report"
+    # `--out` is the user's own choice (its links are theirs); the default lies inside the run
+    # directory, where no link is followed (`safe_paths`)
+    root, inside = (out, "") if out is not None else (path, "report")
+    out = Path(root) / inside
     loaded = _load(path)
     if isinstance(loaded, Run):
         figures = plots.run_figures(loaded)
@@ -43,10 +48,12 @@ def write_report(path: Path, out: Path | None = None) -> list[Path]:
         figures = plots.sweep_figures(loaded.jobs)
         render = lambda pngs: summary.sweep_markdown(loaded, pngs)  # noqa: E731
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        pngs = plots.save(figures, out)
+        safe_paths.make_dir(root, inside)
+        pngs = plots.save(figures, root, inside)
         report = out / "report.md"
-        report.write_text(render(pngs))
+        safe_paths.replace_file(root, PurePath(inside, "report.md"), render(pngs).encode())
+    except PathRefused as exc:  # a link (or a FIFO) where the report would go
+        raise ReportError(str(exc)) from None
     except OSError as exc:
         raise ReportError(f"cannot write the report into {out}: {exc.strerror or exc}") from exc
     return [report, *pngs]

@@ -13,13 +13,15 @@ otherwise be typeset, or stop the report with a parse error), and cut to `TEXT_L
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
+from runner.records import safe_paths
 from runner.report.data import Job, Record, Run, finite, varying_overrides
 
 TIME_LABEL = "training time (s, cumulative step time)"
@@ -215,10 +217,13 @@ def sweep_figures(jobs: list[Job]) -> dict[str, Figure]:
     return {"sweep_curves": sweep_curves_figure(jobs), "sweep_times": sweep_times_figure(jobs)}
 
 
-def save(figures: dict[str, Figure], out: Path) -> list[Path]:
+def save(figures: dict[str, Figure], root: Path, inside: str = "") -> list[Path]:
+    """Each figure as `<root>/<inside>/<stem>.png`, rendered in memory and written whole,
+    without following a link below `root` (`safe_paths.replace_file`)."""
     paths = []
     for stem, fig in figures.items():
-        path = out / f"{stem}.png"
-        fig.savefig(path, dpi=DPI)
-        paths.append(path)
+        png = io.BytesIO()
+        fig.savefig(png, dpi=DPI, format="png")
+        safe_paths.replace_file(root, PurePath(inside, f"{stem}.png"), png.getvalue())
+        paths.append(Path(root) / inside / f"{stem}.png")
     return paths
