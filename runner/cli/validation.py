@@ -137,6 +137,7 @@ def _cross_part_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) -> 
                 f"{_splitting_ranks(run)}; use strategy=data (or grid.pr=1) or an "
                 f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
     problems += _micro_batch_problems(run, parts, grid_ok)
+    problems += _gradient_problems(run, parts)
     if spec is not None and run.trainer.batch_size > spec.train_size:
         problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
                         f"{spec.train_size} training samples of dataset={run.dataset.name}")
@@ -198,6 +199,35 @@ def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) ->
                             f"global batch, so micro-batches would draw other masks: {drawn}; "
                             f"strategy=data draws them by row")
     return problems
+
+
+def _gradient_problems(run: RunConfig, parts: CheckedParts) -> list[str]:
+    """A model with nothing to train, and an optimizer that takes only row-sparse gradients
+    (torch.optim.SparseAdam) on a model with dense ones: every rank would start and then fail
+    at its first step."""
+    from runner.optim.sync import SPARSE_ONLY_TORCH_OPTIMIZERS
+    from strategies.sparse_exchange import sparse_tables
+
+    model = parts.model
+    if model is None:
+        return []
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        why = ("every one has requires_grad=False" if any(True for _ in model.parameters())
+               else "it has none")
+        return [f"{run.model.shown('model')}: {type(model).__name__} has no trainable "
+                f"parameters ({why}): there is nothing to train"]
+    torch_class = getattr(parts.optimizer_cls, "torch_class", None)
+    if torch_class not in SPARSE_ONLY_TORCH_OPTIMIZERS:
+        return []
+    sparse = {id(module.weight) for _, module in sparse_tables(model)}
+    dense = [name for name, p in trainable if id(p) not in sparse]
+    if not dense:
+        return []
+    more = f" and {len(dense) - 1} more" if len(dense) > 1 else ""
+    return [f"{run.optimizer.shown('optimizer')} takes only row-sparse gradients (an "
+            f"embedding's with sparse=True), and the model's {dense[0]}{more} get dense ones: "
+            f"choose an optimizer that takes dense gradients (torch.optim.Adam, ...)"]
 
 
 def _splitting_ranks(run: RunConfig) -> str:
