@@ -44,7 +44,7 @@ from hydra.core.utils import (
 from hydra.errors import HydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -100,13 +100,14 @@ class MPILauncher(Launcher):
     def _launch_gridrun_jobs(self, job_overrides: Sequence[Sequence[str]],
                              initial_job_idx: int) -> list[JobReturn]:
         from runner.cli.launch import RunInterrupted
+        from runner.cli.sweep import make_sweep_dir
         from runner.records.console import make_console
 
         assert self.config is not None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
+        make_sweep_dir(sweep_dir)
         console = make_console()
         returns: list[JobReturn] = []
         jobs: list[SweepJob] = []
@@ -124,7 +125,8 @@ class MPILauncher(Launcher):
                          console: "Console") -> tuple[JobReturn, "SweepJob"]:
         """Run one job in this process (its task starts the job's MPI job) and record it for the
         table. An override that does not compose fails this job only."""
-        from runner.cli.sweep import SweepJob
+        from runner.cli.sweep import SweepJob, job_dir_refusal
+        from runner.config.schema import ConfigError
         from runner.records.rundir import RunDir
 
         assert self.config is not None and self.hydra_context is not None
@@ -141,6 +143,13 @@ class MPILauncher(Launcher):
         with open_dict(job_config):
             job_config.hydra.job.id = f"{number}"
             job_config.hydra.job.num = number
+        # before Hydra writes the job's .hydra/ into it: no link on the way is followed
+        refused = job_dir_refusal(Path(str(self.config.hydra.sweep.dir)),
+                                  str(OmegaConf.select(job_config, "hydra.sweep.subdir")))
+        if refused is not None:
+            failed = JobReturn(overrides=list(overrides), status=JobStatus.FAILED)
+            failed.return_value = ConfigError([refused])
+            return failed, SweepJob(number, shown, "", None, refused)
         ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
                       config=job_config, job_dir_key="hydra.sweep.dir",
                       job_subdir_key="hydra.sweep.subdir")
@@ -162,9 +171,16 @@ def finish_gridrun_sweep(sweep_dir: Path, console: "Console", returns: Sequence[
     from runner.cli.sweep import sweep_failures, sweep_rows, sweep_table, write_sweep_csv
     from runner.config.schema import ConfigError
     from runner.records.console import print_error
+    from runner.records.safe_paths import PathRefused
 
     rows = sweep_rows(jobs)
-    write_sweep_csv(sweep_dir / SWEEP_CSV, rows)
+    try:
+        write_sweep_csv(sweep_dir / SWEEP_CSV, rows)
+    except PathRefused as exc:  # a link in the table's place: the table is shown, not written
+        console.print(sweep_table(rows, title=f"sweep {sweep_dir}"))
+        for line in [*sweep_failures(rows), str(exc)]:
+            print_error(line)
+        sys.exit(2)
     console.print(sweep_table(rows, title=f"sweep {sweep_dir}"))
     console.print(f"sweep table: {sweep_dir / SWEEP_CSV}")
     stopped = [r._return_value for r in returns if isinstance(r._return_value, RunInterrupted)]

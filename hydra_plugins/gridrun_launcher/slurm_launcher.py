@@ -32,7 +32,7 @@ from hydra.core.utils import (
 from hydra.errors import HydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.gridrun_launcher.mpi_launcher import GRIDRUN_TASK_MODULE, finish_gridrun_sweep
 
@@ -85,6 +85,7 @@ class SlurmLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
+        from runner.cli.sweep import make_sweep_dir
         from runner.records.console import make_console
 
         assert self.config is not None and self.task_function is not None
@@ -94,7 +95,7 @@ class SlurmLauncher(Launcher):
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
+        make_sweep_dir(sweep_dir)
         console = make_console()
         submitted = [self._submit(overrides, initial_job_idx + offset, console)
                      for offset, overrides in enumerate(job_overrides)]
@@ -122,6 +123,9 @@ class SlurmLauncher(Launcher):
 
     def _submit(self, overrides: Sequence[str], number: int, console: "Console") -> _Submitted:
         """Compose, validate and submit one job (its task, run by Hydra as a job, submits)."""
+        from runner.cli.sweep import job_dir_refusal
+        from runner.config.schema import ConfigError
+
         assert self.config is not None and self.hydra_context is not None
         shown = filter_overrides(overrides)
         console.print(f"[bold]job {number}[/bold]: {' '.join(shown) or '(defaults)'}")
@@ -135,6 +139,13 @@ class SlurmLauncher(Launcher):
         with open_dict(job_config):
             job_config.hydra.job.id = f"{number}"
             job_config.hydra.job.num = number
+        # before Hydra writes the job's .hydra/ into it: no link on the way is followed
+        refused = job_dir_refusal(Path(str(self.config.hydra.sweep.dir)),
+                                  str(OmegaConf.select(job_config, "hydra.sweep.subdir")))
+        if refused is not None:
+            failed = JobReturn(overrides=list(overrides), status=JobStatus.FAILED)
+            failed.return_value = ConfigError([refused])
+            return _Submitted(number, shown, failed, Path(""), error=refused)
         ret = run_job(hydra_context=self.hydra_context, task_function=_submit_task,
                       config=job_config, job_dir_key="hydra.sweep.dir",
                       job_subdir_key="hydra.sweep.subdir")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+
+from runner.records import safe_paths
+from runner.records.rundir import atomic_write_text, unsafe_place
 
 COLUMNS = ("job", "overrides", "status", "final_loss", "val_accuracy", "workers_val_accuracy",
            "wall_time_s", "median_step_time_s", "comm_time_share", "comm_bytes_per_step",
@@ -42,11 +46,26 @@ def sweep_rows(jobs: Sequence[SweepJob]) -> list[dict[str, Any]]:
     return rows
 
 
+def make_sweep_dir(path: Path) -> None:
+    """The sweep's directory (made where missing): what is written under it, its jobs' run
+    directories too, is reached from it without following a link (`safe_paths`)."""
+    safe_paths.register_root(path)
+    safe_paths.make_dir(path, "")
+
+
+def job_dir_refusal(sweep_dir: Path, subdir: str) -> str | None:
+    """Why a job's run directory `sweep_dir/subdir` is not written (a link on the way to it or
+    where the run writes in it), as one line; None when it can be."""
+    refused = safe_paths.refusal_on_the_way(sweep_dir, subdir)
+    return str(refused) if refused is not None else unsafe_place(sweep_dir / subdir)
+
+
 def write_sweep_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, text.getvalue())
 
 
 def _scaled(seconds: float | None) -> float | None:
