@@ -204,10 +204,11 @@ def read_bytes(root: Path | str, relative: PurePath | str, limit: int) -> bytes:
 
 
 def replace_file(root: Path | str, relative: PurePath | str, data: bytes,
-                 create_dirs: bool = False) -> None:
-    """Write `data` to a new file beside `root/relative`, flush it to disk, and rename it over
-    that name (readers never see a half-written file). A link in its place is refused, not
-    replaced; a failed write removes the new file and raises an `OSError` naming the path."""
+                 create_dirs: bool = False, sync: bool = True) -> None:
+    """Write `data` to a new file beside `root/relative`, flush it to disk (unless not `sync`:
+    a record that matters only while the job runs), and rename it over that name (readers
+    never see a half-written file). A link in its place is refused, not replaced; a failed
+    write removes the new file and raises an `OSError` naming the path."""
     relative = PurePath(relative)
     shown = Path(os.path.abspath(root)) / relative
     name, tmp = relative.name, f".{relative.name}.tmp{os.getpid()}"
@@ -224,7 +225,8 @@ def replace_file(root: Path | str, relative: PurePath | str, data: bytes,
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-                os.fsync(fd)
+                if sync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
