@@ -304,6 +304,20 @@ BAD: list[tuple[list[str], str]] = [
     ([*PLANNED, "strategy.plan={blocks.0.fc1: vocab}"],
      "blocks.0.fc1 (Linear): vocab splits a projection only where its output is the model's "
      "output"),
+    # what every rank would meet at its first step: the head sees it in the parts it builds
+    ([*DATA2, "optimizer._target_=torch.optim.SparseAdam"],
+     "optimizer._target_=torch.optim.SparseAdam takes only row-sparse gradients (an "
+     "embedding's with sparse=True), and the model's 1.weight and 5 more get dense ones"),
+    ([*BAG, "model.sparse=true", "optimizer._target_=torch.optim.SparseAdam"],
+     "and the model's 1.weight and 3 more get dense ones"),
+    ([*SYNTH, "dataset.shape=[10]", "model._target_=torch.nn.Identity"],
+     "model._target_=torch.nn.Identity: Identity has no trainable parameters (it has none)"),
+    (["model._target_=tests.test_user_code.frozen_mlp"],
+     "Sequential has no trainable parameters (every one has requires_grad=False)"),
+    # a __len__ past the rows: the head reads the last row
+    (["dataset._target_=tests.test_user_code.rows_with", "dataset.length=401"],
+     "the train set's row 400 cannot be read (IndexError: index 400 is out of bounds for "
+     "dimension 0 with size 400): its __len__ says 401 rows"),
 ]
 
 

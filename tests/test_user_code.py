@@ -4,6 +4,7 @@ project directory, and refused in one line before anything starts when they do n
 from __future__ import annotations
 
 import collections
+import math
 import os
 import subprocess
 import sys
@@ -317,9 +318,11 @@ BAD_ROWS = {"target": (None, 10), "bool target": (None, torch.tensor(True)),
             "nan input": (torch.tensor([0.0] * 7 + [float("nan")]), None)}
 
 
-def rows_with(kind: str = "none", rows: int = 400) -> tuple[object, object]:
+def rows_with(kind: str = "none", rows: int = 400,
+              length: int | None = None) -> tuple[object, object]:
     """A map-style dataset of `rows` rows of 8 features and 10 classes whose row `BAD_ROW`
-    holds `BAD_ROWS[kind]` in place of its input or its target (None: its own)."""
+    holds `BAD_ROWS[kind]` in place of its input or its target (None: its own), and whose
+    `__len__` says `length` (None: `rows`)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, 8, generator=generator)
     y = torch.randint(0, 10, (rows,), generator=generator)
@@ -328,4 +331,87 @@ def rows_with(kind: str = "none", rows: int = 400) -> tuple[object, object]:
         bad_x, bad_y = BAD_ROWS[kind]
         odd[BAD_ROW] = (x[BAD_ROW] if bad_x is None else bad_x,
                         y[BAD_ROW] if bad_y is None else bad_y)
-    return MapRows(x, y, 10, odd), MapRows(x[:64], y[:64], 10)
+    return MapRows(x, y, 10, odd, length), MapRows(x[:64], y[:64], 10)
+
+
+def frozen_mlp(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """A model whose every parameter is frozen: nothing to train."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape),
+                                                                    num_classes))
+    model.requires_grad_(False)
+    return model
+
+
+BAD_ROW_LINES = {
+    "target": "the train set's row 200: target 10 is outside [0, 10) classes",
+    "bool target": "the train set's row 200: target True is a torch.bool, not a class index",
+    "complex input": "the train set's row 200: input (1+2j) is a torch.complex64",
+    "nan input": "the train set's row 200: input value nan is not finite",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_row_runs(tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path, float]]:
+    """One 2-rank run per kind of bad row, all at once: row 200 of 400 is read by one rank
+    in the first two steps (batches of 200), never by the head (`sampled_rows`)."""
+    import time
+
+    from tests.conftest import run_cli_together
+
+    root = tmp_path_factory.mktemp("bad_rows")
+    kinds = list(BAD_ROW_LINES)
+    started = time.monotonic()
+    results = run_cli_together(*[
+        ["dataset._target_=tests.test_user_code.rows_with", f"dataset.kind={kind}",
+         "strategy=data", "grid.pr=1", "grid.pc=2", "trainer.steps=4",
+         "trainer.batch_size=200", "trainer.eval_every=null",
+         f"hydra.run.dir={root / kind.replace(' ', '_')}"] for kind in kinds])
+    elapsed = time.monotonic() - started
+    return {kind: (result, root / kind.replace(" ", "_"), elapsed)
+            for kind, result in zip(kinds, results, strict=True)}
+
+
+@pytest.mark.parametrize("kind", BAD_ROW_LINES)
+def test_a_bad_row_met_on_a_rank_ends_the_job_in_one_line_naming_it(
+        kind: str, bad_row_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path,
+                                                 float]]) -> None:
+    result, run_dir, elapsed = bad_row_runs[kind]
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the 2-rank job failed on rank") and BAD_ROW_LINES[kind] in last
+    assert BAD_ROW_LINES[kind] in read_summary(run_dir)["error"]
+    assert elapsed < 120, f"the jobs took {elapsed:.0f} s to end"
+
+
+@pytest.mark.xfail(strict=True, reason="runner/training/rank.py prints a rank's traceback for "
+                                        "a DatasetError: it must record its one line instead")
+@pytest.mark.parametrize("kind", BAD_ROW_LINES)
+def test_a_bad_row_met_on_a_rank_prints_no_traceback(
+        kind: str, bad_row_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path,
+                                                 float]]) -> None:
+    result, _, _ = bad_row_runs[kind]
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["dataset._target_=tests.test_user_code.rows_with", "dataset.length=401"],
+     "the train set's row 400 cannot be read (IndexError: index 400 is out of bounds for "
+     "dimension 0 with size 400): its __len__ says 401 rows"),
+    (["model._target_=tests.test_user_code.frozen_mlp"],
+     "Sequential has no trainable parameters (every one has requires_grad=False)"),
+    (["optimizer._target_=torch.optim.SparseAdam"],
+     "optimizer._target_=torch.optim.SparseAdam takes only row-sparse gradients"),
+])
+def test_what_every_rank_would_fail_on_is_refused_by_the_head(
+        args: list[str], message: str, tmp_path: Path) -> None:
+    """Exit 2, one line naming it, no run directory: no rank was started."""
+    from tests.conftest import run_cli
+
+    run_dir = tmp_path / "run"
+    result = run_cli(*args, "strategy=data", "grid.pr=1", "grid.pc=2",
+                     f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not run_dir.exists()
