@@ -23,6 +23,7 @@ from runner.cli.compose import (
     compose,
     config_dirs,
     one_line,
+    pickle_flag_problem,
     register_configs,
     slurm_options_problem,
     with_slurm_launcher,
@@ -195,6 +196,10 @@ def _lead_mpi_job(cfg: DictConfig, run_dir: Path) -> float | None:
 
 def main() -> None:
     global _mpi
+    problem = pickle_flag_problem(sys.argv[1:])
+    if problem:  # before anything reads the file
+        print_error(problem)
+        sys.exit(EXIT_BAD_INPUT)
     if {"-h", "--help", "--version"} & set(sys.argv[1:]):  # gridrun's own, not Hydra's
         from runner.cli.help import help_text, version_text
 

@@ -114,6 +114,26 @@ def slurm_options_problem(args: list[str]) -> str | None:
     return None
 
 
+# Hydra's flags that unpickle a file (`--experimental-rerun RUN/.hydra/config.pickle`): a pickle
+# runs whatever code its bytes name, and a run directory may come from anyone.
+PICKLE_FLAGS = ("--experimental-rerun",)
+
+
+def pickle_flag_problem(args: list[str]) -> str | None:
+    """The refusal of a Hydra flag that loads a pickle, as argparse reads one: `--flag FILE`,
+    `--flag=FILE`, or a prefix it takes for the flag (`--exp`); None without one. Arguments
+    after `--` are no flags."""
+    for arg in args:
+        if arg == "--":
+            return None
+        name = arg.partition("=")[0]
+        if len(name) > 2 and any(flag.startswith(name) for flag in PICKLE_FLAGS):
+            return (f"{name}: Hydra's rerun from a pickled config: refused (unpickling a file "
+                    "runs any code it names; python -m runner.replay RUN_DIR runs a run again "
+                    "from its config.yaml)")
+    return None
+
+
 def config_dirs(args: list[str]) -> list[str]:
     """The directories `--config-dir`/`-cd` adds to the config search path."""
     found = []

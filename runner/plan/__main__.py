@@ -24,7 +24,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.cli.compose import CONF_DIR, register_configs, with_target_groups
+from runner.cli.compose import (
+    CONF_DIR,
+    pickle_flag_problem,
+    register_configs,
+    with_target_groups,
+)
 from runner.config.schema import PlanConfig, Plugin
 from runner.records.console import make_console, print_error
 
@@ -480,6 +485,10 @@ def _hydra_args(args: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """The planner's command line; the exit code (Hydra's own exits are `SystemExit`s)."""
+    pickled = pickle_flag_problem(argv)
+    if pickled:  # before Hydra reads the file
+        print_error(pickled)
+        return EXIT_BAD_INPUT
     if "-h" in argv or "--help" in argv:
         from runner.cli.help import plan_help_text
 
