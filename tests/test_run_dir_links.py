@@ -204,16 +204,25 @@ def test_the_metrics_writer_refuses_a_link_and_a_fifo(directory: RunDir, tmp_pat
 
 def test_a_hard_link_to_an_outside_file_is_not_written_in_place(directory: RunDir,
                                                                 tmp_path: Path) -> None:
+    """A file with another name outside (a snapshot made with `cp -al`) is made the run's own
+    copy before it is appended to or truncated: the outside name keeps its bytes."""
     outside = tmp_path / "outside.txt"
     outside.write_bytes(OUTSIDE_TEXT)
-    os.link(outside, directory.metrics)
-    with pytest.raises(safe_paths.NotRegularRefused, match="other hard links: refused"):
-        MetricsWriter(directory.metrics)
-    write_json(directory.summary, {"status": "completed"})  # a new file renamed into place
     os.link(outside, directory.rank_log(0))
-    with pytest.raises(safe_paths.NotRegularRefused):
-        setup_rank_logging(directory.rank_log(0), 0)
+    logger = setup_rank_logging(directory.rank_log(0), 0)
+    logger.info("resumed")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    assert directory.rank_log(0).read_bytes().startswith(OUTSIDE_TEXT)
+    assert directory.rank_log(0).read_text().rstrip().endswith("resumed")
+    os.link(outside, directory.metrics)
+    writer = MetricsWriter(directory.metrics)
+    writer.write({"step": 1})
+    writer.close()
+    assert directory.metrics.read_text() == '{"step": 1}\n'
     assert outside.read_bytes() == OUTSIDE_TEXT
+    assert outside.stat().st_nlink == 1
 
 
 def test_the_rank_log_and_summary_refuse_links_on_the_way(directory: RunDir,

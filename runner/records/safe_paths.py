@@ -6,9 +6,9 @@ make gridrun write, truncate or create what the link points to. So every file gr
 under a run directory is reached from the directory's own descriptor, one component at a time,
 each opened with `O_NOFOLLOW` (the `openat` way: nothing can swap a component for a link
 between a check and the write), and a link met on the way is refused by name (`LinkRefused`).
-A file written in place must be a regular file with no other hard link (a FIFO would block the
-writer; a hard link is another name for a file that may lie outside), checked on the open
-descriptor before a byte is written.
+A file written in place must be a regular file (a FIFO would block the writer), checked on the
+open descriptor before a byte is written; one with other hard links (another name for it may
+lie outside) is first made the directory's own copy.
 
 The root itself may be a link the user gave (`outputs/latest`): it is resolved once, when it
 is first named (`register_root`); only what is inside it must not lead out. A path under no
@@ -52,8 +52,7 @@ class LinkRefused(PathRefused):
 
 
 class NotRegularRefused(PathRefused):
-    """A FIFO, socket, device or directory where gridrun would write a file, or a file with
-    other hard links (another name for it may lie outside the run directory)."""
+    """A FIFO, socket, device or directory where gridrun would write or read back a file."""
 
     def __init__(self, path: Path | str, what: str = "not a regular file") -> None:
         super().__init__(path, f"{what}: refused", errno.EINVAL)
@@ -164,35 +163,76 @@ def opened_dir(root: Path | str, relative: PurePath | str = "",
 
 
 def check_regular(fd: int, shown: Path | str) -> None:
-    """`NotRegularRefused` (the descriptor closed) unless `fd` is a regular file with no other
-    hard link."""
-    info = os.fstat(fd)
-    why = ("not a regular file" if not stat.S_ISREG(info.st_mode)
-           else "a file with other hard links" if info.st_nlink > 1 else None)
-    if why is not None:
+    """`NotRegularRefused` (the descriptor closed) unless `fd` is a regular file."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise NotRegularRefused(shown, why)
+        raise NotRegularRefused(shown)
 
 
 def open_file(root: Path | str, relative: PurePath | str, flags: int, mode: int = 0o666,
               create_dirs: bool = False) -> int:
     """`root/relative` opened with `flags` (`os.O_WRONLY | os.O_APPEND | os.O_CREAT`, ...),
-    reached without following a link and refused unless it is a regular file with one name
-    (checked before it is truncated: `O_TRUNC` is applied once it passed). The caller closes
-    the descriptor."""
+    reached without following a link and refused unless it is a regular file (checked before
+    it is truncated: `O_TRUNC` is applied once it passed). A file opened for writing that has
+    other hard links (another name for it may lie outside the run directory, say a snapshot
+    copied with `cp -al`) is first made this directory's own: copied and renamed over its
+    name, the other names left as they were. The caller closes the descriptor."""
     relative = PurePath(relative)
     shown = Path(os.path.abspath(root)) / relative
+    name, writes = relative.name, bool(flags & (os.O_WRONLY | os.O_RDWR))
     with opened_dir(root, relative.parent, create_dirs) as parent:
-        try:
-            fd = os.open(relative.name, (flags & ~os.O_TRUNC) | _FILE_FLAGS, mode,
-                         dir_fd=parent)
-        except OSError as exc:
-            raise _refusal(parent, relative.name, shown, exc) from None
-    check_regular(fd, shown)
+        for attempt in range(2):
+            try:
+                fd = os.open(name, (flags & ~os.O_TRUNC) | _FILE_FLAGS, mode, dir_fd=parent)
+            except OSError as exc:
+                raise _refusal(parent, name, shown, exc) from None
+            check_regular(fd, shown)
+            if not writes or os.fstat(fd).st_nlink == 1:
+                break
+            if attempt:  # linked again meanwhile
+                os.close(fd)
+                raise NotRegularRefused(shown, "a file with other hard links")
+            _own_copy(fd, parent, name, shown, keep=not flags & os.O_TRUNC)
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     if flags & os.O_TRUNC:
         os.ftruncate(fd, 0)
     return fd
+
+
+def _own_copy(fd: int, parent: int, name: str, shown: Path, keep: bool) -> None:
+    """Replace `name` in `parent` by a file of its own with the contents of `fd` (none unless
+    `keep`), closing `fd`: the other names of the file keep theirs, untouched."""
+    tmp = f".{name}.own{os.getpid()}"
+    try:
+        source = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=parent)  # fd may not read
+        try:
+            if (os.fstat(source).st_ino, os.fstat(source).st_dev) != \
+                    (os.fstat(fd).st_ino, os.fstat(fd).st_dev):
+                raise NotRegularRefused(shown, "replaced while it was opened")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=parent)
+            copy = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                           | os.O_CLOEXEC, stat.S_IMODE(os.fstat(fd).st_mode), dir_fd=parent)
+            try:
+                copied = 0
+                while keep and (chunk := os.pread(source, 1 << 20, copied)):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(copy, view):]
+                    copied += len(chunk)
+            finally:
+                os.close(copy)
+        finally:
+            os.close(source)
+        os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=parent)
+        if isinstance(exc, PathRefused):
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(shown)) from exc
+    finally:
+        os.close(fd)
 
 
 def read_bytes(root: Path | str, relative: PurePath | str, limit: int) -> bytes:
