@@ -87,7 +87,9 @@ def inputs_problem(inputs: torch.Tensor, vocab: int | None = None) -> tuple[int,
         return 0, problem
     flat = inputs.reshape(len(inputs), -1)
     if inputs.is_floating_point():
-        bad = ~torch.isfinite(flat)
+        if bool(torch.isfinite(flat.sum())):  # a nan or an inf carries into the sum: no mask
+            return None
+        bad = ~torch.isfinite(flat)  # one is not finite, or the sum overflowed
         what = "input value {} is not finite"
     elif vocab is not None:
         bad = (flat < 0) | (flat >= vocab)
