@@ -163,6 +163,7 @@ class TargetDataset:
     def __init__(self, factory: Callable[..., Any], target: str, **options: Any) -> None:
         self.factory, self.target, self.options = factory, target, options
         self._parts: tuple[Any, Any] | None = None
+        self._spec: DatasetSpec | None = None
 
     def _made(self) -> tuple[Any, Any]:
         if self._parts is None:
@@ -184,6 +185,13 @@ class TargetDataset:
         return self._parts
 
     def spec(self) -> DatasetSpec:
+        """The data's shapes and sizes, worked out once (a map-style dataset's row 0 is read
+        for them: a rank's reads are its own rows, that one and no more)."""
+        if self._spec is None:
+            self._spec = self._worked_out_spec()
+        return self._spec
+
+    def _worked_out_spec(self) -> DatasetSpec:
         train, val = self._made()
         if _is_map_style(train):
             first, _ = _item(train, 0)
