@@ -64,8 +64,8 @@ from omegaconf import DictConfig, OmegaConf
 from runner.cli.launch import RunFailed, RunInterrupted, checked_run, execute, mpi_command
 from runner.config.schema import ConfigError, DebugConfig, LauncherConfig, PlanConfig, RunConfig
 from runner.records import safe_paths
-from runner.records.console import print_error
-from runner.records.rundir_files import RunFileError, parse_yaml, read_text
+from runner.records.console import print_error, printable
+from runner.records.rundir_files import NotYaml, RunFileError, parse_yaml, read_text
 from runner.records.safe_paths import PathRefused
 from runner.report.data import read_metrics
 
@@ -121,43 +121,20 @@ def uncompared(original: dict[int, float], replay: dict[int, float]) -> str | No
     return f"not compared: {'; '.join(parts)}" if parts else None
 
 
-def interpolated(value: Any) -> tuple[str, str] | None:
-    """The first key (dotted, `[i]` for a list item) whose text holds an interpolation (`${`),
-    in file order, and that text; None when none does. YAML anchors, shared or recursive, are
-    walked once."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    seen: set[int] = set()
-    while stack:
-        key, item = stack.pop()
-        if isinstance(item, str):
-            if "${" in item:
-                return key or "the whole file", item
-        elif isinstance(item, (dict, list)) and id(item) not in seen:
-            seen.add(id(item))
-            if isinstance(item, dict):
-                children = [(f"{key}.{k}" if key else str(k), v) for k, v in item.items()]
-            else:
-                children = [(f"{key}[{i}]", v) for i, v in enumerate(item)]
-            stack.extend(reversed(children))
-    return None
-
-
 def _read_yaml(path: Path) -> tuple[str, Any]:
     """A run file's text, and its plain values, nothing resolved; `Refused` when it is beyond
-    the readers' bounds (runner/records/rundir_files.py), no YAML, or holds an interpolation."""
+    the readers' bounds, no YAML, or holds a tag or an interpolation (all judged by
+    runner/records/rundir_files.py)."""
     try:
         text = read_text(path, errors="strict")
         loaded = parse_yaml(text, path)
+    except NotYaml as exc:
+        at = f" (line {exc.line})" if exc.line is not None else ""
+        raise Refused(f"{path}: cannot be read: {exc.why}{at}") from None
     except RunFileError as exc:
         raise Refused(str(exc)) from None
-    except (yaml.YAMLError, ValueError) as exc:  # ValueError: undecodable, or a bad value
+    except ValueError as exc:  # undecodable
         raise Refused(f"{path}: cannot be read: {str(exc).splitlines()[0]}") from None
-    found = interpolated(loaded)
-    if found is not None:
-        key, text = found[0].replace("\n", "\\n"), found[1]
-        shown = text if len(text) <= 60 else f"{text[:57]}..."
-        raise Refused(f"{path}: {key} holds an interpolation ({shown!r}); gridrun writes run "
-                      "files resolved, so this one is not as gridrun wrote it: refused")
     return text, loaded
 
 
@@ -353,7 +330,8 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
         print_error(_untrusted(config_path, values, checked))
         return EXIT_BAD_INPUT
     for key, name in code:  # one line each, before any of it is imported
-        print(f"note: importing what the run names (--trust): {key}={name}", file=sys.stderr)
+        print(printable(f"note: importing what the run names (--trust): {key}={name}"),
+              file=sys.stderr)
     trust_launcher = trust_launcher or (trust and launcher_command is None)
     values, notes = replay_config(values, launcher_command=launcher_command,
                                   nproc_flag=nproc_flag, trust_launcher=trust_launcher,
@@ -377,9 +355,9 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
         print_error(str(exc))
         return EXIT_BAD_INPUT
     for line in notes:
-        print(f"note: {line}", file=sys.stderr)
-    print(f"replaying {run_dir} in {new_dir}")
-    print(f"launcher: {launch_line(run, new_dir)}", flush=True)
+        print(printable(f"note: {line}"), file=sys.stderr)
+    print(printable(f"replaying {run_dir} in {new_dir}"))
+    print(printable(f"launcher: {launch_line(run, new_dir)}"), flush=True)
     if overrides is not None:  # the overrides a resume command repeats
         kept = [o for o in overrides if kept_override(o, keep_debug)]
         try:
@@ -409,7 +387,8 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
         print(note)
     if difference is None:
         common = len(set(original) & set(again))
-        print(f"identical: the {common} training losses of {run_dir} repeated exactly")
+        print(printable(f"identical: the {common} training losses of {run_dir} repeated "
+                        "exactly"))
         return 0
     if _asynchronous(run.optimizer.name):
         print(f"{difference} — expected: asynchronous replicas meet in an order no config fixes")

@@ -13,19 +13,23 @@ The report's files are written by hand (it only reads them); the replay's come f
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
+import pickle
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from runner.replay import main as replay_main
 from runner.report.__main__ import main as report_main
-from tests.conftest import ROOT, assert_ok, run_cli
+from tests.conftest import ROOT, assert_ok, run_cli, run_module
 
 TRAIN = {"step": 1, "time_s": 0.25, "loss": 2.5, "lr": 0.1, "step_time_s": 0.25,
          "comm_time_s": 0.05, "comm_bytes": 1024, "comm_share": 0.2, "samples_per_s": 128.0}
@@ -363,3 +367,226 @@ def test_trust_names_each_import_on_its_own_line_before_anything_runs(
                        f"{prefix}plugins[0]=no_such_plugin_a",
                        f"{prefix}plugins[1]=no_such_plugin_b"]
     assert err[-1].startswith("error: ") and "no_such_plugin_a" in err[-1]
+
+
+# A run directory's text is data: no pickle loaded, no tag constructed, no interpolation
+# resolved, nothing printed raw
+
+SECRET = "31337"  # digits: the seed it would be resolved into is an integer
+NASTY = "\x1b[2J\x1b]0;pwned\x07\rfake\u202eevil"  # clear screen, window title, CR, bidi
+RAW = ("\x1b", "\x07", "\r", "\u202e")
+SHOWN = ("\\x1b[2J", "\\x1b]0;pwned\\x07", "\\rfake", "\\u202eevil")
+
+
+def payload(marker: Path) -> bytes:
+    """A pickle that makes the directory `marker` when it is loaded."""
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return os.mkdir, (str(marker),)
+
+    return pickle.dumps(Payload())
+
+
+def assert_escaped(text: str) -> None:
+    assert not any(raw in text for raw in RAW), ascii(text)
+    assert all(shown in text for shown in SHOWN), text
+
+
+def test_hydra_s_rerun_of_a_pickled_config_is_refused_unloaded(tmp_path: Path) -> None:
+    """`--experimental-rerun RUN/.hydra/config.pickle` (Hydra's flag, as written, with `=`,
+    or abbreviated as argparse takes it) unpickled a payload: refused before it is read, by
+    the runner and by the planner."""
+    marker = tmp_path / "payload-ran"
+    pickled = tmp_path / "run" / ".hydra" / "config.pickle"
+    pickled.parent.mkdir(parents=True)
+    pickled.write_bytes(payload(marker))
+    for module, args in [("runner", ["--experimental-rerun", str(pickled)]),
+                         ("runner", [f"--experimental-rerun={pickled}", "trainer.steps=1"]),
+                         ("runner", ["--exp", str(pickled)]),
+                         ("runner.plan", ["--experimental-rerun", str(pickled)])]:
+        result = run_module(module, *args, timeout=120)
+        flag = args[0].partition("=")[0]
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr == (f"error: {flag}: Hydra's rerun from a pickled config: refused "
+                                 "(unpickling a file runs any code it names; python -m "
+                                 "runner.replay RUN_DIR runs a run again from its "
+                                 "config.yaml)\n")
+        assert not marker.exists()
+    pickle.loads(pickled.read_bytes())  # the payload is live: loaded, it runs
+    assert marker.is_dir()
+
+
+@pytest.fixture(scope="module")
+def resumable(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A completed 1-rank run with a checkpoint, and the overrides that continue it."""
+    path = tmp_path_factory.mktemp("hostile") / "resumable"
+    overrides = ["strategy=data", "grid.pr=1", "grid.pc=1", "trainer.steps=2",
+                 "trainer.eval_every=null", "trainer.batch_size=16", "trainer.checkpoint_every=2"]
+    assert_ok(run_cli(*overrides, f"hydra.run.dir={path}"))
+    return path, [o if o != "trainer.steps=2" else "trainer.steps=4" for o in overrides]
+
+
+BOMB = {"seed": "${b40}", "b0": "x", **{f"b{i}": f"${{b{i - 1}}}${{b{i - 1}}}" for i in
+                                        range(1, 41)}}  # 2**40 characters, resolved
+
+
+@pytest.mark.parametrize(("values", "construct"), [
+    ({"seed": "${oc.env:GRIDRUN_SECRET}"}, "seed holds an interpolation "
+                                           "('${oc.env:GRIDRUN_SECRET}')"),
+    ({"seed": "${oc.decode:${oc.env:GRIDRUN_SECRET}}"}, "seed holds an interpolation "
+                                                        "('${oc.decode:${oc.env:GRIDRUN_SECRET}}')"),
+    (BOMB, "seed holds an interpolation ('${b40}')"),
+    ({"seed": "${seed}"}, "seed holds an interpolation ('${seed}')"),
+], ids=["secret", "nested-resolvers", "bomb", "self-reference"])
+def test_a_resume_refuses_an_interpolation_in_the_earlier_config_unresolved(
+        values: dict[str, str], construct: str, resumable: tuple[Path, list[str]],
+        tmp_path: Path) -> None:
+    """The earlier run's config.yaml, compared with the resumed one's, was resolved: the
+    secret printed as the seed that changed, the bomb resolved for minutes."""
+    original, overrides = resumable
+    run = copied(original, tmp_path / "run")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, **values}, sort_keys=False))
+    started = time.monotonic()
+    result = run_cli(*overrides, "trainer.resume=auto", f"hydra.run.dir={run}",
+                     env={"GRIDRUN_SECRET": SECRET}, timeout=120)
+    assert time.monotonic() - started < 30  # loose: the bomb is never resolved
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"error: hydra.run.dir={run} holds an earlier run")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert f"its config.yaml cannot be read: {run / 'config.yaml'}: {construct}" in result.stderr
+    assert SECRET not in result.stdout + result.stderr
+
+
+TAGS = ["!!python/object/apply:os.mkdir [MARKER]", "!!python/name:os.system", "!mine 3"]
+
+
+@pytest.mark.parametrize("tagged", TAGS, ids=["apply", "name", "custom"])
+def test_a_yaml_tag_is_refused_by_name_and_line_everywhere(
+        tagged: str, resumable: tuple[Path, list[str]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A tag in config.yaml ended the resume in a traceback; the replay and the report refuse
+    it as well, naming the file, its line and the tag; nothing is constructed."""
+    original, overrides = resumable
+    run = copied(original, tmp_path / "run")
+    marker = tmp_path / "constructed"
+    lines = (run / "config.yaml").read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.startswith("seed:"))
+    lines[line - 1] = f"seed: {tagged.replace('MARKER', str(marker))}"
+    (run / "config.yaml").write_text("\n".join(lines) + "\n")
+    tag = tagged.split()[0]
+    why = (f"{run / 'config.yaml'}:{line}: a YAML tag '{tag}' (a run's files are data: no tag "
+           "is constructed): refused")
+    result = run_cli(*overrides, "trainer.resume=auto", f"hydra.run.dir={run}", timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    # the resume's refusal quotes the reader's first 200 characters
+    assert f"cannot be read: {why[:why.index(' (a run')]}" in result.stderr
+    assert refused(capsys, replay_main([str(run), "--run-dir", str(tmp_path / "again")])) == why
+    assert refused(capsys, report_main([str(run)])) == why
+    assert not marker.exists() and not (tmp_path / "again").exists()
+
+
+def test_the_replay_and_the_report_never_resolve_an_interpolation_bomb(
+        original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The replay refuses it by key; the report shows the text as written."""
+    run = copied(original, tmp_path / "run")
+    (run / "summary.json").unlink()  # the report then names the strategy from config.yaml
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["strategy"]["name"] = "${b40}"
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, **BOMB}, sort_keys=False))
+    started = time.monotonic()
+    err = refused(capsys, replay_main([str(run), "--run-dir", str(tmp_path / "again")]))
+    assert err.startswith(f"{run / 'config.yaml'}: seed holds an interpolation ('${{b40}}')")
+    assert report_main([str(run)]) == 0
+    assert time.monotonic() - started < 30
+    assert "# Run report: ${b40} · grid 1×1 · sgd" in (run / "report" / "report.md").read_text()
+
+
+def test_a_dollar_that_opens_no_interpolation_is_text_and_the_run_replays(
+        original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`$5`, `$HOME` and an escaped `\\${x}` are no interpolation to OmegaConf: a config
+    holding them replays, its losses identical; `\\\\${x}` (an escaped backslash, then an
+    interpolation) is refused."""
+    run = copied(original, tmp_path / "run")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["launcher"]["args"] = ["$5", "$HOME", "a\\${x}", "$"]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert replay_main([str(run), "--run-dir", str(tmp_path / "again")]) == 0
+    out = capsys.readouterr().out
+    assert "identical: the 3 training losses" in out
+    config["launcher"]["args"] = ["a\\\\${x}"]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    err = refused(capsys, replay_main([str(run), "--run-dir", str(tmp_path / "never")]))
+    assert err.startswith(f"{run / 'config.yaml'}: launcher.args[0] holds an interpolation")
+
+
+def test_text_from_a_run_s_files_reaches_the_terminal_escaped(tmp_path: Path) -> None:
+    """An error in summary.json, a name in config.yaml, a metrics value and the directory's own
+    name holding a screen clear, a window title, a carriage return and a bidi override: the
+    report's output and report.md show each as a visible escape, never the raw bytes."""
+    run = run_dir(tmp_path / f"run{NASTY}", json.dumps({**TRAIN, "step": 2, "loss": NASTY}))
+    summary = {**SUMMARY, "status": "failed", "failed_rank": 0, "error": NASTY,
+               "strategy": f"data{NASTY}"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    result = subprocess.run([sys.executable, "-m", "runner.report", str(run)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert_ok(result)
+    assert_escaped(result.stdout)
+    text = (run / "report" / "report.md").read_text()
+    assert_escaped(text)
+    assert f"| status | failed on rank 0: {SHOWN[0]}" in text
+
+
+def test_a_sweep_s_text_reaches_report_md_escaped(tmp_path: Path) -> None:
+    sweep = sweep_dir(tmp_path / "sweep", NASTY)
+    with (sweep / "sweep_summary.csv").open("a", newline="") as f:
+        csv.writer(f).writerow([2, f"a={NASTY}", "completed", "", ""])
+    assert report_main([str(sweep)]) == 0
+    assert_escaped((sweep / "report" / "report.md").read_text())
+
+
+def test_the_replay_s_error_quoting_a_run_s_name_is_one_escaped_line(
+        original: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = copied(original, tmp_path / "run")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["strategy"]["name"] = f"data{NASTY}\nerror: a second line"
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    err = refused(capsys, replay_main([str(run), "--run-dir", str(tmp_path / "again")]))
+    assert_escaped(err)
+    assert "\\nerror: a second line" in err
+
+
+def test_the_result_table_shows_a_run_s_text_escaped_and_markup_literally(
+        tmp_path: Path) -> None:
+    """A real run whose directory's name holds rich markup (an unmatched closing tag made rich
+    raise) and terminal escapes: the result table shows the name as written, escaped."""
+    from runner.checkpoint.resume import hydra_quoted
+
+    run = tmp_path / f"r[bold]x[/red]{NASTY}"
+    result = run_cli("strategy=data", "grid.pr=1", "grid.pc=1", "trainer.steps=1",
+                     "trainer.eval_every=null", "trainer.batch_size=16",
+                     f"hydra.run.dir={hydra_quoted(str(run))}")
+    assert_ok(result)
+    row = next(line for line in result.stdout.splitlines() if "run dir" in line)
+    assert_escaped(row)
+    assert "r[bold]x[/red]" in row
+
+
+def test_summary_table_and_print_error_escape_what_they_are_given(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.console import Console
+
+    from runner.records.console import print_error, printable, summary_table
+
+    out = io.StringIO()
+    console = Console(file=out, width=400, force_terminal=False)
+    console.print(summary_table({**SUMMARY, "strategy": f"[/bold]{NASTY}",
+                                 "optimizer": "[red]sgd[/red]"}))
+    shown = out.getvalue()
+    assert_escaped(shown)
+    assert "[/bold]" in shown and "[red]sgd[/red]" in shown
+    print_error(f"a{NASTY}\nb")
+    assert capsys.readouterr().err == f"error: a{''.join(SHOWN)}\\nb\n"
+    assert printable("a\nb\x9b\u2066\t", newlines=True) == "a\nb\\x9b\\u2066\\t"

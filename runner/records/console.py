@@ -7,6 +7,7 @@ GRIDRUN_FORCE_TERMINAL=1 when its own output is a terminal so rank 0 still draws
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -14,11 +15,44 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 FORCE_TERMINAL_ENV = "GRIDRUN_FORCE_TERMINAL"
 
 
 _PLAIN_WIDTH = 160  # for logs and pipes, where rich would otherwise assume 80 columns
+
+# What a terminal acts on rather than shows: C0 and C1 controls (ESC starts cursor moves, screen
+# clears and window titles; CR rewrites a line), DEL, the line and paragraph separators, and the
+# bidirectional overrides and isolates that reorder what follows them.
+_ACTED_ON = "\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_UNPRINTABLE = re.compile(f"[\x00-\x1f{_ACTED_ON}]")
+_UNPRINTABLE_BUT_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f{_ACTED_ON}]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def printable(text: object, newlines: bool = False) -> str:
+    """`text` as a terminal shows it and acts on nothing of it: every control character (and
+    bidirectional override) written as a visible escape, `\\x1b`, `\\r`, `\\u202e`; a newline
+    kept only where `newlines` allows it. Text that came from a file (a run's names, errors,
+    values) is printed through this, so no file can move the cursor, rewrite lines or set the
+    window title."""
+    pattern = _UNPRINTABLE_BUT_NEWLINE if newlines else _UNPRINTABLE
+    return pattern.sub(_escape, str(text))
+
+
+def plain(text: object) -> Text:
+    """`printable(text)` for a rich table cell or `Console.print`: shown as written, never read
+    as rich's markup (a `[bold]` in a file stays those characters)."""
+    return Text(printable(text))
 
 
 def make_console(stderr: bool = False) -> Console:
@@ -33,7 +67,8 @@ class ProgressReporter:
     """Training progress for rank 0; silent on every other rank."""
 
     def __init__(self, enabled: bool, total_steps: int, title: str) -> None:
-        self.enabled, self.total, self.title = enabled, total_steps, title
+        # the title names the run's model and strategy: a replayed run's come from its file
+        self.enabled, self.total, self.title = enabled, total_steps, printable(title)
         self.console = make_console()
         self.live = enabled and self.console.is_terminal
         self._every = max(1, total_steps // 10)
@@ -43,7 +78,8 @@ class ProgressReporter:
     def __enter__(self) -> ProgressReporter:
         if self.live:
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.description}", style="bold", markup=False), BarColumn(),
+                MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f}"),
                 TextColumn("{task.fields[rate]:.0f} samples/s"), TimeRemainingColumn(),
                 console=self.console, transient=False)
@@ -51,7 +87,7 @@ class ProgressReporter:
             self._task = self._progress.add_task(self.title, total=self.total, loss=float("nan"),
                                                  rate=0.0)
         elif self.enabled:
-            self.console.print(f"{self.title}: {self.total} steps")
+            self.console.print(f"{self.title}: {self.total} steps", markup=False)
         return self
 
     def step(self, step: int, loss: float, samples_per_s: float) -> None:
@@ -151,7 +187,7 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("run dir", str(summary.get("run_dir"))),
     ]
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(plain(key), plain(value))  # a run's text: never markup
     return table
 
 
@@ -168,8 +204,8 @@ def _gpu_cell(summary: Mapping[str, Any]) -> str:
 
 
 def print_error(message: str) -> None:
-    """The one line a user gets for bad input."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """The one line a user gets for bad input; whatever of a file it quotes is `printable`."""
+    print(f"error: {printable(message)}", file=sys.stderr, flush=True)
 
 
 def _memory_cell(held: Mapping[str, int | None] | None,

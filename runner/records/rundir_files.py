@@ -9,6 +9,12 @@ YAML or CSV is the caller's to judge (the parsers' own errors); no parser here e
 past Python's limit or raises on a number's size.
 
 Values are returned as written: a non-finite or absurd number is the caller's to leave out.
+
+YAML is data too, whatever reads it next: `parse_yaml` refuses a tag (`!!python/object/...`,
+`!custom`: the one place a YAML loader constructs more than plain values) and, unless the caller
+only shows the values, an OmegaConf interpolation (`${oc.env:NAME}`: resolved later, it would
+copy this machine's environment or run a resolver). gridrun writes its config.yaml resolved, so
+a file of its own holds neither. Text that is no YAML is refused as well (`NotYaml`), in one line.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class RunFileError(ValueError):
     """A run file beyond the bounds it is read within; the message is the one line shown."""
 
     def __init__(self, path: Path, why: str, line: int | None = None) -> None:
+        self.path, self.why, self.line = path, why, line
         where = f"{path}:{line}" if line is not None else str(path)
         super().__init__(f"{where}: {why}: refused")
 
@@ -167,18 +174,59 @@ def load_json(path: Path) -> Any:
     return parse_json(read_text(path), path)
 
 
-def _yaml_too_deep(text: str) -> int | None:
-    """The line where YAML text nests deeper than `MAX_DEPTH` as written, None when it does
-    not: from the parser's events, which come without recursion (composing a document
-    recurses once per level)."""
+class NotYaml(RunFileError):
+    """Text within the bounds that is no YAML (or holds a value YAML's constructors refuse)."""
+
+
+_YAML_TAGS = "tag:yaml.org,2002:"
+
+
+def _shown(text: str, most: int = 60) -> str:
+    return text if len(text) <= most else f"{text[:most - 3]}..."
+
+
+def _scan_yaml(text: str, path: Path) -> None:
+    """`RunFileError` for YAML text that nests deeper than `MAX_DEPTH` as written or carries a
+    tag, naming its line: from the parser's events, which come without recursion (composing a
+    document recurses once per level) and before any constructor runs."""
     depth = 0
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        tag = getattr(event, "tag", None)  # an explicit tag only: plain values have none
+        if tag is not None:
+            written = f"!!{tag[len(_YAML_TAGS):]}" if tag.startswith(_YAML_TAGS) else tag
+            raise RunFileError(path, f"a YAML tag {_shown(written)!r} (a run's files are data: "
+                                     "no tag is constructed)", event.start_mark.line + 1)
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
-                return event.start_mark.line + 1
+                raise RunFileError(path, f"nested deeper than {MAX_DEPTH} levels",
+                                   event.start_mark.line + 1)
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
+
+
+# `${` opens an OmegaConf interpolation unless an odd number of backslashes escapes it
+_INTERPOLATION = re.compile(r"(?<!\\)(?:\\\\)*\$\{")
+
+
+def interpolation(value: Any) -> tuple[str, str] | None:
+    """The first key (dotted, `[i]` for a list item) whose text holds an OmegaConf
+    interpolation, in file order, and that text; None when none does. `$` alone and an escaped
+    `\\${` are text to OmegaConf too. YAML anchors, shared or recursive, are walked once."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    seen: set[int] = set()
+    while stack:
+        key, item = stack.pop()
+        if isinstance(item, str):
+            if _INTERPOLATION.search(item):
+                return key or "the whole file", item
+        elif isinstance(item, (dict, list)) and id(item) not in seen:
+            seen.add(id(item))
+            if isinstance(item, dict):
+                children = [(f"{key}.{k}" if key else str(k), v) for k, v in item.items()]
+            else:
+                children = [(f"{key}[{i}]", v) for i, v in enumerate(item)]
+            stack.extend(reversed(children))
     return None
 
 
@@ -207,21 +255,37 @@ def check_nesting(value: Any, path: Path) -> None:
         stack.extend((child, depth + 1, name) for child, name in children)
 
 
-def parse_yaml(text: str, path: Path) -> Any:
-    """YAML text as plain values (safe YAML: no tags, nothing resolved); `RunFileError` beyond
-    the bounds, `yaml.YAMLError` or `ValueError` (a value a constructor refuses, such as an
-    integer past Python's digit limit) for text that is no YAML."""
-    deep = _yaml_too_deep(text)
-    if deep is not None:
-        raise RunFileError(path, f"nested deeper than {MAX_DEPTH} levels", deep)
-    loaded = yaml.safe_load(text)
+def parse_yaml(text: str, path: Path, *, shown_only: bool = False) -> Any:
+    """YAML text as plain values: nothing constructed but plain values, nothing resolved.
+    `RunFileError` beyond the bounds, for a tag, and for an interpolation unless `shown_only`
+    (a caller that only shows the values gets it as the text it is); `NotYaml` (a
+    `RunFileError` too) for text that is no YAML or holds a value a constructor refuses, such
+    as an integer past Python's digit limit."""
+    try:
+        _scan_yaml(text, path)
+        loaded = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "no YAML"
+        raise NotYaml(path, f"no YAML ({problem})",
+                      mark.line + 1 if mark is not None else None) from None
+    except (yaml.YAMLError, ValueError) as exc:
+        if isinstance(exc, RunFileError):
+            raise
+        raise NotYaml(path, f"no YAML ({_shown(str(exc).splitlines()[0], 200)})") from None
     check_nesting(loaded, path)
+    found = None if shown_only else interpolation(loaded)
+    if found is not None:
+        key, written = found
+        raise RunFileError(path, f"{_shown(key)} holds an interpolation ({_shown(written)!r}); "
+                                 "gridrun writes run files resolved, so this one is not as "
+                                 "gridrun wrote it")
     return loaded
 
 
-def load_yaml(path: Path) -> Any:
+def load_yaml(path: Path, *, shown_only: bool = False) -> Any:
     """A YAML file (config.yaml, .hydra/overrides.yaml) within the bounds; see `parse_yaml`."""
-    return parse_yaml(read_text(path), path)
+    return parse_yaml(read_text(path), path, shown_only=shown_only)
 
 
 def read_csv(path: Path) -> list[dict[str | Any, str | Any]]:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from runner.records.console import print_error
+from runner.records.console import print_error, printable
 from runner.report import ReportError, write_report
 
 EXIT_BAD_INPUT = 2
@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as exc:
         print_error(str(exc))
         return EXIT_BAD_INPUT
-    print(f"report written to {written[0].parent}:")
+    print(printable(f"report written to {written[0].parent}:"))
     for path in written:
-        print(f"  {path}")
+        print(printable(f"  {path}"))
     return 0
 
 

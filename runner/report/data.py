@@ -11,8 +11,9 @@ a config.yaml or an override appears in the report as that text, never as this m
 
 Hostile files (`runner/records/rundir_files.py` holds the bounds): what no reader should take in, a
 file over its size limit, a line of metrics.jsonl over 1 MiB, JSON or YAML nested deeper than
-32 levels (or multiplied by YAML aliases), an integer of more than 100 digits, is refused too:
-one line naming the file and its line, no report written. What is within the bounds but cannot
+32 levels (or multiplied by YAML aliases), an integer of more than 100 digits, a YAML tag
+(`!!python/object/...`, which a loader would construct), is refused too: one line naming the file
+and its line, no report written. What is within the bounds but cannot
 be read is noted and left out, as a cut-short line always was: a metrics line that is no JSON
 object with an integer `step`, a summary.json or config.yaml that is no valid JSON or YAML. A
 value that is no finite number of a usable size (see `finite`: NaN, infinities, 1e308, text
@@ -28,10 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-import yaml
-
+from runner.records.console import printable
 from runner.records.rundir_files import (
-    RunFileError,
+    NotYaml,
     load_json,
     load_yaml,
     parse_json,
@@ -92,9 +92,11 @@ class Run:
         return f"{grid.get('pr', '?')}{times}{grid.get('pc', '?')}"
 
     def describe(self) -> str:
-        """'data · grid 1×2 · sgd', the run's identity for titles."""
-        return (f"{self.setting('strategy', 'strategy.name') or '?'} · grid {self.grid_text()} · "
-                f"{self.setting('optimizer', 'optimizer.name') or '?'}")
+        """'data · grid 1×2 · sgd', the run's identity for titles (`printable`: the names are
+        the files')."""
+        strategy = self.setting("strategy", "strategy.name") or "?"
+        optimizer = self.setting("optimizer", "optimizer.name") or "?"
+        return printable(f"{strategy} · grid {self.grid_text()} · {optimizer}")
 
     def stats(self) -> Record:
         """The summary's numbers; for a run without one, the same numbers from its metrics so
@@ -214,14 +216,12 @@ def _step(value: Any) -> bool:
 
 
 def _load_yaml(path: Path) -> Any:
-    """The file as plain Python values, exactly as written (safe YAML: no tags, no
-    interpolation), or None when it is no YAML (a report only notes that); `RunFileError`
-    beyond the bounds."""
+    """The file as plain Python values, exactly as written (an interpolation is the text it
+    is: a report only shows it), or None when it is no YAML (a report only notes that);
+    `RunFileError` beyond the bounds or for a tag."""
     try:
-        return load_yaml(path)
-    except RunFileError:
-        raise
-    except (yaml.YAMLError, ValueError):  # ValueError: a value YAML's constructors refuse
+        return load_yaml(path, shown_only=True)
+    except NotYaml:
         return None
 
 

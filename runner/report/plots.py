@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
 from runner.records import safe_paths
+from runner.records.console import printable
 from runner.report.data import Job, Record, Run, finite, varying_overrides
 
 TIME_LABEL = "training time (s, cumulative step time)"
@@ -32,7 +33,8 @@ TEXT_LIMIT = 100  # characters: laying out a megabyte of title took matplotlib m
 
 
 def short(text: str) -> str:
-    """`text` as a figure shows it: at most `TEXT_LIMIT` characters."""
+    """`text` as a figure shows it: at most `TEXT_LIMIT` characters, `printable`."""
+    text = printable(text, newlines=True)
     return text if len(text) <= TEXT_LIMIT else f"{text[:TEXT_LIMIT - 1]}…"
 
 

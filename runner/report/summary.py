@@ -2,7 +2,9 @@
 
 Numbers are formatted as the console's result and sweep tables show them (loss and accuracy to
 4 decimals, times in ms), so a report and a terminal can be read side by side. Text from a run's
-files (names, overrides, errors) is shown as written: table cells escape only `|` and newlines.
+files (names, overrides, errors) is shown as written, less what a terminal showing report.md
+would act on: control characters as visible escapes (`printable`); table cells also escape `|`
+and newlines.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.records.console import printable
 from runner.report.data import Job, Run, Sweep, finite, varying_overrides
 
 IMAGE_TITLES = {
@@ -36,7 +39,7 @@ def ratio(measured: Any, predicted: Any) -> str:
 
 
 def cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return printable(str(text).replace("\n", " ")).replace("|", "\\|")
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -55,7 +58,7 @@ def images(paths: Sequence[Path]) -> list[str]:
 
 
 def _notes(notes: Sequence[str]) -> list[str]:
-    return ["", "Notes:", "", *[f"- {note}" for note in notes]] if notes else []
+    return ["", "Notes:", "", *[f"- {printable(note)}" for note in notes]] if notes else []
 
 
 def run_markdown(run: Run, pngs: Sequence[Path]) -> str:
@@ -93,7 +96,7 @@ def run_markdown(run: Run, pngs: Sequence[Path]) -> str:
          fmt(s.get("predicted_comm_time_s_per_step"), ".3f", " ms", 1e3),
          ratio(s.get("comm_time_s_per_step"), s.get("predicted_comm_time_s_per_step"))),
     ]
-    lines = [f"# Run report: {run.describe()}", "", f"Run directory: `{run.path}`", "",
+    lines = [f"# Run report: {run.describe()}", "", f"Run directory: `{printable(run.path)}`", "",
              *table(("quantity", "value"), rows), "",
              "## Communication per step: measured against the planner's prediction", "",
              *table(("per step", "measured", "predicted", "measured / predicted"), comm)]
@@ -130,10 +133,10 @@ def sweep_markdown(sweep: Sweep, pngs: Sequence[Path]) -> str:
     header = ("job", "overrides", "status", "final loss", "val acc", "wall time (s)",
               "median step (ms)", "comm share", "comm ms/step (predicted)",
               "comm bytes/step (predicted)", "error")
-    lines = [f"# Sweep report: `{sweep.path}`", "",
+    lines = [f"# Sweep report: `{printable(sweep.path)}`", "",
              f"{len(sweep.jobs)} job(s): {counts or 'none'}.", ""]
     if common:
-        lines += [f"Overrides every job shares: `{' '.join(common)}`", ""]
+        lines += [f"Overrides every job shares: `{printable(' '.join(common))}`", ""]
     lines += table(header, [job_row(job, labels[job.number]) for job in sweep.jobs])
     skipped = [str(job.number) for job in sweep.jobs if not job.plotted]
     if skipped:

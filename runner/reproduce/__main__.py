@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from runner.records.console import print_error
+from runner.records.console import print_error, printable
 from runner.reproduce import grid, parallax, sc17
 from runner.reproduce.runs import read_json, table, write_json
 
@@ -53,8 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def collect(name: str, runs_dir: Path, quick: bool) -> dict[str, Any]:
-    def log(message: str) -> None:
-        print(message, flush=True)
+    def log(message: str) -> None:  # a failed run's message quotes its output
+        print(printable(message), flush=True)
 
     if name == "grid":
         return grid.collect(quick, log)
