@@ -194,7 +194,7 @@ class MapRows:
     """A map-style dataset over tensors, its rows optionally replaced."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-                 odd: dict[int, tuple[object, object]] | None = None,
+                 odd: dict[int, tuple[object, object] | Exception] | None = None,
                  length: int | None = None) -> None:
         self.x, self.y, self.num_classes, self.odd = x, y, num_classes, odd or {}
         self.length = len(x) if length is None else length  # a length may overstate the rows
@@ -203,7 +203,10 @@ class MapRows:
         return self.length
 
     def __getitem__(self, index: int) -> tuple[object, object]:
-        return self.odd.get(index, (self.x[index], self.y[index]))
+        row = self.odd.get(index, (self.x[index], self.y[index]))
+        if isinstance(row, Exception):  # a row that cannot be read (a missing record)
+            raise row
+        return row
 
 
 def pairs(rows: int = 40, features: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +329,9 @@ def rows_with(kind: str = "none", rows: int = 400,
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, 8, generator=generator)
     y = torch.randint(0, 10, (rows,), generator=generator)
-    odd: dict[int, tuple[object, object]] = {}
+    odd: dict[int, tuple[object, object] | Exception] = {}
+    if kind == "missing row":
+        odd[BAD_ROW] = IndexError(f"record {BAD_ROW} is missing")
     if kind in BAD_ROWS:
         bad_x, bad_y = BAD_ROWS[kind]
         odd[BAD_ROW] = (x[BAD_ROW] if bad_x is None else bad_x,
@@ -347,6 +352,8 @@ BAD_ROW_LINES = {
     "bool target": "the train set's row 200: target True is a torch.bool, not a class index",
     "complex input": "the train set's row 200: input (1+2j) is a torch.complex64",
     "nan input": "the train set's row 200: input value nan is not finite",
+    "missing row": "the train set's row 200 cannot be read (IndexError: record 200 is missing): "
+                   "its __len__ says 400 rows",
 }
 
 
