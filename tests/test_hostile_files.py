@@ -8,6 +8,12 @@ the replay refuses before it trains. Within the bounds, a number that is not fin
 text and override lists of any size neither stall the figures nor name impossible paths.
 The report's files are written by hand (it only reads them); the replay's come from one real
 1-rank run per module.
+
+Nothing of a run directory runs as code or reaches a terminal raw: Hydra's rerun of a pickled
+config is refused before the pickle is read; a YAML tag is refused by file, line and tag, and an
+interpolation (a secret from the environment, a bomb, a self-reference) by key, never resolved;
+control characters and bidi overrides from any file are printed as visible escapes, and rich
+markup in a file's text is printed as written.
 """
 
 from __future__ import annotations
