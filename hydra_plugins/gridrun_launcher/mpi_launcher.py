@@ -125,14 +125,18 @@ class MPILauncher(Launcher):
                          console: "Console") -> tuple[JobReturn, "SweepJob"]:
         """Run one job in this process (its task starts the job's MPI job) and record it for the
         table. An override that does not compose fails this job only."""
+        from rich.markup import escape
+
         from runner.cli.sweep import SweepJob, job_dir_refusal
         from runner.config.schema import ConfigError
+        from runner.records.console import printable
         from runner.records.rundir import RunDir
 
         assert self.config is not None and self.hydra_context is not None
         assert self.task_function is not None
         shown = filter_overrides(overrides)
-        console.print(f"[bold]job {number}[/bold]: {' '.join(shown) or '(defaults)'}")
+        console.print(f"[bold]job {number}[/bold]: "
+                      f"{escape(printable(' '.join(shown))) or '(defaults)'}")
         try:
             job_config = self.hydra_context.config_loader.load_sweep_config(
                 self.config, list(overrides))

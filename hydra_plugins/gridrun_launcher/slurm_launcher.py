@@ -123,12 +123,16 @@ class SlurmLauncher(Launcher):
 
     def _submit(self, overrides: Sequence[str], number: int, console: "Console") -> _Submitted:
         """Compose, validate and submit one job (its task, run by Hydra as a job, submits)."""
+        from rich.markup import escape
+
         from runner.cli.sweep import job_dir_refusal
         from runner.config.schema import ConfigError
+        from runner.records.console import printable
 
         assert self.config is not None and self.hydra_context is not None
         shown = filter_overrides(overrides)
-        console.print(f"[bold]job {number}[/bold]: {' '.join(shown) or '(defaults)'}")
+        console.print(f"[bold]job {number}[/bold]: "
+                      f"{escape(printable(' '.join(shown))) or '(defaults)'}")
         try:
             job_config = self.hydra_context.config_loader.load_sweep_config(
                 self.config, list(overrides))

@@ -293,7 +293,7 @@ def resume_command(run_dir: Path) -> str:
     the shell)."""
     overrides: list[str] = []
     try:
-        saved = load_yaml(run_dir / ".hydra" / "overrides.yaml") or []
+        saved = load_yaml(run_dir / ".hydra" / "overrides.yaml", shown_only=True) or []
         overrides = [str(o) for o in saved
                      if not str(o).startswith(("trainer.resume=", "hydra.run.dir="))]
     except (OSError, ValueError, TypeError):  # unreadable, beyond the bounds, not a list

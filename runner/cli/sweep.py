@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 
 from runner.records import safe_paths
+from runner.records.console import plain, printable
 from runner.records.rundir import atomic_write_text, unsafe_place
 
 COLUMNS = ("job", "overrides", "status", "final_loss", "val_accuracy", "workers_val_accuracy",
@@ -86,12 +87,12 @@ def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
     for row in rows:
         requeued = [_cell(row.get("requeued"), "d")] if batch_jobs else []
         if row["status"] != "completed":
-            table.add_row(str(row["job"]), row["overrides"], "[red]failed[/red]", *[""] * 6,
+            table.add_row(str(row["job"]), plain(row["overrides"]), "[red]failed[/red]", *[""] * 6,
                           *requeued)
             continue
         step_ms = None if row["median_step_time_s"] is None else row["median_step_time_s"] * 1e3
         table.add_row(
-            str(row["job"]), row["overrides"], _cell(row["final_loss"], ".4f"),
+            str(row["job"]), plain(row["overrides"]), _cell(row["final_loss"], ".4f"),
             _cell(row["val_accuracy"], ".4f"), _cell(row["wall_time_s"], ".2f"),
             _cell(step_ms, ".2f"), _cell(row["comm_time_share"], ".1%"),
             f"{_cell(row['comm_bytes_per_step'], ',.0f')} "
@@ -102,5 +103,5 @@ def sweep_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
 
 
 def sweep_failures(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [f"job {row['job']} ({row['overrides']}): {row['error']}" for row in rows
+    return [printable(f"job {row['job']} ({row['overrides']}): {row['error']}") for row in rows
             if row["status"] != "completed"]

@@ -108,7 +108,8 @@ def start_or_resume(resume: str | None, total_steps: int, run_dir: RunDir, grid:
                           f"and trainer.steps={total_steps} (raise trainer.steps to train on)")
     log.info("resumed from %s (step %d)", checkpoint.path, checkpoint.step)
     if grid.rank == 0:
-        make_console().print(f"resuming from {checkpoint.path} at step {checkpoint.step}")
+        make_console().print(f"resuming from {checkpoint.path} at step {checkpoint.step}",
+                             markup=False)
     start = Start(checkpoint.step, float(checkpoint.manifest["time_s"]),
                   sampler_state(checkpoint), checkpoint,
                   checkpoint.path.parent == run_dir.checkpoints,
