@@ -4,7 +4,8 @@
 A set of 1 or 3 rows on a grid of 2 or 4 batch groups leaves a batch group without rows (what
 `trainer.eval_samples=1` does on the default grid): the loss and accuracy are one process's on
 the same weights, in float64 to 1e-12, under data, model, grid, domain, auto, fsdp on one and two
-dimensions, and grid and fsdp split by a plan, in pieces of the whole set and of one row.
+dimensions, grid, fsdp and domain split by a plan, and a GPT's tensor and sequence parallelism,
+in pieces of the whole set and of one row.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from runner.training.evaluation import evaluate
 from runner.zoo.models import cnn, mlp
 from strategies import STRATEGIES, PricingContext
 from strategies.probe import reads_tokens
+from strategies.transformer import GPT
 from tests import plan_models
 
 GRIDS = make_grids([(1, 4), (4, 1), (2, 2)])
@@ -92,6 +94,10 @@ def user_block_lm() -> nn.Module:
     return plan_models.UserBlockLM(VOCAB, (T,))
 
 
+def gpt() -> nn.Module:
+    return GPT(VOCAB, T, width=16, layers=1, heads=4, tie_weights=False)
+
+
 @check
 def split_strategies_score_an_empty_batch_group_as_one_process() -> None:
     compare("data", (1, 4), small_mlp)
@@ -108,6 +114,9 @@ def sharded_and_planned_strategies_score_an_empty_batch_group_as_one_process() -
     compare("fsdp", (2, 2), user_block_lm, tokens=True, stage=3, plan=PLAN)
     compare("grid", (2, 2), user_block_lm, tokens=True, plan=PLAN)
     compare("domain", (2, 2), user_block_lm, tokens=True, plan=SEQUENCE_PLAN)
+    # a GPT's own tensor parallelism (its head by vocabulary) and its sequence split
+    compare("grid", (2, 2), gpt, tokens=True)
+    compare("domain", (2, 2), gpt, tokens=True)
 
 
 if __name__ == "__main__":
