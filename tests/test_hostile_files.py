@@ -237,6 +237,30 @@ def test_a_file_over_its_size_limit_is_refused_unread(
                    "summary.json: refused")
 
 
+def test_a_run_file_is_read_only_from_inside_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link in the run directory, to a file or through a folder outside, is not read: what
+    lies outside (a secret standing for ~/.ssh/...) never reaches the report or its output."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "summary.json"
+    secret.write_text(json.dumps({**SUMMARY, "status": "SECRET-VALUE"}))
+    run = run_dir(tmp_path / "run")
+    (run / "summary.json").unlink()
+    (run / "summary.json").symlink_to(secret)
+    err = refused(capsys, report_main([str(run)]))
+    assert err == (f"{run / 'summary.json'}: a symbolic link (a run's files are read only from "
+                   f"inside it): refused")
+    assert "SECRET" not in err and not (run / "report").exists()
+    sweep = sweep_dir(tmp_path / "sweep", "")
+    hydra = sweep / "0" / ".hydra"
+    shutil.move(hydra, outside / ".hydra")
+    hydra.symlink_to(outside / ".hydra")
+    err = refused(capsys, report_main([str(sweep)]))
+    assert err.startswith(f"{hydra / 'overrides.yaml'}: "), err
+    assert f"{hydra}" in err and "symbolic link" in err
+
+
 def test_a_metrics_line_over_1_mib_is_refused_by_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = run_dir(tmp_path / "run", json.dumps({"step": 2, "note": "x" * 2**20}))

@@ -25,12 +25,13 @@ import io
 import json
 import os
 import re
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import yaml
+
+from runner.records import safe_paths
 
 MIB = 2**20
 MAX_FILE_BYTES = 4 * MIB  # config.yaml, summary.json, overrides.yaml: a few kB as gridrun writes
@@ -67,15 +68,21 @@ def _too_large(path: Path, size: int, limit: int) -> RunFileError:
 @contextlib.contextmanager
 def _open_regular(path: Path) -> Iterator[IO[bytes]]:
     """The file open for reading, once it is known to be a regular file no larger than its
-    limit. Opened without blocking: a FIFO in the run's place would wait for a writer."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    limit, reached without following a link (`safe_paths`: from its run directory where one
+    is registered, else its own name). Opened without blocking: a FIFO in the run's place
+    would wait for a writer."""
+    try:  # from the run directory, no link followed: its files are read from inside it
+        fd = safe_paths.open_file(*safe_paths.locate(path), os.O_RDONLY)
+    except safe_paths.LinkRefused as exc:
+        how = ("a symbolic link" if exc.filename == str(Path(os.path.abspath(path)))
+               else f"reached through the symbolic link {exc.filename}")
+        raise RunFileError(path, f"{how} (a run's files are read only from inside it)") from None
+    except safe_paths.NotRegularRefused:
+        raise RunFileError(path, "not a regular file") from None
     except OSError as exc:
         raise RunFileError(path, f"cannot be read ({exc.strerror or exc})") from None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RunFileError(path, "not a regular file")
         if info.st_size > limit_of(path):
             raise _too_large(path, info.st_size, limit_of(path))
         yield f

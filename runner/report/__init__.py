@@ -40,6 +40,7 @@ def write_report(path: Path, out: Path | None = None) -> list[Path]:
     # directory, where no link is followed (`safe_paths`)
     root, inside = (out, "") if out is not None else (path, "report")
     out = Path(root) / inside
+    safe_paths.register_root(path)  # its files are read from inside it, no link followed
     loaded = _load(path)
     if isinstance(loaded, Run):
         figures = plots.run_figures(loaded)
