@@ -265,6 +265,10 @@ BAD_DATA = {
         lambda: (MapRows(pairs()[0].to(torch.complex64), pairs()[1], num_classes=3),
                  MapRows(*pairs(8), num_classes=3)),
         "the train set's row 0: input (-1.1258398294448853+0j) is a torch.complex64"),
+    "a map-style row of text": (
+        lambda: (MapRows(*pairs(), num_classes=3, odd={3: ("abc", 1)}),
+                 MapRows(*pairs(8), num_classes=3)),
+        "the train set's row 3: its input is a str, not a tensor or a number"),
     "a map-style length past its rows": (
         lambda: (MapRows(*pairs(), num_classes=3, length=41), MapRows(*pairs(8), num_classes=3)),
         "the train set's row 40 cannot be read (IndexError: index 40 is out of bounds for "

@@ -74,7 +74,7 @@ class LazyRows:
             indices = [int(i) for i in index]
         if self.field == 0:  # a new batch: forget the previous one's rows
             self.shared.clear()
-        rows = [torch.as_tensor(self._row(i)) for i in indices]
+        rows = [_as_tensor(self._row(i), self.name, i, self.field) for i in indices]
         if not rows:
             return torch.empty(0)
         shape = self.shape if self.shape is not None else tuple(rows[0].shape)
@@ -117,6 +117,17 @@ def _item(dataset: Any, index: int, name: str = "train") -> tuple[Any, Any]:
         raise UserDatasetError(f"the {name} set's row {index} is a {type(item).__name__}, not "
                                f"an (input, target) pair")
     return item[0], item[1]
+
+
+def _as_tensor(value: Any, name: str, index: int, field: int) -> torch.Tensor:
+    """A row's input (`field` 0) or target (1) as a tensor, or one line naming the row."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        what = "input" if field == 0 else "target"
+        raise UserDatasetError(f"the {name} set's row {index}: its {what} is a "
+                               f"{type(value).__name__}, not a tensor or a number "
+                               f"({str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
 
 
 def _is_map_style(part: Any) -> bool:
@@ -195,7 +206,7 @@ class TargetDataset:
         train, val = self._made()
         if _is_map_style(train):
             first, _ = _item(train, 0)
-            sample = torch.as_tensor(first)
+            sample = _as_tensor(first, "train", 0, 0)
             _refuse_input_type("the train set's row 0", sample)
             classes = _declared(train, "num_classes") or _class_list(train)
             if classes is None:
@@ -277,7 +288,8 @@ def check_rows(name: str, part: Any, shape: tuple[int, ...], classes: int,
         rows = sampled_rows(len(part))
         where = f" (read in the head: rows {rows[0]}..{rows[-1]}, {len(rows)} of {len(part)})"
         for index in rows:
-            x, y = (torch.as_tensor(value) for value in _item(part, index, name))
+            x, y = (_as_tensor(value, name, index, field)
+                    for field, value in enumerate(_item(part, index, name)))
             if tuple(x.shape) != shape:
                 raise UserDatasetError(f"the {name} set's row {index} has inputs of shape "
                                        f"{tuple(x.shape)}, the training set's are {shape}")
