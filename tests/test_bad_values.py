@@ -388,13 +388,22 @@ def test_metrics_lines_are_whole_or_absent(tmp_path: Path,
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
-def test_a_full_disk_names_the_file() -> None:
-    writer = MetricsWriter(Path("/dev/full"))
+def test_a_full_disk_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write the disk refuses outright (`/dev/full` is no regular file: a run never writes
+    its metrics into one)."""
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
     with pytest.raises(OSError) as failed:
         writer.write({"step": 1})
+    monkeypatch.undo()
     writer.close()
-    assert failed.value.errno == errno.ENOSPC and failed.value.filename == "/dev/full"
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(path)
+    assert path.read_bytes() == b""
 
 
 def test_a_failed_atomic_write_leaves_no_temporary_file(
