@@ -1,8 +1,19 @@
 """The head's watch over an MPI job it started: the ranks' supervisors
 (`runner.training.supervisor`) record each rank's pid and how it ended, so a rank that died without
 a word (SIGKILL, the OOM killer, a segfault) is named with its signal; a job the launcher does not
-end by itself after a rank died is killed; no rank process outlives the job. SIGINT or SIGTERM to
-the head asks the ranks to stop cleanly (they checkpoint); a second one kills them. No Hydra here.
+end by itself after a rank died is killed; no rank process outlives the job.
+
+The head, not a rank, owns the job's end: once a rank reports a failure (its watchdog's timeout
+among them, `runner.training.supervisor.report_failure`), the rank aborts the job itself, and
+where that does not end it `KILL_GRACE_S` later (an MPI_Abort from a watchdog's thread can wait
+minutes under MPICH while a peer is stuck, and a rank holding the GIL or sleeping in C is deaf to
+any request), the head kills every process of the job: mpiexec and what is below it, supervisors,
+ranks and whatever the user's code started, each stopped first so that none can fork or slip
+out of reach (`runner.records.process.end_processes`). The head is a child subreaper while the
+job runs, so orphans of a process that died are reparented to it and ended with the rest.
+
+SIGINT or SIGTERM to the head asks the ranks to stop cleanly (they checkpoint); a second one
+kills them. No Hydra here.
 
 The head forwards SIGTERM whatever it got: mpiexec passes SIGTERM on to the ranks, SIGINT not
 always (Slurm's srun only reports the job's state at a first Ctrl-C; MPICH's mpiexec passes it on,
@@ -30,6 +41,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from runner.records.process import adopt_orphans, alive, descendants, end_processes, reap
 from runner.records.rundir import RunDir, atomic_write_text
 from runner.training.supervisor import (
     HEAD_ENV,
@@ -49,51 +61,11 @@ STOP_MESSAGE = "stopping: the ranks finish their step and write a checkpoint"
 SECOND_STOP_KILLS = " (press Ctrl-C again to kill the job)"
 
 
-def _proc_state(pid: int) -> str | None:
-    """The process state letter from /proc (None: no such process)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return "?"
-    return stat.rsplit(")", 1)[-1].split()[0]
-
-
-def _alive(pid: int) -> bool:
-    if Path("/proc/self").exists():
-        return _proc_state(pid) not in (None, "Z", "X")  # a zombie has ended
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below `root` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[-1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _signal_name(signum: int) -> str:
@@ -115,9 +87,14 @@ def _last_logged_step(log: Path) -> int | None:
     return int(steps[-1]) if steps else None
 
 
+def _unfinished(record: dict[str, Any]) -> bool:
+    """A rank that exited with code 0 without having finished (`os._exit(0)` mid-run)."""
+    return record.get("exit_code") == 0 and record.get("finished") is False
+
+
 def _abnormal(record: dict[str, Any]) -> bool:
     return "ended" in record and (record.get("signal") is not None
-                                  or record.get("exit_code", 0) != 0)
+                                  or record.get("exit_code", 0) != 0 or _unfinished(record))
 
 
 @dataclass
@@ -141,6 +118,7 @@ class MPIJob:
         self.command, self.run_dir, self.env = command, Path(run_dir), env
         self.relay, self.second_kills = relay, second_kills
         self.records: dict[int, dict[str, Any]] = {}
+        self.reports: dict[int, dict[str, Any]] = {}  # the ranks' failure reports
         self.vanished: list[dict[str, Any]] = []  # supervisors gone without a record
         self.stop_signal: str | None = None
         self.kill_requested = False
@@ -152,6 +130,8 @@ class MPIJob:
     def run(self) -> JobResult:
         shutil.rmtree(self.run_dir / RANKS_DIR, ignore_errors=True)  # an earlier run's records
         previous: dict[int, Any] = {}
+        before = set(descendants([os.getpid()]))  # not this job's
+        adopted = adopt_orphans()
         try:
             # Its own session: the terminal's Ctrl-C reaches the head alone, which asks the job
             # to stop once (mpiexec forwards SIGTERM to every rank) instead of the terminal and
@@ -168,13 +148,15 @@ class MPIJob:
             killed = self._watch()
             code = self.process.returncode
             self._refresh(force=True)
-            self._reap_leftovers()
+            self._reap_leftovers(before)
         except BaseException:
             self.kill()  # whatever stops the head must not leave the job behind
             raise
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if not adopted:
+                adopt_orphans(False)
         failure = self._diagnose()
         shutil.rmtree(self.run_dir / RANKS_DIR, ignore_errors=True)
         return JobResult(code, failure, self.stop_signal, killed)
@@ -201,8 +183,9 @@ class MPIJob:
     # -- what the supervisors say ----------------------------------------------------------
 
     def _refresh(self, force: bool = False) -> None:
-        """Re-read the records when their directory changed (they are replaced by renames), and
-        at least once a second (a file system whose times are coarse may not show a change)."""
+        """Re-read the records and the failure reports when their directory changed (records
+        are replaced by renames; a report moves the folder's time), and at least once a second
+        (a file system whose times are coarse may not show a change)."""
         try:
             mtime = (self.run_dir / RANKS_DIR).stat().st_mtime_ns
         except OSError:
@@ -211,16 +194,19 @@ class MPIJob:
         if force or mtime != self._records_mtime or now - self._read_at > 1.0:
             self._records_mtime, self._read_at = mtime, now
             self.records = read_rank_records(self.run_dir)
+            self.reports = read_failure_reports(self.run_dir)
 
     def _local(self, record: dict[str, Any]) -> bool:
         return record.get("host") == self._host  # pids on other nodes are not ours to check
 
     def _failure_seen(self) -> bool:
         self._refresh()
-        if any(_abnormal(r) for r in self.records.values()):
+        # A report comes first: a rank that timed out reports, then aborts the job, which may
+        # not end it (see the module's words).
+        if self.reports or any(_abnormal(r) for r in self.records.values()):
             return True
         gone = [r for r in self.records.values() if "ended" not in r and self._local(r)
-                and not _alive(int(r["supervisor_pid"]))]
+                and not alive(int(r["supervisor_pid"]))]
         if gone:
             self._refresh(force=True)  # it may have recorded its end just before exiting
             # Several at once: the launcher's clean-up came first, which of them went first is
@@ -260,7 +246,8 @@ class MPIJob:
         else:
             failure["exit_code"] = int(record["exit_code"])
             what = f"exited with code {failure['exit_code']}"
-        failure["error"] = f"rank {rank} (pid {pid}) {what}{when}"
+        unfinished = " without finishing" if _unfinished(record) else ""
+        failure["error"] = f"rank {rank} (pid {pid}) {what}{when}{unfinished}"
         return failure
 
     # -- signals and killing ---------------------------------------------------------------
@@ -304,39 +291,30 @@ class MPIJob:
         local = [r for r in self.records.values() if self._local(r)]
         pids = [int(r[key]) for key in ("supervisor_pid", "pid") for r in local if key in r]
         marker = str(self.run_dir)
-        return [pid for pid in pids if _alive(pid) and marker in _cmdline(pid)]
+        return [pid for pid in pids if alive(pid) and marker in _cmdline(pid)]
 
     def kill(self) -> None:
-        """SIGKILL mpiexec, what it started, and every rank process of this job on this host.
-        MPICH's Hydra puts each rank in a process group of its own: mpiexec's group is not
-        enough."""
+        """SIGKILL mpiexec and every process below it, and every rank process of this job on
+        this host with what is below it (MPICH's Hydra puts each rank in a process group of its
+        own: mpiexec's group is not enough; the user's code may leave any group)."""
         if self.process is None:
             return
         self._refresh(force=True)
-        victims = _descendants(self.process.pid) if Path("/proc").is_dir() else []
-        victims += [pid for pid in self._rank_pids() if pid not in victims]
+        roots = [self.process.pid] if self.process.poll() is None else []
+        killed = end_processes(roots + self._rank_pids())
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except OSError:
-                self.process.kill()
-        _kill_all(victims)
         self.process.wait()
+        reap(killed)
 
-    def _reap_leftovers(self) -> None:
-        """After mpiexec ended: no rank process of this job may still run."""
-        leftovers = self._rank_pids()
-        _kill_all(leftovers)
-        deadline = time.monotonic() + 5.0
-        while leftovers and time.monotonic() < deadline:
-            leftovers = [pid for pid in leftovers if _alive(pid)]
-            time.sleep(0.02)
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    def _reap_leftovers(self, before: set[int]) -> None:
+        """After mpiexec ended: no process of this job may still run, neither a rank nor what
+        a rank left (reparented to the head where its supervisor could not end it)."""
+        me = os.getpid()
+        orphans = [pid for pid in descendants([me]) if pid not in before]
+        leftovers = end_processes(self._rank_pids() + orphans)
+        reap(leftovers)
 
 
 def stop_with_parent() -> Any:

@@ -1,8 +1,8 @@
 """`python -m runner.cli.worker RUN_DIR`: one rank of a training job the head started.
 
 The launcher starts this once per rank; it forks the rank under its supervisor
-(`runner.training.supervisor`) and the rank trains (`runner.training.rank`), then ends without the
-interpreter's teardown (`runner.records.process`).
+(`runner.training.supervisor`) and the rank trains (`runner.training.rank`), tells its supervisor
+it finished, then ends without the interpreter's teardown (`runner.records.process`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from runner.records.process import defer_full_collections, end_process
 from runner.training.mpienv import detect_mpi_environment
-from runner.training.supervisor import supervise
+from runner.training.supervisor import mark_finished, supervise
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +31,9 @@ def main(argv: list[str]) -> int:
 
     from runner.training.rank import run_rank
 
-    end_process(run_rank(run_dir, MPI.COMM_WORLD))
+    code = run_rank(run_dir, MPI.COMM_WORLD)
+    mark_finished()  # an exit before this is the supervisor's to name as unfinished
+    end_process(code)
 
 
 if __name__ == "__main__":

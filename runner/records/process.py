@@ -1,4 +1,5 @@
-"""A gridrun process's start and end, without the interpreter's overheads at either.
+"""A gridrun process's start and end, without the interpreter's overheads at either; and the
+ending of what a run leaves running (below, "the processes a run leaves behind").
 
 The start: importing torch and the plugins makes some 190,000 objects that the cyclic collector
 tracks and that live as long as the process; at CPython's default thresholds each full
@@ -24,10 +25,15 @@ reports are written.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
+import signal
 import sys
-from typing import NoReturn
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NoReturn
 
 
 def exit_code(code: object) -> int:
@@ -86,3 +92,154 @@ def end_process(code: object = 0) -> NoReturn:
     except (OSError, AttributeError):
         pass
     os._exit(status)
+
+
+# -- the processes a run leaves behind ----------------------------------------------------------
+#
+# A rank's code may start processes of its own (a data server, a helper that daemonises), and a
+# hung rank must be ended whatever it is doing. Signals to a process group miss whatever left the
+# group (`setsid`), and a process whose parent dies is reparented to init, out of reach: so the
+# processes that watch others (the head, each rank's supervisor) are made child subreapers, where
+# orphans below them are reparented, and end what is below them by walking /proc (Linux; nothing
+# is found elsewhere).
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+END_WAIT_S = 5.0  # how long processes ended with SIGKILL are waited for (and reaped)
+
+
+def _prctl() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def adopt_orphans(adopt: bool = True) -> bool:
+    """Make this process (or no longer, `adopt=False`) the one that orphaned processes below it
+    are reparented to, so that they stay below it (Linux's child subreaper). Returns whether
+    it was one before; False where this is not supported."""
+    prctl = _prctl()
+    if prctl is None or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    was = ctypes.c_int(0)
+    prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    prctl(_PR_SET_CHILD_SUBREAPER, int(adopt), 0, 0, 0)
+    return bool(was.value)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (None: no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except (OSError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie has)."""
+    if Path("/proc/self").exists():
+        fields = _stat_fields(pid)
+        return fields is not None and fields[0] not in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def children_by_parent() -> dict[int, list[int]]:
+    """Every live process's pid by its parent's, from one walk of /proc (empty without it)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return children
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is None or len(fields) < 2 or fields[0] in ("Z", "X"):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def descendants(roots: Iterable[int]) -> list[int]:
+    """Every live process below `roots`, from one walk of /proc."""
+    children = children_by_parent()
+    found: dict[int, None] = {}  # in the order found, each once
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found[child] = None
+                todo.append(child)
+    return list(found)
+
+
+def end_processes(pids: Iterable[int], below: bool = True) -> list[int]:
+    """SIGKILL `pids` and (`below`) every process below them. Each is stopped first (SIGSTOP)
+    and the tree read again until nothing new appears: a stopped process neither forks nor
+    leaves its children to be reparented out of reach while the others are found. Never this
+    process. Returns the processes signalled."""
+    me = os.getpid()
+    stopped: list[int] = []
+    roots = [pid for pid in pids if pid != me]
+    for _ in range(50):  # a process forking as fast as it can is stopped within a few rounds
+        found = roots + (descendants(roots + stopped) if below else [])
+        new = [pid for pid in dict.fromkeys(found) if pid != me and pid not in stopped
+               and alive(pid)]
+        if not new:
+            break
+        for pid in new:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped += new
+    for pid in stopped:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return stopped
+
+
+def reap(pids: Iterable[int], wait_s: float = END_WAIT_S) -> None:
+    """Wait (up to `wait_s`) until `pids` have ended; those that are this process's children are
+    reaped (no zombie left)."""
+    waiting = list(pids)
+    deadline = time.monotonic() + wait_s
+    while waiting:
+        still = []
+        for pid in waiting:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done == 0:
+                    still.append(pid)
+            except ChildProcessError:  # not a child of this process: watched in /proc
+                if alive(pid):
+                    still.append(pid)
+            except OSError:
+                continue
+        waiting = still
+        if not waiting or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
+def reap_children(wait_s: float = END_WAIT_S) -> None:
+    """Wait (up to `wait_s`) for every child of this process to end, reaping each: for a process
+    whose only children are those it ended (a supervisor at its end)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)

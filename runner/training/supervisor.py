@@ -23,6 +23,14 @@ killed by the launcher before it records anything (MPI_Abort), but the report ov
 already on disk, so the head still names the rank and the reason. The head also writes there the
 signal it got before it forwards SIGTERM (`stop_signal_path`, read by `runner.training.interrupt`).
 
+What a rank leaves running when it ends (a helper process, a daemon of the user's code) would
+keep the launcher waiting for its output for ever, and the job with it: the supervisor is a child
+subreaper (orphans below it are reparented to it, not to init), and once its rank has ended it
+kills every process still below it (`runner.records.process.end_processes`), whether the run
+completed or not. It also tells whether the rank finished: the rank says so through a pipe
+(`mark_finished`, at the end of the worker), so an exit with code 0 in the middle of training
+(`os._exit(0)` in the user's code) is recorded as `"finished": false`, a failure.
+
 Light imports only: the supervisor forks before the rank imports torch.
 """
 
@@ -39,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runner.records.process import adopt_orphans, descendants, end_processes, reap_children
 from runner.records.rundir import RunDir, write_json
 
 RANKS_DIR = ".ranks"  # the supervisors' records, inside the run directory
@@ -53,12 +62,37 @@ HEAD_POLL_S = 0.25
 HEAD_GONE_GRACE_S = 5.0  # a rank asked to stop after its head went is killed this much later
 _supervised = False  # in the rank: forked by a supervisor (a job the head started)
 _reported = False
+_finished_fd: int | None = None  # in the rank: the pipe on which it tells its supervisor
 
 
 def supervised() -> bool:
     """Whether this process is a rank under a supervisor, in a job the head started (which
     reads `.ranks/` and removes it at the end)."""
     return _supervised
+
+
+def mark_finished() -> None:
+    """In the rank, once it has done its work (trained, or failed and said so): its supervisor
+    then records an exit with code 0 as a finished run, not as a rank that vanished."""
+    global _finished_fd
+    if _finished_fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.write(_finished_fd, b"1")
+        os.close(_finished_fd)
+    _finished_fd = None
+
+
+def _told_finished(fd: int) -> bool:
+    """In the supervisor, after its rank ended: whether the rank wrote to the pipe."""
+    try:
+        os.set_blocking(fd, False)
+        return bool(os.read(fd, 1))
+    except OSError:  # nothing written (EAGAIN while a child of the rank still holds it)
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def stop_signal_path(run_dir: Path) -> Path:
@@ -94,12 +128,16 @@ def report_failure(run_dir: Path, rank: int, failure: dict[str, Any]) -> None:
         error = str(report["error"])
         report["error"] = error[:len(error) // 2] + "…"
     data = json.dumps(report).encode().ljust(REPORT_BYTES - 1) + b"\n"
+    path = failure_report_path(run_dir, rank)
     with contextlib.suppress(OSError):
-        fd = os.open(failure_report_path(run_dir, rank), os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             os.pwrite(fd, data, 0)
         finally:
             os.close(fd)
+        # Written in place, which leaves the folder's time as it was: the head looks for news
+        # when that time moves (`runner.cli.mpijob`), so move it.
+        os.utime(path.parent)
 
 
 def read_failure_reports(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -207,11 +245,15 @@ def watched_head(value: str | None) -> tuple[int, str] | None:
         return None
 
 
-def _log_line(run_dir: Path, rank: int, message: str) -> None:
-    """One line in the rank's log (its format) and on stderr, from the supervisor."""
-    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank{rank} ERROR {message}\n"
+def _log_line(run_dir: Path, rank: int, message: str, level: str = "ERROR",
+              console: bool = True) -> None:
+    """One line in the rank's log (its format) and (`console`) on stderr, from the
+    supervisor."""
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank{rank} {level} {message}\n"
     with contextlib.suppress(OSError), RunDir(Path(run_dir)).rank_log(rank).open("a") as file:
         file.write(line)
+    if not console:
+        return
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(f"[rank {rank}] {message}\n")
         sys.stderr.flush()
@@ -256,13 +298,18 @@ def _exit_like(status: int) -> int:
 def supervise(run_dir: Path, rank: int) -> int | None:
     """Fork the rank. Returns None in the rank (go on and train), the exit code in the
     supervisor after the rank ended."""
-    global _supervised
+    global _supervised, _finished_fd
     parent = os.getpid()
+    adopt_orphans()  # what the rank starts stays below this process, even once orphaned
+    finished_r, finished_w = os.pipe()
     child = os.fork()
     if child == 0:
         _supervised = True
+        os.close(finished_r)
+        _finished_fd = finished_w
         _die_with_parent(parent)
         return None
+    os.close(finished_w)
     for signum in _RANK_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     path = rank_record_path(run_dir, rank)
@@ -286,6 +333,35 @@ def supervise(run_dir: Path, rank: int) -> int | None:
         record["signal"] = os.WTERMSIG(status)
     else:
         record["exit_code"] = os.waitstatus_to_exitcode(status)
+    record["finished"] = _told_finished(finished_r)
+    left = _end_left_behind(run_dir, rank)
+    if left:
+        record["left_behind"] = left
     with contextlib.suppress(OSError):
         write_json(path, record)
     return _exit_like(status)
+
+
+def _end_left_behind(run_dir: Path, rank: int) -> list[int]:
+    """Kill what the rank left running (its orphans were reparented here), and say so in the
+    rank's log; the pids killed."""
+    left = descendants([os.getpid()])
+    if not left:
+        return []
+    shown = ", ".join(f"{pid} ({_command(pid)})" for pid in left[:5])
+    more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+    killed = end_processes(left)
+    reap_children()
+    _log_line(run_dir, rank, f"rank {rank} ended and left processes running: {shown}{more}: "
+                              f"killed", level="WARNING", console=False)
+    return killed
+
+
+def _command(pid: int) -> str:
+    """A process's command line, short, for a log line."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    text = " ".join(w.decode(errors="replace") for w in words if w)
+    return text if len(text) <= 80 else text[:79] + "…"
