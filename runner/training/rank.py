@@ -14,6 +14,14 @@ the ranks already). Under the head, a failure is also reported in room the rank 
 `.ranks/` at its start (`runner.training.supervisor.report_failure`): on a full disk `summary.json`
 cannot be written, and the head still names the rank, the file and the reason.
 
+The user's code may end the process itself: `sys.exit(n)` (or `raise SystemExit`) and, while a
+rank trains, `os._exit(n)` (which raises `UserExit` in the process that trains, so that it unwinds
+as `sys.exit` does) are recorded as one line naming the code, the place and the phase ("rank 1
+exited with code 5 (sys.exit in the user's code at nets.py:12 in Net.__init__) during
+start-up"), and end the job as any failure does: an exit with code 0 before the run completed is
+a failure too. Where no supervisor outlives the rank (a 1-process run in the head, a job the user
+started), the rank ends what its code left running itself, as a supervisor would.
+
 In a job the user started (`mpiexec -n P python -m runner ...`), rank 0 composes the config and
 makes the run directory, then tells the others where it is (`announce_run_dir`/`follow_rank0`).
 """
@@ -26,12 +34,16 @@ import errno
 import json
 import os
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from runner.records.logs import setup_rank_logging
+from runner.records.process import adopt_orphans, descendants, end_processes, reap
 from runner.records.rundir import RunDir, write_json
 from runner.training.interrupt import relay_stop_signal_from
 from runner.training.supervisor import (
@@ -100,6 +112,119 @@ def _record_failure(directory: RunDir, rank: int, exc: BaseException) -> None:
     sys.stderr.write(f"\n[rank {rank}] failed:\n{text}")
     sys.stderr.flush()
     _write_failure(directory, rank, {"failed_rank": rank, "error": describe_error(exc)})
+
+
+# -- the user's code ending the process ----------------------------------------------------------
+
+class UserExit(BaseException):
+    """`os._exit(code)` called by the user's code in the process that trains (`where`: the
+    call's place), raised in its stead so that `run_rank` records it; a BaseException, as
+    SystemExit is: the code's own `except Exception` does not stop it."""
+
+    def __init__(self, code: int, where: str) -> None:
+        super().__init__(code, where)
+        self.code, self.where = code, where
+
+
+class UserCodeExited(RuntimeError):
+    """A 1-process run whose user code exited (its one line, recorded in `summary.json`)."""
+
+
+# gridrun's own packages: a frame elsewhere runs the user's code (or a library's it calls)
+_PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[2] / name) + os.sep
+                      for name in ("runner", "strategies"))
+
+
+def _place(code: CodeType, line: int | None) -> str:
+    """'at FILE:LINE in NAME' (FILE relative to the working directory when it is below it)."""
+    path = Path(code.co_filename)
+    with contextlib.suppress(ValueError, OSError):
+        path = path.resolve().relative_to(Path.cwd())
+    name = getattr(code, "co_qualname", code.co_name)
+    return f"at {path}:{line} in {name}"
+
+
+def _whose(code: CodeType) -> str:
+    """Whose code a frame runs: the user's, or gridrun's own."""
+    return "gridrun's code" if code.co_filename.startswith(_PACKAGE_DIRS) else "the user's code"
+
+
+def _exit_status(code: object) -> tuple[int, str]:
+    """What `sys.exit(code)` exits with, and a word on a code that is not a number."""
+    if code is None:
+        return 0, ""
+    if isinstance(code, int):
+        return code, ""
+    text = str(code)
+    return 1, f": {text[:200]!r}"
+
+
+def describe_exit(rank: int, exc: SystemExit | UserExit, phase: str) -> str:
+    """The one line for the user's code ending the process: the code, how, where, when."""
+    if isinstance(exc, UserExit):
+        status, said, how, where = exc.code, "", "os._exit", exc.where
+    else:
+        status, said = _exit_status(exc.code)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None:
+            how, where = "sys.exit", "in the user's code"
+        else:
+            source = traceback.extract_tb(tb, limit=1)[0].line or ""
+            how = "raise SystemExit" if source.lstrip().startswith("raise") else "sys.exit"
+            code = tb.tb_frame.f_code
+            where = f"in {_whose(code)} {_place(code, tb.tb_lineno)}"
+    unfinished = ", before the run completed" if status == 0 else ""
+    return f"rank {rank} exited with code {status} ({how}{said} {where}){phase}{unfinished}"
+
+
+@contextlib.contextmanager
+def _exits_recorded(rank: int, record: Any) -> Iterator[None]:
+    """While the rank trains, `os._exit` in this process raises `UserExit` (in its main
+    thread), or records the exit through `record(message)` before it happens (another
+    thread: nothing there unwinds to `run_rank`); a process the user's code forked exits as
+    asked."""
+    real = os._exit
+    owner = os.getpid()
+
+    def guarded(status: int) -> NoReturn:
+        if os.getpid() != owner:
+            real(status)
+        caller: FrameType = sys._getframe(1)
+        where = f"in {_whose(caller.f_code)} {_place(caller.f_code, caller.f_lineno)}"
+        if threading.current_thread() is threading.main_thread():
+            raise UserExit(status, where)
+        thread = threading.current_thread().name
+        record(describe_exit(rank, UserExit(status, f"{where}, in thread {thread!r}"), ""))
+        real(status if status != 0 else 1)
+
+    os._exit = guarded
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+@contextlib.contextmanager
+def _ends_what_it_starts(log: Any, rank: int) -> Iterator[None]:
+    """Processes the rank's code started and left running are killed when it ends, orphans
+    included (reparented here meanwhile): where no supervisor does it (`runner.training.
+    supervisor`)."""
+    me = os.getpid()
+    before = set(descendants([me]))
+    was = adopt_orphans()
+    try:
+        yield
+    finally:
+        left = [pid for pid in descendants([me]) if pid not in before]
+        if left:
+            killed = end_processes(left)
+            reap(killed)
+            log.warning("rank %d left %d process(es) running (pids %s): killed", rank,
+                        len(killed), ", ".join(map(str, killed[:10])))
+        if not was:
+            adopt_orphans(False)
 
 
 # -- progress for the watchdogs: which rank did not arrive --------------------------------------
@@ -187,6 +312,25 @@ def _forget_progress(directory: RunDir, rank: int) -> None:
 
 def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
     """Train as this rank. `mpi_comm=None` is the 1-process run inside the head."""
+    rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
+    directory = RunDir(Path(run_dir))
+    log = setup_rank_logging(directory.rank_log(rank), rank)
+    if supervised():  # a job the head started: it reads `.ranks/` (and removes it)
+        relay_stop_signal_from(stop_signal_path(directory.path))
+        reserve_failure_report(directory.path, rank)
+
+    def exited(message: str) -> None:  # os._exit on another thread, just before it exits
+        log.error("%s", message)
+        _write_failure(directory, rank, {"failed_rank": rank, "error": message})
+
+    with contextlib.ExitStack() as scope:
+        if not supervised():  # no supervisor to end what the rank's code leaves running
+            scope.enter_context(_ends_what_it_starts(log, rank))
+        scope.enter_context(_exits_recorded(rank, exited))
+        return _train_rank(directory, rank, mpi_comm, log)
+
+
+def _train_rank(directory: RunDir, rank: int, mpi_comm: Any | None, log: Any) -> int:
     from runner.config.schema import load_run_config
     from runner.core import Backend, ProcessGrid
     from runner.core.torchdist import init_torch_distributed, shutdown_torch_distributed
@@ -194,12 +338,7 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
     from runner.training.loop import train
     from runner.training.step import StepFailure
 
-    rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
-    directory = RunDir(Path(run_dir))
-    log = setup_rank_logging(directory.rank_log(rank), rank)
-    if supervised():  # a job the head started: it reads `.ranks/` (and removes it)
-        relay_stop_signal_from(stop_signal_path(directory.path))
-        reserve_failure_report(directory.path, rank)
+    grid: ProcessGrid | None = None
     try:
         run = load_run_config(directory.config)
         _set_threads(run.trainer.threads, mpi_comm)
@@ -232,6 +371,17 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
             raise
         shutdown_torch_distributed()  # every rank met it at the same step
         return 1
+    except (SystemExit, UserExit) as exc:
+        # The user's code ended the process: one line (the traceback only in the log).
+        message = describe_exit(rank, exc, " during start-up" if grid is None
+                                else grid.counter.pace.where())
+        log.error("%s", message, exc_info=exc)
+        _write_failure(directory, rank, {"failed_rank": rank, "error": message})
+        if mpi_comm is None or mpi_comm.Get_size() == 1:
+            raise UserCodeExited(message) from None
+        time.sleep(ABORT_GRACE_S)  # as below
+        mpi_comm.Abort(1)
+        return 1  # not reached: Abort ends the process
     except BaseException as exc:
         log.exception("rank %d failed", rank)
         _record_failure(directory, rank, exc)
