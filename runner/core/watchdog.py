@@ -28,7 +28,10 @@ path.
 On timeout the thread writes one line to stderr and to the rank's log, then calls `on_timeout`
 (the worker records the failure and calls MPI Abort from this thread, which ends the whole job
 under MPICH while the main thread is still blocked, in MPI or in gloo; see tests/test_failures.py
-and, under both backends, tests/mpi/hang.py).
+and, under both backends, tests/mpi/hang.py). The recorded failure is what the head acts on: an
+Abort from this thread may wait for minutes while the main thread spins in MPI's progress
+engine, so under the head it kills the job a few seconds after the record appears
+(`runner.cli.mpijob`, tests/test_hangs.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ and wrote; it parses it and trusts it. A rank that fails prints its traceback, r
 failure in `summary.json`, and aborts the whole MPI job: the other ranks never wait forever in a
 collective. A rank blocked in a collective for longer than its deadline (a peer hung) does the
 same from its watchdog thread: at most `trainer.comm_timeout_s`, and within training steps a few
-times the slowest step so far (`runner.core.pace`).
+times the slowest step so far (`runner.core.pace`); under the head, the head ends the job where
+that abort does not (`runner.cli.mpijob`).
 
 The rank that times out is the one that waited: to name the one that did not arrive, each rank's
 watchdog records this rank's progress in `RUN_DIR/.ranks/progress-<rank>.json` about once a
