@@ -224,7 +224,8 @@ def exits(tmp_path_factory: pytest.TempPathFactory
           ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path, Path, float]]:
     """Independent runs, all at once: sys.exit(5) in a rank's model constructor, an exit with
     code 0 straight through C on a rank, a completed 2-rank run whose rank 1 leaves a helper
-    running, and a 1-process run whose forward starts a helper, then calls os._exit(0)."""
+    running, a 1-process run whose forward starts a helper, then calls os._exit(0), and a sweep
+    whose first job exits in a rank's constructor."""
     root = tmp_path_factory.mktemp("exits")
     runs = {
         "exit-in-init": [*TWO_RANKS, MODEL, "model.act=exit-in-init"],
@@ -232,10 +233,13 @@ def exits(tmp_path_factory: pytest.TempPathFactory
         "helper": [*SMALL, "grid.pc=2", "trainer.steps=8", MODEL, "model.act=helper"],
         "one-process": [*SMALL, "grid.pc=1", "trainer.steps=30", MODEL,
                         "model.act=helper-then-os-exit-0", "model.on=0"],
+        # a sweep of two jobs, the first of which exits in a rank's constructor
+        "sweep": ["-m", *SMALL, "grid.pc=2", "trainer.steps=4", MODEL,
+                  "model.act=exit-in-init,none"],
     }
     started = time.monotonic()
     results = run_cli_together(*[[*args, f"model.pidfile={root / name}.pids",
-                                  f"hydra.run.dir={root / name}"]
+                                  f"hydra.{'sweep' if '-m' in args else 'run'}.dir={root / name}"]
                                  for name, args in runs.items()], timeout=BOUND_S + 120)
     took = time.monotonic() - started
     return {name: (result, root / name, root / f"{name}.pids", took)
@@ -254,6 +258,20 @@ def test_sys_exit_in_a_ranks_model_constructor_is_one_line_naming_it(exits: dict
     assert summary["status"] == "failed" and summary["failed_rank"] == 1, summary
     assert summary["error"].startswith(line), summary
     assert_nothing_left(run_dir, pids)
+
+
+def test_a_sweep_job_whose_rank_exits_is_one_failed_job_and_the_sweep_goes_on(
+        exits: dict) -> None:
+    result, sweep, _, _ = exits["sweep"]
+    assert result.returncode == 1, result.stderr[-3000:]
+    [failed] = [line for line in result.stderr.splitlines() if line.startswith("error: job ")]
+    assert failed.startswith("error: job 0 (") and (
+        "): the 2-rank job failed (exit code 1): rank 1 exited with code 5 (sys.exit in the "
+        f"user's code at {HERE}:") in failed, failed
+    assert read_summary(sweep / "0")["status"] == "failed"
+    assert read_summary(sweep / "1")["status"] == "completed"
+    assert_nothing_left(sweep / "0")
+    assert_nothing_left(sweep / "1")
 
 
 def test_an_exit_with_code_0_in_the_middle_of_training_is_a_failure(exits: dict) -> None:
