@@ -58,6 +58,9 @@ POLL_S = 0.1
 # MPI init: the others wait in MPI_Init for ever).
 KILL_GRACE_S = 3.0
 STOP_MESSAGE = "stopping: the ranks finish their step and write a checkpoint"
+# The launchers of the jobs this process watches now: another job's launcher and what is below it
+# are never taken for what one job left behind.
+_LAUNCHERS: set[int] = set()
 SECOND_STOP_KILLS = " (press Ctrl-C again to kill the job)"
 
 
@@ -142,6 +145,7 @@ class MPIJob:
             self.process = subprocess.Popen(self.command, env=env,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=stop_with_parent())
+            _LAUNCHERS.add(self.process.pid)
             previous = self._install_handlers()
             if self.stop_signal is not None:  # asked (`on_signal`) before mpiexec started
                 self._relay(self.stop_signal)
@@ -155,7 +159,9 @@ class MPIJob:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            if not adopted:
+            if self.process is not None:
+                _LAUNCHERS.discard(self.process.pid)
+            if not adopted and not _LAUNCHERS:
                 adopt_orphans(False)
         failure = self._diagnose()
         shutil.rmtree(self.run_dir / RANKS_DIR, ignore_errors=True)
@@ -311,8 +317,10 @@ class MPIJob:
     def _reap_leftovers(self, before: set[int]) -> None:
         """After mpiexec ended: no process of this job may still run, neither a rank nor what
         a rank left (reparented to the head where its supervisor could not end it)."""
-        me = os.getpid()
-        orphans = [pid for pid in descendants([me]) if pid not in before]
+        others = _LAUNCHERS - {self.process.pid if self.process is not None else -1}
+        theirs = set(others) | set(descendants(others))
+        orphans = [pid for pid in descendants([os.getpid()])
+                   if pid not in before and pid not in theirs]
         leftovers = end_processes(self._rank_pids() + orphans)
         reap(leftovers)
 
