@@ -108,10 +108,19 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _said_in_one_line(exc: BaseException) -> bool:
+    """A failure whose message says all (a dataset's bad row, named with its value): its
+    traceback is for the rank's log only."""
+    from runner.zoo.datasets import DatasetError
+
+    return isinstance(exc, DatasetError)
+
+
 def _record_failure(directory: RunDir, rank: int, exc: BaseException) -> None:
-    text = "".join(traceback.format_exception(exc))
-    sys.stderr.write(f"\n[rank {rank}] failed:\n{text}")
-    sys.stderr.flush()
+    if not _said_in_one_line(exc):
+        text = "".join(traceback.format_exception(exc))
+        sys.stderr.write(f"\n[rank {rank}] failed:\n{text}")
+        sys.stderr.flush()
     _write_failure(directory, rank, {"failed_rank": rank, "error": describe_error(exc)})
 
 
