@@ -329,3 +329,42 @@ def test_an_exit_with_code_0_that_did_not_finish_is_abnormal_and_named(tmp_path:
     assert failure is not None
     assert failure["error"] == ("rank 1 (pid 42) exited with code 0 before its first step "
                                 "without finishing")
+
+
+def _quits(code: str | int | None) -> None:
+    sys.exit(code)
+
+
+def test_an_exit_is_named_with_its_code_how_and_where() -> None:
+    from runner.training import rank
+
+    for code, status, said in ((5, 5, ""), (None, 0, ""), ("no data", 1, ": 'no data'")):
+        with pytest.raises(SystemExit) as exited:
+            _quits(code)
+        line = _quits.__code__.co_firstlineno + 1
+        assert rank.exit_words(exited.value) == (status, (
+            f"exited with code {status} (sys.exit{said} in the user's code at {HERE}:{line} in "
+            f"_quits)"))
+    assert rank.describe_exit(2, exited.value, " in step 4") == (
+        f"rank 2 exited with code 1 (sys.exit: 'no data' in the user's code at {HERE}:{line} in "
+        f"_quits) in step 4")
+
+
+def test_os_exit_raises_in_the_process_that_trains_and_exits_in_a_child_it_forked() -> None:
+    from runner.training import rank
+
+    recorded: list[str] = []
+    real = os._exit
+    with rank._exits_recorded(0, recorded.append):
+        with pytest.raises(rank.UserExit) as exited:
+            os._exit(3)
+        child = os.fork()
+        if child == 0:
+            os._exit(7)  # the guard lets a forked child exit as asked
+        _, status = os.waitpid(child, 0)
+    assert os._exit is real and not recorded
+    assert os.waitstatus_to_exitcode(status) == 7
+    assert exited.value.code == 3 and exited.value.where.startswith(
+        f"in the user's code at {HERE}:")
+    assert rank.describe_exit(0, exited.value, " during start-up") == (
+        f"rank 0 exited with code 3 (os._exit {exited.value.where}) during start-up")

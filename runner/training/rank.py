@@ -169,8 +169,10 @@ def _exit_status(code: object) -> tuple[int, str]:
     return 1, f": {text[:200]!r}"
 
 
-def describe_exit(rank: int, exc: SystemExit | UserExit, phase: str) -> str:
-    """The one line for the user's code ending the process: the code, how, where, when."""
+def exit_words(exc: SystemExit | UserExit) -> tuple[int, str]:
+    """The exit status and what the user's code did, where: (5, "exited with code 5 (sys.exit
+    in the user's code at nets.py:12 in Net.__init__)"); for any caller that ran the user's
+    code and caught its exit."""
     if isinstance(exc, UserExit):
         status, said, how, where = exc.code, "", "os._exit", exc.where
     else:
@@ -185,8 +187,14 @@ def describe_exit(rank: int, exc: SystemExit | UserExit, phase: str) -> str:
             how = "raise SystemExit" if source.lstrip().startswith("raise") else "sys.exit"
             code = tb.tb_frame.f_code
             where = f"in {_whose(code)} {_place(code, tb.tb_lineno)}"
+    return status, f"exited with code {status} ({how}{said} {where})"
+
+
+def describe_exit(rank: int, exc: SystemExit | UserExit, phase: str) -> str:
+    """The one line for the user's code ending a rank: the code, how, where, when."""
+    status, words = exit_words(exc)
     unfinished = ", before the run completed" if status == 0 else ""
-    return f"rank {rank} exited with code {status} ({how}{said} {where}){phase}{unfinished}"
+    return f"rank {rank} {words}{phase}{unfinished}"
 
 
 @contextlib.contextmanager
