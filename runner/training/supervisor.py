@@ -29,7 +29,8 @@ subreaper (orphans below it are reparented to it, not to init), and once its ran
 kills every process still below it (`runner.records.process.end_processes`), whether the run
 completed or not. It also tells whether the rank finished: the rank says so through a pipe
 (`mark_finished`, at the end of the worker), so an exit with code 0 in the middle of training
-(`os._exit(0)` in the user's code) is recorded as `"finished": false`, a failure.
+that no Python code saw (`_exit(0)` from C; `os._exit` is named by the rank itself,
+`runner.training.rank`) is recorded as `"finished": false`, a failure.
 
 Light imports only: the supervisor forks before the rank imports torch.
 """
