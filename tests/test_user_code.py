@@ -351,6 +351,21 @@ def frozen_mlp(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Modul
     return model
 
 
+def exits_at_build(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """A model function that ends its process: on the head, while it checks the config."""
+    sys.exit(5)
+
+
+def exits_in_forward(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """A model whose forward ends its process (`raise SystemExit`): the head runs it on two
+    samples to check it fits the data."""
+    class Quits(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise SystemExit(3)
+
+    return Quits()
+
+
 BAD_ROW_LINES = {
     "target": "the train set's row 200: target 10 is outside [0, 10) classes",
     "bool target": "the train set's row 200: target True is a torch.bool, not a class index",
@@ -395,8 +410,6 @@ def test_a_bad_row_met_on_a_rank_ends_the_job_in_one_line_naming_it(
     assert elapsed < 120, f"the jobs took {elapsed:.0f} s to end"
 
 
-@pytest.mark.xfail(strict=True, reason="runner/training/rank.py prints a rank's traceback for "
-                                        "a DatasetError: it must record its one line instead")
 @pytest.mark.parametrize("kind", BAD_ROW_LINES)
 def test_a_bad_row_met_on_a_rank_prints_no_traceback(
         kind: str, bad_row_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path,
@@ -413,6 +426,12 @@ def test_a_bad_row_met_on_a_rank_prints_no_traceback(
      "Sequential has no trainable parameters (every one has requires_grad=False)"),
     (["optimizer._target_=torch.optim.SparseAdam"],
      "optimizer._target_=torch.optim.SparseAdam takes only row-sparse gradients"),
+    (["model._target_=tests.test_user_code.exits_at_build"],
+     "model._target_=tests.test_user_code.exits_at_build: the user's code exited with code 5 "
+     "(sys.exit in the user's code at tests/test_user_code.py:"),
+    (["model._target_=tests.test_user_code.exits_in_forward"],
+     "the user's code exited with code 3 (raise SystemExit in the user's code at "
+     "tests/test_user_code.py:"),
 ])
 def test_what_every_rank_would_fail_on_is_refused_by_the_head(
         args: list[str], message: str, tmp_path: Path) -> None:

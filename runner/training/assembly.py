@@ -310,6 +310,9 @@ def check_parts(run: RunConfig) -> CheckedParts:
         except (TypeError, ValueError) as exc:
             parts.spec = None
             problems.append(f"{run.dataset.shown('dataset')}: {exc}")
+        except SystemExit as exc:  # the user's code ended the head's check: named, not silent
+            parts.spec = None
+            problems.append(_exit_problem(run.dataset.shown("dataset"), exc))
     if factory is not None and not _add(problems, _options_problems(
             "model", run.model, factory, MODEL_INPUTS)) and parts.spec is not None:
         parts.model = _model_on_samples(run.model, parts.spec, dtype_of(run), problems)
@@ -344,6 +347,14 @@ def _options_problems(key: str, plugin: Plugin, factory: Any,
         return []  # no signature (a builtin): its own call will say what is wrong
 
 
+def _exit_problem(shown: str, exc: SystemExit) -> str:
+    """The line for the user's code calling `sys.exit` while the head builds or runs it to check
+    the config (which would end the head, or a whole sweep, with nothing said)."""
+    from runner.training.rank import exit_words
+
+    return f"{shown}: the user's code {exit_words(exc)[1]} while the head checked the config"
+
+
 def _options_shown(plugin: Plugin) -> str:
     return f"model options: {', '.join(f'{k}={v}' for k, v in plugin.options.items())}"
 
@@ -356,6 +367,9 @@ def _model_on_samples(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype,
         net = probe_model(plugin, spec, dtype)
     except ValueError as exc:  # the dataset's inputs are not what the model reads
         problems.append(f"{plugin.shown('model')}: {exc}")
+        return None
+    except SystemExit as exc:  # the user's code ended the head's check: named, not silent
+        problems.append(_exit_problem(plugin.shown("model"), exc))
         return None
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -379,6 +393,9 @@ def _model_on_samples(plugin: Plugin, spec: DatasetSpec, dtype: torch.dtype,
     try:
         with torch.no_grad():
             out = net(torch.zeros(2, *spec.input_shape, dtype=input_dtype, device=device))
+    except SystemExit as exc:
+        problems.append(_exit_problem(plugin.shown("model"), exc))
+        return None
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         problems.append(f"{plugin.shown('model')} does not fit the dataset's inputs of shape "
