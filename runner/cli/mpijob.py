@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from runner.records import safe_paths
 from runner.records.process import adopt_orphans, alive, descendants, end_processes, reap
 from runner.records.rundir import RunDir, atomic_write_text
 from runner.training.supervisor import (
@@ -81,8 +81,9 @@ def _signal_name(signum: int) -> str:
 def _last_logged_step(log: Path) -> int | None:
     """The last training step a rank logged (its log's `step N loss ...` lines)."""
     try:
-        with log.open("rb") as file:
-            file.seek(max(0, log.stat().st_size - 65536))
+        # from the run directory, no link followed, no FIFO waited on
+        with os.fdopen(safe_paths.open_file(*safe_paths.locate(log), os.O_RDONLY), "rb") as file:
+            file.seek(max(0, os.fstat(file.fileno()).st_size - 65536))
             tail = file.read().decode(errors="replace")
     except OSError:
         return None
@@ -131,7 +132,7 @@ class MPIJob:
         self._read_at = 0.0
 
     def run(self) -> JobResult:
-        shutil.rmtree(self.run_dir / RANKS_DIR, ignore_errors=True)  # an earlier run's records
+        self._remove_records()  # an earlier run's
         previous: dict[int, Any] = {}
         before = set(descendants([os.getpid()]))  # not this job's
         adopted = adopt_orphans()
@@ -164,8 +165,14 @@ class MPIJob:
             if not adopted and not _LAUNCHERS:
                 adopt_orphans(False)
         failure = self._diagnose()
-        shutil.rmtree(self.run_dir / RANKS_DIR, ignore_errors=True)
+        self._remove_records()
         return JobResult(code, failure, self.stop_signal, killed)
+
+    def _remove_records(self) -> None:
+        """The supervisors' `.ranks/`, removed from the run directory without following a link
+        (a link in its place is left alone: nothing outside is emptied)."""
+        with contextlib.suppress(OSError):
+            safe_paths.remove_tree(self.run_dir, RANKS_DIR)
 
     def _watch(self) -> str | None:
         assert self.process is not None
@@ -285,7 +292,7 @@ class MPIJob:
         the SIGTERM is sent: a rank that gets it finds the file)."""
         path = stop_signal_path(self.run_dir)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            safe_paths.make_dir(self.run_dir, RANKS_DIR)
             atomic_write_text(path, json.dumps({"signal": name, "time": time.time(),
                                                 "relayed_as": _signal_name(self.relay)}) + "\n")
         except OSError:

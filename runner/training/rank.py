@@ -43,6 +43,8 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from runner.records import safe_paths
+from runner.records.console import printable
 from runner.records.logs import setup_rank_logging
 from runner.records.process import adopt_orphans, descendants, end_processes, reap
 from runner.records.rundir import RunDir, write_json
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 
 _announced = False
 ABORT_GRACE_S = 1.0
+PROGRESS_BYTES = 1 << 16  # a progress record is a few hundred bytes
 
 
 def _set_threads(configured: int | None, mpi_comm: Any) -> None:
@@ -96,7 +99,10 @@ _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 def describe_error(exc: BaseException) -> str:
     """The failure in one line, for `summary.json` and so the head's last line (the traceback
     is in the rank's log): an `OSError` that names its file says the file and the system's
-    words, e.g. "cannot write /runs/a/metrics.jsonl: No space left on device (ENOSPC)"."""
+    words, e.g. "cannot write /runs/a/metrics.jsonl: No space left on device (ENOSPC)"; a
+    refusal of a place in the run directory (a link) in its own words."""
+    if isinstance(exc, safe_paths.PathRefused):
+        return str(exc)
     if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
         target = str(exc.filename)
         if exc.filename2 is not None:
@@ -109,17 +115,18 @@ def describe_error(exc: BaseException) -> str:
 
 
 def _said_in_one_line(exc: BaseException) -> bool:
-    """A failure whose message says all (a dataset's bad row, named with its value): its
-    traceback is for the rank's log only."""
+    """A failure whose message says all (a dataset's bad row, named with its value; a link
+    refused in the run directory): its traceback is for the rank's log only."""
     from runner.zoo.datasets import DatasetError
 
-    return isinstance(exc, DatasetError)
+    return isinstance(exc, (DatasetError, safe_paths.PathRefused))
 
 
 def _record_failure(directory: RunDir, rank: int, exc: BaseException) -> None:
     if not _said_in_one_line(exc):
         text = "".join(traceback.format_exception(exc))
-        sys.stderr.write(f"\n[rank {rank}] failed:\n{text}")
+        # its messages may quote a run's files: escaped, as all text from files is
+        sys.stderr.write(printable(f"\n[rank {rank}] failed:\n{text}", newlines=True))
         sys.stderr.flush()
     _write_failure(directory, rank, {"failed_rank": rank, "error": describe_error(exc)})
 
@@ -254,20 +261,18 @@ def progress_path(run_dir: Path, rank: int) -> Path:
 def _write_progress(path: Path, progress: CommProgress) -> None:
     """Replaced by a rename (a reader sees a whole record), not synced: it only matters while
     the job runs. A failed write (a full disk) leaves the last one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(progress.to_json()))
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    with contextlib.suppress(OSError):  # from the run directory, no link followed
+        safe_paths.replace_file(*safe_paths.locate(path), json.dumps(progress.to_json()).encode(),
+                                sync=False)
 
 
 def _read_progress(path: Path) -> CommProgress | None:
     from runner.core.watchdog import CommProgress
 
     try:
-        return CommProgress.from_json(json.loads(path.read_text()))
+        # no link followed, no FIFO waited on: a peer's record is a few hundred bytes
+        return CommProgress.from_json(json.loads(
+            safe_paths.read_bytes(*safe_paths.locate(path), PROGRESS_BYTES)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -294,7 +299,7 @@ def _start_watchdog(timeout_s: float | None, grid: ProcessGrid, directory: RunDi
     rank = grid.rank
     mine = progress_path(directory.path, rank)
     with contextlib.suppress(OSError):
-        mine.parent.mkdir(parents=True, exist_ok=True)
+        safe_paths.make_dir(directory.path, RANKS_DIR)
 
     def peers(in_flight: tuple[str, str, int, str, float]) -> dict[int, CommProgress | None]:
         return {r: _read_progress(progress_path(directory.path, r))

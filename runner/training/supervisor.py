@@ -48,8 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runner.records import safe_paths
 from runner.records.process import adopt_orphans, descendants, end_processes, reap_children
-from runner.records.rundir import RunDir, write_json
+from runner.records.rundir import write_json
 
 RANKS_DIR = ".ranks"  # the supervisors' records, inside the run directory
 STOP_SIGNAL_FILE = "stop-signal"  # the signal the head got, written before it forwards SIGTERM
@@ -100,17 +101,28 @@ def stop_signal_path(run_dir: Path) -> Path:
     return Path(run_dir) / RANKS_DIR / STOP_SIGNAL_FILE
 
 
+def _failure_report(rank: int) -> str:
+    return f"{RANKS_DIR}/failure-{rank}.json"
+
+
 def failure_report_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / RANKS_DIR / f"failure-{rank}.json"
+    return Path(run_dir) / _failure_report(rank)
+
+
+def _read_record(path: Path) -> bytes:
+    """A record of `.ranks/` (a few hundred bytes), read without following a link or waiting
+    on a FIFO."""
+    return safe_paths.read_bytes(*safe_paths.locate(path), REPORT_BYTES)
 
 
 def reserve_failure_report(run_dir: Path, rank: int) -> None:
     """In the rank, at its start: room for its failure report (blank: no report), taken while
     the disk has some."""
-    path = failure_report_path(run_dir, rank)
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b" " * (REPORT_BYTES - 1) + b"\n")
+    with contextlib.suppress(OSError):  # from the run directory, no link followed
+        fd = safe_paths.open_file(run_dir, _failure_report(rank),
+                                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, create_dirs=True)
+        with os.fdopen(fd, "wb") as file:
+            file.write(b" " * (REPORT_BYTES - 1) + b"\n")
 
 
 def report_failure(run_dir: Path, rank: int, failure: dict[str, Any]) -> None:
@@ -131,7 +143,7 @@ def report_failure(run_dir: Path, rank: int, failure: dict[str, Any]) -> None:
     data = json.dumps(report).encode().ljust(REPORT_BYTES - 1) + b"\n"
     path = failure_report_path(run_dir, rank)
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = safe_paths.open_file(run_dir, _failure_report(rank), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.pwrite(fd, data, 0)
         finally:
@@ -150,7 +162,7 @@ def read_failure_reports(run_dir: Path) -> dict[int, dict[str, Any]]:
         return reports
     for path in paths:
         try:
-            report = json.loads(path.read_text())
+            report = json.loads(_read_record(path))
             reports[int(path.stem.split("-", 1)[1])] = report
         except (OSError, ValueError, IndexError):
             continue
@@ -171,7 +183,7 @@ def read_rank_records(run_dir: Path) -> dict[int, dict[str, Any]]:
         return records
     for path in paths:
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(_read_record(path))
             records[int(record["rank"])] = record
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -251,8 +263,11 @@ def _log_line(run_dir: Path, rank: int, message: str, level: str = "ERROR",
     """One line in the rank's log (its format) and (`console`) on stderr, from the
     supervisor."""
     line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank{rank} {level} {message}\n"
-    with contextlib.suppress(OSError), RunDir(Path(run_dir)).rank_log(rank).open("a") as file:
-        file.write(line)
+    with contextlib.suppress(OSError):  # from the run directory, no link followed
+        fd = safe_paths.open_file(run_dir, f"logs/rank{rank}.log",
+                                  os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644, create_dirs=True)
+        with os.fdopen(fd, "a") as file:
+            file.write(line)
     if not console:
         return
     with contextlib.suppress(OSError, ValueError):
@@ -300,6 +315,7 @@ def supervise(run_dir: Path, rank: int) -> int | None:
     """Fork the rank. Returns None in the rank (go on and train), the exit code in the
     supervisor after the rank ended."""
     global _supervised, _finished_fd
+    safe_paths.register_root(run_dir)  # what the rank and this process write stays inside it
     parent = os.getpid()
     adopt_orphans()  # what the rank starts stays below this process, even once orphaned
     finished_r, finished_w = os.pipe()
@@ -318,7 +334,7 @@ def supervise(run_dir: Path, rank: int) -> int | None:
                               "launcher_pid": os.getppid(), "host": socket.gethostname(),
                               "started": time.time()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        safe_paths.make_dir(run_dir, RANKS_DIR)
         write_json(path, record)
     except OSError:
         pass  # the head then knows less, nothing more
