@@ -31,8 +31,10 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterable
 from pathlib import Path
+from types import CodeType
 from typing import Any, NoReturn
 
 
@@ -44,6 +46,68 @@ def exit_code(code: object) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+# -- the user's code ending the process --------------------------------------------------------
+
+class UserExit(BaseException):
+    """`os._exit(code)` called by the user's code in the process that trains (`where`: the
+    call's place), raised in its stead so that `run_rank` records it; a BaseException, as
+    SystemExit is: the code's own `except Exception` does not stop it."""
+
+    def __init__(self, code: int, where: str) -> None:
+        super().__init__(code, where)
+        self.code, self.where = code, where
+
+
+# gridrun's own packages: a frame elsewhere runs the user's code (or a library's it calls)
+_PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[2] / name) + os.sep
+                      for name in ("runner", "strategies"))
+
+
+def code_place(code: CodeType, line: int | None) -> str:
+    """'at FILE:LINE in NAME' (FILE relative to the working directory when it is below it)."""
+    path = Path(code.co_filename)
+    with contextlib.suppress(ValueError, OSError):
+        path = path.resolve().relative_to(Path.cwd())
+    name = getattr(code, "co_qualname", code.co_name)
+    return f"at {path}:{line} in {name}"
+
+
+def whose_code(code: CodeType) -> str:
+    """Whose code a frame runs: the user's, or gridrun's own."""
+    return "gridrun's code" if code.co_filename.startswith(_PACKAGE_DIRS) else "the user's code"
+
+
+def _exit_status(code: object) -> tuple[int, str]:
+    """What `sys.exit(code)` exits with, and a word on a code that is not a number."""
+    if code is None:
+        return 0, ""
+    if isinstance(code, int):
+        return code, ""
+    text = str(code)
+    return 1, f": {text[:200]!r}"
+
+
+def exit_words(exc: SystemExit | UserExit) -> tuple[int, str]:
+    """The exit status and what the user's code did, where: (5, "exited with code 5 (sys.exit
+    in the user's code at nets.py:12 in Net.__init__)"); for any caller that ran the user's
+    code and caught its exit."""
+    if isinstance(exc, UserExit):
+        status, said, how, where = exc.code, "", "os._exit", exc.where
+    else:
+        status, said = _exit_status(exc.code)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None:
+            how, where = "sys.exit", "in the user's code"
+        else:
+            source = traceback.extract_tb(tb, limit=1)[0].line or ""
+            how = "raise SystemExit" if source.lstrip().startswith("raise") else "sys.exit"
+            code = tb.tb_frame.f_code
+            where = f"in {whose_code(code)} {code_place(code, tb.tb_lineno)}"
+    return status, f"exited with code {status} ({how}{said} {where})"
 
 
 # The full collection's threshold while a process starts: collections of the middle generation

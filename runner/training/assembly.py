@@ -350,7 +350,7 @@ def _options_problems(key: str, plugin: Plugin, factory: Any,
 def _exit_problem(shown: str, exc: SystemExit) -> str:
     """The line for the user's code calling `sys.exit` while the head builds or runs it to check
     the config (which would end the head, or a whole sweep, with nothing said)."""
-    from runner.training.rank import exit_words
+    from runner.records.process import exit_words
 
     return f"{shown}: the user's code {exit_words(exc)[1]} while the head checked the config"
 

@@ -124,8 +124,9 @@ def _fed(model: ParallelModel, x: torch.Tensor, y: torch.Tensor, piece: slice
         yield (x[_within(piece, model.input_rows(size))],
                y[_within(piece, model.output_rows(size))], 1)
         return
-    padded = torch.cat([torch.arange(piece.start, piece.stop),
-                        torch.full((pc,), piece.start)])
+    device = x.device if isinstance(x, torch.Tensor) else None  # a map-style set reads on host
+    padded = torch.cat([torch.arange(piece.start, piece.stop, device=device),
+                        torch.full((pc,), piece.start, device=device)])
     for order, sign in ((padded, 1), (padded[size:], -1)):
         rows = len(order)
         yield (x[_picked(order, model.input_rows(rows), x)],

@@ -40,13 +40,22 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from types import CodeType, FrameType
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from runner.records import safe_paths
 from runner.records.console import printable
 from runner.records.logs import setup_rank_logging
-from runner.records.process import adopt_orphans, descendants, end_processes, reap
+from runner.records.process import (
+    UserExit,
+    adopt_orphans,
+    code_place,
+    descendants,
+    end_processes,
+    exit_words,
+    reap,
+    whose_code,
+)
 from runner.records.rundir import RunDir, write_json
 from runner.training.interrupt import relay_stop_signal_from
 from runner.training.supervisor import (
@@ -133,68 +142,8 @@ def _record_failure(directory: RunDir, rank: int, exc: BaseException) -> None:
 
 # -- the user's code ending the process ----------------------------------------------------------
 
-class UserExit(BaseException):
-    """`os._exit(code)` called by the user's code in the process that trains (`where`: the
-    call's place), raised in its stead so that `run_rank` records it; a BaseException, as
-    SystemExit is: the code's own `except Exception` does not stop it."""
-
-    def __init__(self, code: int, where: str) -> None:
-        super().__init__(code, where)
-        self.code, self.where = code, where
-
-
 class UserCodeExited(RuntimeError):
     """A 1-process run whose user code exited (its one line, recorded in `summary.json`)."""
-
-
-# gridrun's own packages: a frame elsewhere runs the user's code (or a library's it calls)
-_PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[2] / name) + os.sep
-                      for name in ("runner", "strategies"))
-
-
-def _place(code: CodeType, line: int | None) -> str:
-    """'at FILE:LINE in NAME' (FILE relative to the working directory when it is below it)."""
-    path = Path(code.co_filename)
-    with contextlib.suppress(ValueError, OSError):
-        path = path.resolve().relative_to(Path.cwd())
-    name = getattr(code, "co_qualname", code.co_name)
-    return f"at {path}:{line} in {name}"
-
-
-def _whose(code: CodeType) -> str:
-    """Whose code a frame runs: the user's, or gridrun's own."""
-    return "gridrun's code" if code.co_filename.startswith(_PACKAGE_DIRS) else "the user's code"
-
-
-def _exit_status(code: object) -> tuple[int, str]:
-    """What `sys.exit(code)` exits with, and a word on a code that is not a number."""
-    if code is None:
-        return 0, ""
-    if isinstance(code, int):
-        return code, ""
-    text = str(code)
-    return 1, f": {text[:200]!r}"
-
-
-def exit_words(exc: SystemExit | UserExit) -> tuple[int, str]:
-    """The exit status and what the user's code did, where: (5, "exited with code 5 (sys.exit
-    in the user's code at nets.py:12 in Net.__init__)"); for any caller that ran the user's
-    code and caught its exit."""
-    if isinstance(exc, UserExit):
-        status, said, how, where = exc.code, "", "os._exit", exc.where
-    else:
-        status, said = _exit_status(exc.code)
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        if tb is None:
-            how, where = "sys.exit", "in the user's code"
-        else:
-            source = traceback.extract_tb(tb, limit=1)[0].line or ""
-            how = "raise SystemExit" if source.lstrip().startswith("raise") else "sys.exit"
-            code = tb.tb_frame.f_code
-            where = f"in {_whose(code)} {_place(code, tb.tb_lineno)}"
-    return status, f"exited with code {status} ({how}{said} {where})"
 
 
 def describe_exit(rank: int, exc: SystemExit | UserExit, phase: str) -> str:
@@ -217,7 +166,7 @@ def _exits_recorded(rank: int, record: Any) -> Iterator[None]:
         if os.getpid() != owner:
             real(status)
         caller: FrameType = sys._getframe(1)
-        where = f"in {_whose(caller.f_code)} {_place(caller.f_code, caller.f_lineno)}"
+        where = f"in {whose_code(caller.f_code)} {code_place(caller.f_code, caller.f_lineno)}"
         if threading.current_thread() is threading.main_thread():
             raise UserExit(status, where)
         thread = threading.current_thread().name
