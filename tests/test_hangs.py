@@ -25,7 +25,7 @@ from torch import nn
 from runner.cli.mpijob import KILL_GRACE_S, MPIJob
 from runner.records.process import alive
 from runner.records.rundir import held_by_live_run
-from tests.conftest import read_summary, run_cli, run_cli_together
+from tests.conftest import read_summary, run_cli_together
 from tests.test_failures import job_processes
 
 COMM_TIMEOUT_S = 8
@@ -135,21 +135,41 @@ HANGS = {
     # an asynchronous optimizer's rank, stuck while the other trains on alone
     "async": ["optimizer=async_easgd", "debug.fail_at_step=4", "debug.fail_on_rank=1",
               "debug.fail_mode=hang"],
+    # a rank that hangs right after the job wrote a checkpoint
+    "after-a-checkpoint": ["trainer.checkpoint_every=4", "debug.fail_at_step=5",
+                           "debug.fail_on_rank=1", "debug.fail_mode=hang"],
 }
+
+
+@pytest.fixture(scope="module")
+def hangs(tmp_path_factory: pytest.TempPathFactory
+          ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path, Path, float]]:
+    """Each kind of hang in its own run, all at once (most of each is the watchdog's wait):
+    the result, the run directory, the pid file and the seconds from the start of the runs to
+    the end of the last."""
+    root = tmp_path_factory.mktemp("hangs")
+    jobs = []
+    for kind, overrides in HANGS.items():
+        run_dir, pidfile = root / kind / "run", root / kind / "pids"
+        args = [*TWO_RANKS, *overrides, f"hydra.run.dir={run_dir}"]
+        if MODEL in args:
+            args.append(f"model.pidfile={pidfile}")
+        jobs.append(args)
+    started = time.monotonic()
+    results = run_cli_together(*jobs, timeout=BOUND_S + 60)
+    took = time.monotonic() - started
+    return {kind: (result, root / kind / "run", root / kind / "pids", took)
+            for kind, result in zip(HANGS, results, strict=True)}
 
 
 @pytest.mark.parametrize("kind", HANGS)
 def test_a_hang_ends_the_whole_job_within_a_minute_naming_the_operation(
-        kind: str, tmp_path: Path) -> None:
-    run_dir, pidfile = tmp_path / "run", tmp_path / "pids"
-    args = [*TWO_RANKS, *HANGS[kind], f"hydra.run.dir={run_dir}"]
-    if MODEL in args:
-        args.append(f"model.pidfile={pidfile}")
-    started = time.monotonic()
-    result = run_cli(*args, timeout=BOUND_S + 60)
-    took = time.monotonic() - started
+        kind: str, hangs: dict[str, tuple[subprocess.CompletedProcess[str], Path, Path, float]]
+        ) -> None:
+    result, run_dir, pidfile, took = hangs[kind]
     assert result.returncode == 1, f"exit {result.returncode}\n{result.stderr[-3000:]}"
-    assert took < BOUND_S, f"the job ended {took:.0f} s after the command started"
+    # every run had ended when the last did
+    assert took < BOUND_S, f"the jobs ended {took:.0f} s after the commands started"
     last = last_line(result)
     assert last.startswith("error: the 2-rank job failed (exit code "), last
     assert "on group world (2 ranks)" in last and (
@@ -160,6 +180,8 @@ def test_a_hang_ends_the_whole_job_within_a_minute_naming_the_operation(
     assert summary["timed_out"]["rank"] == 0 and summary["timed_out"]["missing_ranks"] == [1]
     if kind == "fork-and-sleep":
         assert len(pids_in(pidfile)) == 1  # the child was there to be ended
+    if kind == "after-a-checkpoint":
+        assert (run_dir / "checkpoints" / "step-00000004" / "manifest.json").is_file()
     assert_nothing_left(run_dir, pidfile)
 
 
