@@ -179,6 +179,23 @@ def test_a_sweep_refuses_a_linked_job_folder_and_table(tmp_path: Path) -> None:
     assert (snapshot(tmp_path / "job-outside"), snapshot(tmp_path / "table-outside")) == before
 
 
+def test_a_sweep_refuses_a_linked_record_before_hydra_writes_it(tmp_path: Path) -> None:
+    """Hydra writes a sweep's multirun.yaml before any of gridrun's code runs: a link there in
+    a sweep directory named on the command line is refused first, exit 2, nothing written."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    record = plant(sweep, "multirun.yaml", tmp_path / "record-outside", False)
+    before = snapshot(tmp_path / "record-outside")
+    result = run_cli("-m", "strategy=data", "grid.pr=1", "grid.pc=1,2", "trainer.steps=2",
+                     f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {record}: a symbolic link: refused (gridrun writes only inside the run "
+        f"directory)"]
+    assert snapshot(tmp_path / "record-outside") == before
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
+
+
 # -- the writers a rank uses, for a link put in place after the head looked -----------------------
 
 @pytest.fixture

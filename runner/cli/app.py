@@ -223,7 +223,9 @@ def main() -> None:
         from runner.training.rank import lead_followers_on_exit
 
         lead_followers_on_exit()
-    problem = precheck(sys.argv[1:])
+    from runner.cli.sweep import sweep_record_problem
+
+    problem = sweep_record_problem(sys.argv[1:]) or precheck(sys.argv[1:])
     if problem:
         print_error(problem)
         sys.exit(EXIT_BAD_INPUT)

@@ -61,6 +61,28 @@ def job_dir_refusal(sweep_dir: Path, subdir: str) -> str | None:
     return str(refused) if refused is not None else unsafe_place(sweep_dir / subdir)
 
 
+def sweep_record_problem(args: Sequence[str]) -> str | None:
+    """For a sweep whose directory is named on the command line (`-m hydra.sweep.dir=DIR`): a
+    link in place of its `multirun.yaml`, which Hydra writes before any of gridrun's code runs,
+    as one line; None otherwise (a sweep directory named by the time is new)."""
+    if not {"-m", "--multirun"} & set(args):
+        return None
+    named = [a for a in args if a.startswith("hydra.sweep.dir=")]
+    if not named:
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        value = OverridesParser.create().parse_override(named[-1]).value()
+    except HydraException:
+        return None  # Hydra names a bad override itself
+    if not isinstance(value, str) or "${" in value or not Path(value).is_dir():
+        return None
+    refused = safe_paths.refusal_on_the_way(value, "multirun.yaml")
+    return None if refused is None else str(refused)
+
+
 def write_sweep_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=COLUMNS)
