@@ -17,15 +17,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from harness import check, make_grids, run_checks
+from plan_harness import built
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's `tests`
 from runner.core import ProcessGrid
-from runner.core.placement import place_whole
 from runner.training.evaluation import evaluate
 from runner.zoo.models import cnn, mlp
 from strategies import STRATEGIES, PricingContext
-from strategies.probe import reads_tokens
 from strategies.transformer import GPT
 from tests import plan_models
 
@@ -36,16 +35,6 @@ PLAN = {"blocks.*.attn.qkv": "fused_qkv", "blocks.*.attn.out": "rowwise",
         "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
 # its norms and MLPs on a rank's positions (strategy=domain by plan)
 SEQUENCE_PLAN = {"blocks.*.norm*": "sequence", "blocks.*.fc*": "sequence", "norm": "sequence"}
-
-
-def built(factory: Callable[[], nn.Module], tokens: bool) -> nn.Module:
-    """The one-process model in float64 from seed 3 (every call: the same weights)."""
-    torch.manual_seed(3)
-    model = factory().double()
-    if tokens:
-        reads_tokens(model)
-    place_whole(model)
-    return model
 
 
 def one_process(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
