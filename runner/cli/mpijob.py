@@ -62,6 +62,7 @@ STOP_MESSAGE = "stopping: the ranks finish their step and write a checkpoint"
 # are never taken for what one job left behind.
 _LAUNCHERS: set[int] = set()
 SECOND_STOP_KILLS = " (press Ctrl-C again to kill the job)"
+WORKER_MODULE = "runner.cli.worker"  # how every rank is started: python -m runner.cli.worker RUN
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -69,6 +70,21 @@ def _cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+def _workers_of(run_dir: Path) -> list[int]:
+    """Every process on this host started as a rank of this run (`runner.cli.worker RUN_DIR`),
+    and every fork of one that kept its command line, wherever it was reparented to (a fork
+    that left its session while its ancestors were being killed is below none of them)."""
+    if not Path("/proc").is_dir():
+        return []
+    marker, found = str(run_dir), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            argv = _cmdline(int(entry.name))
+            if WORKER_MODULE in argv and marker in argv and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
 
 
 def _signal_name(signum: int) -> str:
@@ -304,7 +320,8 @@ class MPIJob:
         local = [r for r in self.records.values() if self._local(r)]
         pids = [int(r[key]) for key in ("supervisor_pid", "pid") for r in local if key in r]
         marker = str(self.run_dir)
-        return [pid for pid in pids if alive(pid) and marker in _cmdline(pid)]
+        recorded = [pid for pid in pids if alive(pid) and marker in _cmdline(pid)]
+        return recorded + [pid for pid in _workers_of(self.run_dir) if pid not in recorded]
 
     def kill(self) -> None:
         """SIGKILL mpiexec and every process below it, and every rank process of this job on
