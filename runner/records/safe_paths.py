@@ -216,9 +216,7 @@ def _own_copy(fd: int, parent: int, name: str, shown: Path, keep: bool) -> None:
             try:
                 copied = 0
                 while keep and (chunk := os.pread(source, 1 << 20, copied)):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(copy, view):]
+                    _write_all(copy, chunk)
                     copied += len(chunk)
             finally:
                 os.close(copy)
@@ -233,6 +231,13 @@ def _own_copy(fd: int, parent: int, name: str, shown: Path, keep: bool) -> None:
         raise OSError(exc.errno, exc.strerror or str(exc), str(shown)) from exc
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """All of `data` to `fd` (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def read_bytes(root: Path | str, relative: PurePath | str, limit: int) -> bytes:
@@ -262,9 +267,7 @@ def replace_file(root: Path | str, relative: PurePath | str, data: bytes,
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o666, dir_fd=parent)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, data)
                 if sync:
                     os.fsync(fd)
             finally:
