@@ -271,7 +271,7 @@ def a_resumed_async_msgd_holds_the_checkpoint_s_server() -> None:
 def each_reaches_90_percent_on_digits() -> None:
     # the defaults of conf/optimizer/*.yaml
     methods = [({"name": "async_sgd", "lr": 0.1}, 100), ({"name": "hogwild_sgd", "lr": 0.1}, 100),
-               ({"name": "async_msgd", "lr": 0.02, "momentum": MU}, 150)]
+               ({"name": "async_msgd", "lr": 0.02, "momentum": MU}, 300)]
     grid = ProcessGrid(1, SIZE, WORLD)
     for optimizer, steps in methods:
         run = config(optimizer, pc=SIZE, steps=steps)
