@@ -58,7 +58,7 @@ LOSS_RTOL = 1e-5  # losses equal to float32 rounding (a few ulps of ~7.6, carrie
 def build_gpt() -> Any:
     import torch
 
-    from strategies.transformer import GPT
+    from strategies.transformer.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(VOCAB, CONTEXT, WIDTH, LAYERS, HEADS, tie_weights=False)
@@ -81,7 +81,7 @@ def gridrun_contender(name: str, options: dict[str, Any], comm: Any,
     import torch
 
     from runner.core import ProcessGrid
-    from runner.core.cost import step_bytes
+    from runner.cost.collectives import step_bytes
     from strategies import STRATEGIES
 
     size = comm.Get_size()

@@ -30,7 +30,7 @@ def worker(repeats: int) -> None:
 
     from runner.core import ProcessGrid
     from runner.core.halo import halo_exchange_op
-    from strategies.spatial import SpatialWindowed
+    from strategies.layers.spatial import SpatialWindowed
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

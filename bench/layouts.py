@@ -44,8 +44,8 @@ def worker(pr: int, pc: int, features: int, batch: int, repeats: int) -> None:
     from runner.core.primitives import broadcast, sum_reduce
     from strategies import PricingContext
     from strategies.auto import AutoLayout
-    from strategies.layer_layouts import LAYOUTS, PartialSumLinear
-    from strategies.layouts import Redistribute
+    from strategies.layouts.chain import Redistribute
+    from strategies.layouts.layer import LAYOUTS, PartialSumLinear
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

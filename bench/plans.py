@@ -61,7 +61,7 @@ def build_llama() -> Any:
 def build_gpt() -> Any:
     import torch
 
-    from strategies.transformer import GPT
+    from strategies.transformer.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(VOCAB, CONTEXT, WIDTH, LAYERS, HEADS, tie_weights=False)
@@ -115,8 +115,8 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
 
     from runner.config.machine import load_compute_rates, load_machine_costs
     from runner.core import ProcessGrid
-    from runner.core.compute import oversubscription
-    from runner.core.cost import step_bytes
+    from runner.cost.collectives import step_bytes
+    from runner.cost.compute import oversubscription
     from strategies import STRATEGIES, PricingContext
     from strategies.base import StepPrediction, predict_step
 

@@ -71,7 +71,7 @@ def worker(batch: int, steps: int, warmup: int, widths: list[int], blocks: list[
     from runner.config.machine import load_machine_costs
     from runner.config.registry import load_plugins
     from runner.core import ProcessGrid
-    from runner.core.cost import step_bytes, step_time
+    from runner.cost.collectives import step_bytes, step_time
     from strategies import STRATEGIES as REGISTRY
 
     load_plugins()

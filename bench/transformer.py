@@ -34,7 +34,7 @@ WIDTH, LAYERS, HEADS, VOCAB, CONTEXT, BATCH = 128, 4, 4, 2048, 64, 16
 def build_gpt():
     import torch
 
-    from strategies.transformer import GPT
+    from strategies.transformer.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(VOCAB, CONTEXT, WIDTH, LAYERS, HEADS)
@@ -61,8 +61,8 @@ def worker(steps: int, rounds: int, warmup: int) -> None:
 
     from runner.config.machine import load_compute_rates, load_machine_costs
     from runner.core import ProcessGrid
-    from runner.core.compute import oversubscription
-    from runner.core.cost import step_bytes
+    from runner.cost.collectives import step_bytes
+    from runner.cost.compute import oversubscription
     from strategies import STRATEGIES, PricingContext
     from strategies.base import predict_step
 

@@ -5,7 +5,8 @@ backward) of one rank's rows of a small transformer with dropout (torch's
 
 - `per_rank`: the model as it is, each rank drawing its own masks (what
   `DistributedDataParallel` does: not one process's model);
-- `row_draws`: inside `strategies.whole_batch.RowDraws`, every draw over the batch's rows made
+- `row_draws`: inside `strategies.layers.whole_batch.RowDraws`, every draw over the batch's rows
+made
   row by row from each global row's own generator (what `strategy=data` does: the same masks
   at every P), for the last rank of P;
 - `no_dropout`: the same layers with dropout 0 (no draws at all), for scale.
@@ -30,8 +31,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from strategies.layers.whole_batch import RowDraws, forward_key
 from strategies.probe import draw_plan
-from strategies.whole_batch import RowDraws, forward_key
 
 
 def model(width: int, dropout: float) -> nn.Module:

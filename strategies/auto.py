@@ -1,5 +1,5 @@
 """`strategy=auto`: each layer of a sequential model in the layout that minimises the predicted
-step time, chosen by dynamic programming over the chain of layers (`strategies.layouts`).
+step time, chosen by dynamic programming over the chain of layers (`strategies.layouts.chain`).
 
 The state of the programme is the layout of the activation between two layers. A layer's
 options are its layouts (or, for a layer without any, the layouts it can run in as given);
@@ -9,15 +9,16 @@ layout. The model's input arrives as `rows` and its output must leave as `sample
 contract), so the programme starts at one state and ends with the conversion to the other.
 Exact for a chain: every cost depends only on the layouts on either side of it.
 
-Predicted time is compute (this machine's calibrated rates, `runner.core.compute`, slowed by
+Predicted time is compute (this machine's calibrated rates, `runner.cost.compute`, slowed by
 ranks sharing cores) plus the α–β time of every operation rank 0 issues. A user pins a layer's
 layout by name (`strategy.layouts={fc1: 2d}`); the programme chooses the rest.
 
 A model that is not a chain (a module tree: ResNets, a user's own modules) has branches whose
 layouts would have to agree where they join; there `auto` compares the whole-model layouts of
-`model`, `grid` and `domain` over the tree (`strategies.tree`), pure data parallelism and, for
+`model`, `grid` and `domain` over the tree (`strategies.layers.tree`), pure data parallelism and,
+for
 a model with a parallel plan by module name (declared by the model or derived from its
-structure: `strategies.module_plan`), `model` and `grid` by that plan, by the same predicted
+structure: `strategies.plans.module_plan`), `model` and `grid` by that plan, by the same predicted
 step time, and uses the fastest; the summary and the planner say which, and every candidate's
 predicted time.
 """
@@ -31,11 +32,24 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, ProcessGrid
-from runner.core.cost import CommOp
+from runner.cost.collectives import CommOp
 from strategies.base import DEFAULT_PRICING, ParallelModel, PricingContext, Strategy
-from strategies.buckets import predict_gradient_ops
+from strategies.exchange.buckets import predict_gradient_ops
 from strategies.grid import GridParallel
-from strategies.layer_layouts import (
+from strategies.layers.spatial import windowed_problem
+from strategies.layers.split import layer_label
+from strategies.layouts.chain import (
+    LayerPlan,
+    PlanCosts,
+    Pricing,
+    Step,
+    build_layered_model,
+    layer_names,
+    layout_problems,
+    passthrough_options,
+    step_param_groups,
+)
+from strategies.layouts.layer import (
     BATCH_ONLY,
     IMAGE_LAYOUTS,
     ROWS,
@@ -47,23 +61,10 @@ from strategies.layer_layouts import (
     layer_kind,
     layouts_for,
 )
-from strategies.layouts import (
-    LayerPlan,
-    PlanCosts,
-    Pricing,
-    Step,
-    build_layered_model,
-    layer_names,
-    layout_problems,
-    passthrough_options,
-    step_param_groups,
-)
-from strategies.module_plan import PlannedModel
-from strategies.plan_costs import PlannedModule
+from strategies.plans.costs import PlannedModule
+from strategies.plans.module_plan import PlannedModel
 from strategies.probe import random_draws
 from strategies.registry import STRATEGIES, register_strategy
-from strategies.sharded import layer_label
-from strategies.spatial import windowed_problem
 
 TREE_CHOICES = ("data", "grid", "model", "domain")
 # those that split a model with a plan by module name by it, priced with it and without

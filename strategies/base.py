@@ -30,14 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.compute import (
-    DEFAULT_RATES,
-    ComputeRates,
-    layer_seconds,
-    loss_seconds,
-    operator_seconds,
-)
-from runner.core.cost import (
+from runner.cost.collectives import (
     DEFAULT_COSTS,
     CommOp,
     MachineCosts,
@@ -46,9 +39,16 @@ from runner.core.cost import (
     step_bytes,
     wait_seconds,
 )
-from strategies.buckets import GradientBuckets
+from runner.cost.compute import (
+    DEFAULT_RATES,
+    ComputeRates,
+    layer_seconds,
+    loss_seconds,
+    operator_seconds,
+)
+from strategies.exchange.buckets import GradientBuckets
+from strategies.exchange.sparse_gradients import SparseGradientExchange
 from strategies.probe import operator_calls, probe
-from strategies.sparse_exchange import SparseGradientExchange
 
 MB = 1 << 20
 
@@ -114,14 +114,14 @@ class PricingContext:
     # touches (None: no token data)
     rows_touched: Callable[[int], float] | None = None
     # trainer.precision's autocast type (None: fp32): the dtype of the activations the
-    # strategy moves (`strategies.sharded.output_itemsizes`)
+    # strategy moves (`strategies.layers.split.output_itemsizes`)
     compute_dtype: torch.dtype | None = None
     # this machine's compute rates
     rates: ComputeRates = DEFAULT_RATES
     # the global batch (a layout chosen by time depends on it; None: not known)
     global_batch: int | None = None
     # how much slower a rank computes than the rates say (ranks sharing cores:
-    # `runner.core.compute.oversubscription`)
+    # `runner.cost.compute.oversubscription`)
     slowdown: float = 1.0
     # the optimizer's name (`optimizer.name`, or a `_target_`'s class in lower case): its
     # update's passes over the parameters (`update_passes`)

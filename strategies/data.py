@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import (
+from runner.core.row_sparse import NodeRoutes
+from runner.cost.collectives import (
     CommOp,
     SparseMode,
     choose_partitions,
@@ -25,7 +26,6 @@ from runner.core.cost import (
     sharded_rows_per_rank,
     sparse_exchange_ops,
 )
-from runner.core.sparse import NodeRoutes
 from strategies.base import (
     DEFAULT_PRICING,
     ParallelModel,
@@ -33,17 +33,8 @@ from strategies.base import (
     Strategy,
     gradient_exchange,
 )
-from strategies.buckets import predict_gradient_ops
-from strategies.norm import (
-    batch_norm_ops,
-    batch_norm_problems,
-    distribute_batch_norms,
-    is_plain_batch_norm,
-)
-from strategies.probe import DrawPlan, draw_plan, logits_of, probe, training_calls
-from strategies.registry import register_strategy
-from strategies.sharded import activation_itemsize
-from strategies.sparse_exchange import (
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.exchange.sparse_gradients import (
     PER_STEP_MODES,
     SPARSE_CHOICES,
     EmbeddingTable,
@@ -51,9 +42,18 @@ from strategies.sparse_exchange import (
     SparseGradientExchange,
     sparse_tables,
 )
-from strategies.tensor_parallel import tp_compute_seconds
-from strategies.transformer import GPT, activation_elements
-from strategies.whole_batch import BatchStatistics, RowDraws, forward_key
+from strategies.layers.norm import (
+    batch_norm_ops,
+    batch_norm_problems,
+    distribute_batch_norms,
+    is_plain_batch_norm,
+)
+from strategies.layers.split import activation_itemsize
+from strategies.layers.whole_batch import BatchStatistics, RowDraws, forward_key
+from strategies.probe import DrawPlan, draw_plan, logits_of, probe, training_calls
+from strategies.registry import register_strategy
+from strategies.transformer.gpt import GPT, activation_elements
+from strategies.transformer.tensor_parallel import tp_compute_seconds
 
 
 class DataParallelModel(ParallelModel):

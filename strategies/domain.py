@@ -12,15 +12,17 @@ layout, and the fully-connected layers are split as in `strategy=grid`.
 Weights of the spatial layers are replicated and all-reduced over all P ranks; this is what lets
 training scale past the batch size, since one sample is worked on by `Pr` ranks.
 
-A GPT's domain is its sequence: for a `strategies.transformer.GPT` each sequence is split over
-the model group instead (sequence parallelism, `strategies.sequence`; `kv_exchange` chooses how
+A GPT's domain is its sequence: for a `strategies.transformer.gpt.GPT` each sequence is split over
+the model group instead (sequence parallelism, `strategies.transformer.context_parallel`;
+`kv_exchange` chooses how
 attention's keys and values travel).
 
 Any other model's sequence, by a parallel plan by module name (`strategy.plan`, styles
-`sequence` and `replicate` only: `strategies.module_plan.domain_plan`): each sample's sequence
+`sequence` and `replicate` only: `strategies.plans.module_plan.domain_plan`): each sample's sequence
 split over the model group in the blocks holding `sequence` modules, which run on this rank's
 positions; the blocks' other modules (the attention) run on the gathered sequence, whole on
-every rank (`strategies.plan_sequence.domain_layout`). Every weight whole, its gradient summed
+every rank (`strategies.plans.sequence_parallel.domain_layout`). Every weight whole, its gradient
+summed
 over every rank.
 """
 
@@ -34,9 +36,9 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp
 from runner.core.halo import HaloPlan
 from runner.core.primitives import all_gather
+from runner.cost.collectives import CommOp
 from strategies.base import (
     DEFAULT_PRICING,
     ParallelModel,
@@ -45,35 +47,21 @@ from strategies.base import (
     predict_step,
     split_model_exchanges,
 )
-from strategies.buckets import predict_gradient_ops
-from strategies.module_plan import (
-    ModulePlan,
-    build_planned_model,
-    domain_plan,
-    plan_activation_bytes,
-    plan_param_bytes,
-    plan_problems,
-    predict_plan_ops,
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.layers.norm import batch_norm_ops, distribute_batch_norms
+from strategies.layers.spatial import (
+    ROW_LOCAL,
+    WINDOWED,
+    SpatialWindowed,
+    height_window,
+    windowed_problem,
 )
-from strategies.norm import batch_norm_ops, distribute_batch_norms
-from strategies.plan_costs import PlannedModule, plan_compute_seconds, plan_module_bytes
-from strategies.registry import register_strategy
-from strategies.sequence import (
-    KV_EXCHANGES,
-    build_sequence_parallel,
-    choose_kv_exchange,
-    sequence_activation_elements,
-    sequence_compute_seconds,
-    sequence_ops,
-    sequence_param_bytes,
-    sequence_problems,
-)
-from strategies.sharded import (
+from strategies.layers.split import (
     activation_itemsize,
     activation_ops,
     body_activation_elements,
     body_norm_ops,
-    build_sharded,
+    build_split,
     layer_label,
     output_itemsizes,
     output_shapes,
@@ -84,15 +72,35 @@ from strategies.sharded import (
     whole_norm_problems,
     whole_param_items,
 )
-from strategies.spatial import ROW_LOCAL, WINDOWED, SpatialWindowed, height_window, windowed_problem
-from strategies.transformer import GPT, is_gpt
-from strategies.tree import (
+from strategies.layers.tree import (
     build_tree_model,
     predict_tree_ops,
     tree_activation_bytes,
     tree_param_bytes,
     tree_problems,
 )
+from strategies.plans.costs import PlannedModule, plan_compute_seconds, plan_module_bytes
+from strategies.plans.module_plan import (
+    ModulePlan,
+    build_planned_model,
+    domain_plan,
+    plan_activation_bytes,
+    plan_param_bytes,
+    plan_problems,
+    predict_plan_ops,
+)
+from strategies.registry import register_strategy
+from strategies.transformer.context_parallel import (
+    KV_EXCHANGES,
+    build_sequence_parallel,
+    choose_kv_exchange,
+    sequence_activation_elements,
+    sequence_compute_seconds,
+    sequence_ops,
+    sequence_param_bytes,
+    sequence_problems,
+)
+from strategies.transformer.gpt import GPT, is_gpt
 
 
 class DomainParallelModel(ParallelModel):
@@ -190,7 +198,7 @@ class DomainParallel(Strategy):
         if is_gpt(model):
             assert isinstance(model, GPT)
             return sequence_problems(model, sample_shape, grid)
-        if not isinstance(model, nn.Sequential):  # a module tree (strategies/tree.py)
+        if not isinstance(model, nn.Sequential):  # a module tree (strategies/layers/tree.py)
             if len(sample_shape) != 3:
                 return [f"strategy=domain splits images in height: got inputs of shape "
                         f"{tuple(sample_shape)}"]
@@ -250,7 +258,7 @@ class DomainParallel(Strategy):
         # a model group: its own rows' slabs).
         distribute_batch_norms(spatial, grid.world if sync_replica_gradients else grid.model)
         steps = plan_layers(layers, end, grid.pr)
-        body = build_sharded(layers, steps, grid.model, grid.model_index,
+        body = build_split(layers, steps, grid.model, grid.model_index,
                              grid.batch if sync_replica_gradients else None)
         ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
         pmodel = DomainParallelModel(grid, spatial, heights[0], heights[end], body,

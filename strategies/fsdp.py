@@ -3,7 +3,7 @@ for any module.
 
 The global batch is split over all P ranks as under `data` (one process's BatchNorm statistics
 and random draws included); the parameters are split by rows over the same ranks, unit by unit
-(`strategies.fsdp_units`), so each rank keeps 1/P of the parameters, of their gradients and of
+(`strategies.sharding.units`), so each rank keeps 1/P of the parameters, of their gradients and of
 the optimizer's state (an element-wise optimizer: SGD, Adam, AdamW, ... runs on the pieces as
 on the whole). `strategy.stage` says what lives whole during a step:
 
@@ -75,9 +75,9 @@ from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
 from runner.core.comm import GridGroup
-from runner.core.cost import CommOp
 from runner.core.primitives import GatherInFlight
 from runner.core.standin import rank_zero_grid
+from runner.cost.collectives import CommOp
 from strategies.base import (
     DEFAULT_PRICING,
     MicroBatch,
@@ -86,9 +86,16 @@ from strategies.base import (
     Strategy,
     gradient_exchange,
 )
-from strategies.buckets import predict_gradient_ops
 from strategies.data import BATCH_NORM_MODES, DataParallel, DataParallelModel, replica_model
-from strategies.fsdp_units import (
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.exchange.sparse_gradients import sparse_tables
+from strategies.grid import GridParallel
+from strategies.layers.norm import batch_norm_ops
+from strategies.layers.split import activation_itemsize
+from strategies.probe import one_sample, sample_dtype
+from strategies.recompute import checkpoint_targets
+from strategies.registry import register_strategy
+from strategies.sharding.units import (
     ROOT,
     HeldBytes,
     ShardedUnit,
@@ -97,13 +104,6 @@ from strategies.fsdp_units import (
     unmatched_patterns,
     within,
 )
-from strategies.grid import GridParallel
-from strategies.norm import batch_norm_ops
-from strategies.probe import one_sample, sample_dtype
-from strategies.recompute import checkpoint_targets
-from strategies.registry import register_strategy
-from strategies.sharded import activation_itemsize
-from strategies.sparse_exchange import sparse_tables
 
 FSDP_STAGES = (1, 2, 3)
 

@@ -10,7 +10,7 @@ Gradients: a sharded weight is held by the `Pc` ranks of one batch group, so its
 all-reduced over that group (|W|/Pr per rank); the batch-parallel layers' weights are replicated
 on all P ranks and all-reduced over all of them. Both are bucketed and overlapped with backward.
 
-A GPT (`strategies.transformer.GPT`) is split Megatron-style instead (`tensor_parallel.py`):
+A GPT (`strategies.transformer.gpt.GPT`) is split Megatron-style instead (`tensor_parallel.py`):
 vocabulary, heads and MLP features over the model group, in the layout `strategy.tp_layout`.
 
 A model with a parallel plan by module name (`strategy.plan`, or the model's own declared plan:
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp
 from runner.core.primitives import all_gather
+from runner.cost.collectives import CommOp
 from strategies.base import (
     DEFAULT_PRICING,
     ParallelModel,
@@ -34,25 +34,14 @@ from strategies.base import (
     Strategy,
     split_model_exchanges,
 )
-from strategies.buckets import predict_gradient_ops
-from strategies.module_plan import (
-    ModulePlan,
-    build_planned_model,
-    module_plan,
-    plan_activation_bytes,
-    plan_param_bytes,
-    plan_problems,
-    predict_plan_ops,
-)
-from strategies.norm import batch_norm_ops, distribute_batch_norms
-from strategies.plan_costs import PlannedModule, plan_compute_seconds, plan_module_bytes
-from strategies.registry import register_strategy
-from strategies.sharded import (
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.layers.norm import batch_norm_ops, distribute_batch_norms
+from strategies.layers.split import (
     activation_itemsize,
     activation_ops,
     body_activation_elements,
     body_norm_ops,
-    build_sharded,
+    build_split,
     feature_sizes,
     output_itemsizes,
     plan_layers,
@@ -62,7 +51,27 @@ from strategies.sharded import (
     whole_norm_problems,
     whole_param_items,
 )
-from strategies.tensor_parallel import (
+from strategies.layers.tree import (
+    Mode,
+    build_tree_model,
+    predict_tree_ops,
+    tree_activation_bytes,
+    tree_param_bytes,
+    tree_problems,
+)
+from strategies.plans.costs import PlannedModule, plan_compute_seconds, plan_module_bytes
+from strategies.plans.module_plan import (
+    ModulePlan,
+    build_planned_model,
+    module_plan,
+    plan_activation_bytes,
+    plan_param_bytes,
+    plan_problems,
+    predict_plan_ops,
+)
+from strategies.registry import register_strategy
+from strategies.transformer.gpt import GPT, is_gpt
+from strategies.transformer.tensor_parallel import (
     TP_LAYOUTS,
     Layout,
     build_tensor_parallel,
@@ -72,15 +81,6 @@ from strategies.tensor_parallel import (
     tp_activation_bytes,
     tp_compute_seconds,
     tp_param_bytes,
-)
-from strategies.transformer import GPT, is_gpt
-from strategies.tree import (
-    Mode,
-    build_tree_model,
-    predict_tree_ops,
-    tree_activation_bytes,
-    tree_param_bytes,
-    tree_problems,
 )
 
 
@@ -126,7 +126,7 @@ def build_grid_model(model: nn.Sequential, grid: ProcessGrid, split: int,
     # group in the split body (a model group's ranks hold the same rows); an EASGD replica (a
     # model group) normalizes by its own rows.
     distribute_batch_norms(prefix, grid.world if sync_replica_gradients else grid.model)
-    body = build_sharded(layers, steps, grid.model, grid.model_index,
+    body = build_split(layers, steps, grid.model, grid.model_index,
                          grid.batch if sync_replica_gradients else None)
     ends_on_own_rows = grid.pr == 1 or (bool(steps) and steps[-1].kind == "to_rows")
     pmodel = GridParallelModel(grid, prefix, bool(prefix_params), body, ends_on_own_rows)
@@ -169,7 +169,7 @@ def as_gpt(model: nn.Module) -> GPT | None:
 @register_strategy("grid")
 class GridParallel(Strategy):
     """A Sequential by the layer plan of `sharded.py`; any other module tree by the rules of
-    `strategies.tree` (torch.fx), which keep grid's layout: batch-parallel before the first
+    `strategies.layers.tree` (torch.fx), which keep grid's layout: batch-parallel before the first
     Linear, split from it on; a model with a parallel plan by module name by that plan."""
 
     tree_mode: Mode = "grid"  # model: every Linear and Conv2d split
@@ -181,7 +181,7 @@ class GridParallel(Strategy):
                  tp_layout: str = "auto", plan: Mapping[str, str] | None = None, *,
                  pricing: PricingContext = DEFAULT_PRICING) -> None:
         super().__init__(bucket_cap_mb, first_bucket_mb, pricing=pricing)
-        # module-path glob pattern → style (`strategies.plan_styles`); config keys may come
+        # module-path glob pattern → style (`strategies.plans.styles`); config keys may come
         # as other scalars
         self.plan = {str(k): str(v) for k, v in (plan or {}).items()}
         # A GPT's tensor-parallel layout: pairing (Megatron), gather, or auto (the cheaper

@@ -12,8 +12,8 @@ from torch import nn
 
 from runner.core import GridShape
 from strategies.grid import GridParallel
+from strategies.layers.tree import Mode
 from strategies.registry import register_strategy
-from strategies.tree import Mode
 
 
 @register_strategy("model")

@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.core.compute import OperatorCall
+from runner.cost.compute import OperatorCall
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 
@@ -191,7 +191,7 @@ _FUNCTION_OPERATORS = {"__getitem__": "slice", "contiguous": "view", "linear": "
 
 def _as_operator(name: str, inputs: list[torch.Tensor], nbytes: int,
                  backward: bool) -> OperatorCall:
-    """A torch function call as the operator `runner.core.compute.operator_seconds` prices: a
+    """A torch function call as the operator `runner.cost.compute.operator_seconds` prices: a
     matrix product (`matmul`, `@`, `F.linear`) as the `mm` or `bmm` it comes down to, with the
     sample's rows folded into its rows or its batch; anything else by its name."""
     name = name.strip("_") if name.startswith("__") and name not in _FUNCTION_OPERATORS else name

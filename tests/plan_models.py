@@ -1,4 +1,4 @@
-"""Models split by a parallel plan by module name (`strategies.module_plan`), and their plans:
+"""Models split by a parallel plan by module name (`strategies.plans.module_plan`), and their plans:
 the transformers library's Llama (its declared plan), GPT-2 and BERT (plans given), and a
 user's own attention block. Tiny, built from configs (no weights downloaded), dropout 0: under
 model splitting each rank would draw its own masks (validation refuses that)."""

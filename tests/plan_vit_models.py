@@ -1,4 +1,4 @@
-"""Vision transformers split by a parallel plan by module name (`strategies.module_plan`): the
+"""Vision transformers split by a parallel plan by module name (`strategies.plans.module_plan`): the
 transformers library's `ViTForImageClassification` from a tiny config, and a timm-style ViT
 whose attention is one fused `qkv` Linear. Tiny, dropout 0 (under model splitting each rank
 would draw its own masks), images of `CHANNELS` x `IMAGE` x `IMAGE`.

@@ -14,7 +14,7 @@ from runner.training.memory import SavedTensorMeter
 from strategies.base import ParallelModel
 from strategies.data import DataParallel
 from strategies.recompute import checkpoint_modules, checkpoint_targets, outermost
-from strategies.transformer import GPT
+from strategies.transformer.gpt import GPT
 
 
 def test_micro_batches_cut_each_batch_group_into_consecutive_pieces() -> None:

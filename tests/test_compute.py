@@ -1,4 +1,4 @@
-"""The compute-time model (runner.core.compute) and its rates' storage, on hand-made rates (no
+"""The compute-time model (runner.cost.compute) and its rates' storage, on hand-made rates (no
 calibration runs here)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from runner.core.compute import (
+from runner.cost.compute import (
     DEFAULT_RATES,
     FRESH_ALLOCATION,
     ComputeRates,
@@ -287,7 +287,7 @@ def test_the_operators_between_leaves_are_recorded_with_their_owner_and_backward
 
 
 def test_an_operator_is_priced_by_its_kind_on_the_rows_and_share_a_rank_runs() -> None:
-    from runner.core.compute import OperatorCall, operator_seconds
+    from runner.cost.compute import OperatorCall, operator_seconds
 
     product = OperatorCall("bmm", ((1, 64, 32), (1, 32, 64)), 0, backward=True)
     one, eight = operator_seconds(product, 1, RATES), operator_seconds(product, 8, RATES)

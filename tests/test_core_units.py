@@ -119,7 +119,7 @@ def test_detect_mpi_environment(env: dict[str, str], expected: tuple[int, int] |
 def test_cyclic_rows_deal_every_row_to_one_owner() -> None:
     import torch
 
-    from runner.core.sparse import CyclicRows, coalesce_rows
+    from runner.core.row_sparse import CyclicRows, coalesce_rows
 
     rows = CyclicRows(10, 4)
     owned = [rows.owned(k) for k in range(4)]

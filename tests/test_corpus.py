@@ -81,7 +81,7 @@ def test_a_batch_norm_subclass_is_refused_where_it_would_be_replaced() -> None:
     problems = verdict("ScaledBNNet", "grid", 2, 2)
     assert problems and all("ScaledBNNet" in p for p in problems)
     # in a Sequential the split layers would swap it for a plain BatchNorm: named instead
-    from strategies.sharded import unsupported_layers
+    from strategies.layers.split import unsupported_layers
 
     layers = [nn.Conv2d(3, 4, 3), corpus.ScaledBatchNorm(4), nn.ReLU()]
     assert any("ScaledBatchNorm subclasses BatchNorm2d" in p and "strategy=data" in p

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from runner.core.comm import CommCounter, CountedComm
-from runner.core.cost import DEFAULT_COSTS
 from runner.core.halo import HaloPlan, Window, halo_accumulate_op
 from runner.core.primitives import all_sum_reduce_op, broadcast_op, sum_reduce_op
-from runner.core.sparse import CyclicRows
-from strategies.buckets import GradientBuckets
-from strategies.sparse_exchange import SparseGradientExchange
+from runner.core.row_sparse import CyclicRows
+from runner.cost.collectives import DEFAULT_COSTS
+from strategies.exchange.buckets import GradientBuckets
+from strategies.exchange.sparse_gradients import SparseGradientExchange
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,8 +13,8 @@ from torch import nn
 from runner.core import GridShape
 from runner.zoo.models import mlp
 from strategies import STRATEGIES
-from strategies.fsdp_units import unit_parameters, unit_paths, unmatched_patterns
-from strategies.transformer import GPT
+from strategies.sharding.units import unit_parameters, unit_paths, unmatched_patterns
+from strategies.transformer.gpt import GPT
 from tests.conftest import assert_ok, read_summary, run_cli_together, train_losses
 
 

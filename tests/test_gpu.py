@@ -33,8 +33,8 @@ import torch.distributed as dist
 from runner.core import CommCounter, CommWatchdog, CountedComm, torchdist
 from runner.core.staging import StagedTransport
 from runner.training.devices import place_rank
+from strategies.layers.whole_batch import RandomDrawError, RowDraws, forward_key
 from strategies.probe import draw_plan
-from strategies.whole_batch import RandomDrawError, RowDraws, forward_key
 from tests.conftest import (
     ROOT,
     RunCache,

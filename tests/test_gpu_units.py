@@ -258,7 +258,7 @@ def test_the_device_sweep_is_fitted_as_the_hosts() -> None:
 
 
 def _fake_compute(rate: float) -> dict[str, Any]:
-    from runner.core.compute import DEFAULT_RATES
+    from runner.cost.compute import DEFAULT_RATES
 
     return {**DEFAULT_RATES.to_dict(), "gemm": {"16": [[1e6, rate], [1e9, rate]]},
             "conv": [[1e6, rate]], "memory": 2e12}

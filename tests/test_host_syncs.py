@@ -48,9 +48,9 @@ from runner.core import CommCounter, CountedComm, ProcessGrid
 from runner.core.standin import ShapeOnlyTransport
 from runner.records.rundir import RunDir
 from runner.training.step import StepFailure
-from strategies.norm import DistributedBatchNorm
-from strategies.tensor_parallel_ops import vocab_cross_entropy
-from strategies.vocab_head import SplitLogitsScoring
+from strategies.layers.norm import DistributedBatchNorm
+from strategies.layers.vocab_head import SplitLogitsScoring
+from strategies.layers.vocab_ops import vocab_cross_entropy
 from tests.conftest import ROOT
 
 aten = torch.ops.aten

@@ -83,7 +83,7 @@ class _Net(nn.Module):
 
 
 def test_module_trees_are_split_by_rule_and_a_module_without_one_refused_by_name() -> None:
-    from strategies.tree import plan_tree
+    from strategies.layers.tree import plan_tree
 
     for strategy in ("model", "grid"):
         assert STRATEGIES.get(strategy)().check_model(_Net(nn.ReLU()), (1, 8, 8),

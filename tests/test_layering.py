@@ -24,11 +24,24 @@ FLOORS: list[tuple[str, set[str]]] = [
     ("checkpoints", {"runner.checkpoint"}),
     ("plugins", {"runner.optim", "runner.zoo"}),
     ("config and strategies", {"runner.config", "strategies"}),
+    ("the cost model", {"runner.cost"}),
     ("the distributed-tensor core and the records", {"runner.core", "runner.records", "runner"}),
 ]
 
-# Inside a room, top to bottom: its modules' order (a room not named here has none).
+# Inside a room, top to bottom: its modules' order (a room not named here has none). In
+# strategies/ a family folder takes one place as a whole: the six `strategy=` choices, then the
+# families, then the contract every family shares.
 ORDER: dict[str, list[set[str]]] = {
+    "strategies": [
+        {"auto"},
+        {"fsdp", "model"},
+        {"data", "grid", "domain"},
+        {"layouts", "plans", "transformer", "sharding"},
+        {"layers"},
+        {"registry", "recompute"},
+        {"base"},
+        {"exchange", "probe"},
+    ],
     "runner.cli": [
         {"app", "worker", "slurm_job"},
         {"compose", "help", "launch", "sweep"},
@@ -94,7 +107,7 @@ def tier_of(module: str) -> int | None:
     tiers = ORDER.get(room_of(module))
     if tiers is None:
         return None
-    name = module.rpartition(".")[2]
+    name = module[len(room_of(module)) + 1:].split(".")[0]  # a module, or its family folder
     return next((i for i, tier in enumerate(tiers) if name in tier), None)
 
 

@@ -1,4 +1,4 @@
-"""Parallel plans by module name (strategies/module_plan.py), in process: parsing and glob
+"""Parallel plans by module name (strategies/plans/module_plan.py), in process: parsing and glob
 matching, where plans come from, each refusal; and the user's path end to end through the
 command line (a plan on the command line, a plan in a YAML file of the user's config dir)."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from strategies import STRATEGIES
-from strategies.module_plan import (
+from strategies.plans.module_plan import (
     DECLARED_SOURCE,
     USER_SOURCE,
     declared_plan,
@@ -90,7 +90,7 @@ def test_key_value_heads_that_neither_divide_nor_serve_one_ranks_heads_are_refus
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
 def test_gpt2s_attention_attributes_are_divided_and_reported() -> None:
-    from strategies.module_plan import adjustments
+    from strategies.plans.module_plan import adjustments
 
     gpt2 = plan_models.hf_gpt2(VOCAB, (T,))
     plan = module_plan(gpt2, plan_models.GPT2_PLAN)
@@ -241,7 +241,7 @@ LLAMA_BLOCKS_PLAN = {"model.layers.*.self_attn.q_proj": "colwise",
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
 def test_grouped_query_attention_holds_key_values_whole_where_ranks_outnumber_their_heads(
         ) -> None:
-    from strategies.module_plan import adjustments, gathered_path
+    from strategies.plans.module_plan import adjustments, gathered_path
 
     llama = plan_models.hf_llama(VOCAB, (T,))  # 4 query heads, 2 key/value heads
     two = module_plan(llama, LLAMA_BLOCKS_PLAN, (T,), 2)
@@ -283,8 +283,8 @@ class DroppingBlockLM(plan_models.UserBlockLM):
 
 def test_a_sequence_plan_splits_the_blocks_and_prices_its_exchanges() -> None:
     from runner.core import GridShape
-    from strategies.module_plan import predict_plan_ops
-    from strategies.plan_sequence import sequence_layout
+    from strategies.plans.module_plan import predict_plan_ops
+    from strategies.plans.sequence_parallel import sequence_layout
 
     lm = block_lm()
     plan = match_plan(lm, {**BLOCK_SEQUENCE_PLAN, "norm": "sequence"}, USER_SOURCE)
@@ -315,7 +315,7 @@ def test_a_module_that_mixes_positions_is_refused_as_sequence() -> None:
         "blocks.0.attn (HeadsAttention): HeadsAttention mixes positions (attention, a "
         "convolution or pooling over the sequence, a recurrence, batch statistics): it cannot "
         "run on a rank's piece of the sequence"]
-    from strategies.plan_styles import STYLES
+    from strategies.plans.styles import STYLES
 
     assert STYLES["sequence"].problems("rnn", nn.GRU(4, 4), 2)[0].startswith(
         "rnn (GRU): GRU mixes positions")
@@ -376,9 +376,9 @@ def test_an_unmarked_module_with_weights_in_the_region_or_a_sequence_one_between
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
 def test_llamas_final_norm_as_sequence_runs_after_the_region() -> None:
     from runner.core import GridShape
-    from runner.core.compute import DEFAULT_RATES
-    from strategies.plan_costs import plan_compute_seconds
-    from strategies.plan_sequence import sequence_layout
+    from runner.cost.compute import DEFAULT_RATES
+    from strategies.plans.costs import plan_compute_seconds
+    from strategies.plans.sequence_parallel import sequence_layout
 
     llama = plan_models.hf_llama(VOCAB, (T,))
     given = {**LLAMA_BLOCKS_PLAN, "model.layers.*.*_layernorm": "sequence",
@@ -408,10 +408,10 @@ def _domain_problems(model: nn.Module, plan: dict[str, str], length: int = T,
 
 
 def test_a_domain_plan_runs_the_attention_whole_and_the_token_wise_modules_on_pieces() -> None:
-    from runner.core.cost import DEFAULT_COSTS
+    from runner.cost.collectives import DEFAULT_COSTS
     from runner.plan.planner import make_plan
     from strategies import PricingContext
-    from strategies.module_plan import domain_plan, plan_region, predict_plan_ops
+    from strategies.plans.module_plan import domain_plan, plan_region, predict_plan_ops
 
     lm = block_lm()
     given = {**BLOCK_DOMAIN_PLAN, "norm": "sequence"}
@@ -491,7 +491,7 @@ def test_dropout_that_draws_in_a_domain_region_is_refused() -> None:
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
 def test_llamas_whole_mlp_runs_on_a_ranks_positions_under_domain() -> None:
-    from strategies.module_plan import domain_plan, plan_region
+    from strategies.plans.module_plan import domain_plan, plan_region
 
     llama = plan_models.hf_llama(VOCAB, (T,))
     given = {"model.layers.*.*_layernorm": "sequence", "model.layers.*.mlp": "sequence",

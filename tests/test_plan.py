@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.core.cost import CommOp, log2_ceil, op_time, step_bytes, step_time
+from runner.cost.collectives import CommOp, log2_ceil, op_time, step_bytes, step_time
 from runner.plan.calibration import fit
 from tests.conftest import run_module
 
@@ -212,7 +212,7 @@ def test_calibration_on_one_core_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_sparse_exchange_bytes_and_choice_by_hand() -> None:
-    from runner.core.cost import MachineCosts, choose_sparse_mode, sparse_exchange_ops
+    from runner.cost.collectives import MachineCosts, choose_sparse_mode, sparse_exchange_ops
 
     # a 1000 x 16 float32 table (64 B rows) on 4 ranks, each touching 10 rows, 40 in all
     dense = sparse_exchange_ops("dense", "world", 4, 1000, 64, 10, 40)
@@ -280,10 +280,10 @@ def test_plan_of_a_gpt_prices_both_tensor_layouts_and_both_kv_exchanges(tmp_path
 
 
 def test_a_memory_budget_names_the_smallest_world_at_which_each_strategy_fits() -> None:
-    from runner.core.cost import MachineCosts
+    from runner.cost.collectives import MachineCosts
     from runner.plan.planner import make_plan, smallest_fits
     from strategies import STRATEGIES
-    from strategies.transformer import GPT
+    from strategies.transformer.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(512, 16, width=128, layers=4, heads=4)

@@ -1,4 +1,4 @@
-"""Plans derived from the module structure (strategies/plan_derive.py, through
+"""Plans derived from the module structure (strategies/plans/derive.py, through
 `module_plan.module_plan`): which modules of the tiny models of tests/plan_models.py (their
 declared plans removed) and of the conformance corpus get which style, what the trial in one
 process leaves out, and what auto and the planner say of a derived plan."""
@@ -14,7 +14,7 @@ from torch import nn
 
 from runner.core import GridShape
 from strategies import STRATEGIES, PricingContext
-from strategies.module_plan import DERIVED_SOURCE, derived_plan, module_plan
+from strategies.plans.module_plan import DERIVED_SOURCE, derived_plan, module_plan
 from strategies.probe import reads_tokens
 from tests import corpus_models as corpus
 from tests import plan_models
@@ -175,7 +175,7 @@ def test_a_sequential_keeps_its_layer_plan() -> None:
 
 
 def test_planned_compute_is_the_local_shapes_and_the_planner_lists_the_plan() -> None:
-    from runner.core.cost import DEFAULT_COSTS
+    from runner.cost.collectives import DEFAULT_COSTS
     from runner.plan.planner import make_plan
 
     model = tokens_model(plan_models.UserBlockLM(VOCAB, (T,)))

@@ -1,4 +1,5 @@
-"""Sequence parallelism (`strategy=domain` on a GPT, `strategies.sequence`) without MPI: what it
+"""Sequence parallelism (`strategy=domain` on a GPT, `strategies.transformer.context_parallel`)
+without MPI: what it
 refuses, what it predicts, and its one-process model (tests/mpi/check_sequence.py runs it on 4
 ranks against the sequential model)."""
 
@@ -11,12 +12,16 @@ import torch
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.comm import CommCounter
-from runner.core.cost import MachineCosts
 from runner.core.primitives import ring_shift, ring_shift_op
+from runner.cost.collectives import MachineCosts
 from strategies import PricingContext
 from strategies.domain import DomainParallel
-from strategies.sequence import RingAttention, SequenceParallelGPT, choose_kv_exchange
-from strategies.transformer import GPT
+from strategies.transformer.context_parallel import (
+    RingAttention,
+    SequenceParallelGPT,
+    choose_kv_exchange,
+)
+from strategies.transformer.gpt import GPT
 
 LENGTH, BATCH = 256, 8
 AT_BATCH = PricingContext(global_batch=BATCH)  # the strategies price steps of BATCH samples

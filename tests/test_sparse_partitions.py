@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from runner.core import GridShape
-from runner.core.cost import (
+from runner.core.row_sparse import BlockRows
+from runner.cost.collectives import (
     MachineCosts,
     choose_hot_rows,
     choose_partitions,
@@ -19,7 +20,6 @@ from runner.core.cost import (
     sharded_rows_per_rank,
     sparse_exchange_ops,
 )
-from runner.core.sparse import BlockRows
 from strategies import PricingContext
 from strategies.data import DataParallel
 

@@ -112,12 +112,12 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from runner.core import CommCounter, ProcessGrid
-from runner.core.sparse import BlockRows
+from runner.core.row_sparse import BlockRows
 from runner.zoo.datasets import ZipfTokens
 from runner.zoo.models import bag_classifier
 from runner.optim.sync import SynchronousSGD, TorchAdam
 from strategies.data import DataParallel
-from strategies.sparse_exchange import UnevenState
+from strategies.exchange.sparse_gradients import UnevenState
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

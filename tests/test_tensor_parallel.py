@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from runner.core import GridShape, ProcessGrid
-from runner.core.cost import DEFAULT_COSTS, comm_seconds, step_bytes
 from runner.core.placement import place_whole
+from runner.cost.collectives import DEFAULT_COSTS, comm_seconds, step_bytes
 from strategies import STRATEGIES, PricingContext
-from strategies.tensor_parallel import activation_ops, tp_param_bytes
-from strategies.transformer import GPT
+from strategies.transformer.gpt import GPT
+from strategies.transformer.tensor_parallel import activation_ops, tp_param_bytes
 
 
 def gpt2_small() -> GPT:

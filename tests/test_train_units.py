@@ -18,7 +18,7 @@ from runner.optim.sync import SynchronousSGD, scheduled_lr
 from runner.records.rundir import MetricsWriter
 from runner.training.assembly import OPTIMIZER_INPUTS
 from runner.training.sampling import EpochSampler
-from strategies.buckets import group_by_size
+from strategies.exchange.buckets import group_by_size
 
 
 def test_sampler_is_a_seeded_permutation_per_epoch() -> None:
@@ -90,7 +90,7 @@ def test_dropped_gradient_buckets_free_their_memory() -> None:
     import torch
 
     from runner.core import CommCounter, CountedComm
-    from strategies.buckets import GradientBuckets
+    from strategies.exchange.buckets import GradientBuckets
 
     layer = torch.nn.Linear(100, 100)
     buckets = GradientBuckets(list(layer.parameters()), CountedComm(None, CommCounter()), 0.5,

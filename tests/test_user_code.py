@@ -124,7 +124,7 @@ def problems_of(*overrides: str) -> str:
      "gives outputs of shape (10,), the dataset has 4 classes"),
     (["dataset._target_=my_pkg.nets.ResidualMLP"],
      "dataset._target_=my_pkg.nets.ResidualMLP: missing required option(s)"),
-    # model and grid split its module tree (strategies/tree.py); domain needs images
+    # model and grid split its module tree (strategies/layers/tree.py); domain needs images
     (["model._target_=my_pkg.nets.ResidualMLP", "strategy=domain", "grid.pr=2", "grid.pc=1"],
      "strategy=domain splits images in height: ResidualMLP must start with convolutions or "
      "pooling"),

@@ -1,5 +1,6 @@
 """A plan's output projection split by vocabulary or classes (`vocab` on the model's head,
-strategies/vocab_head.py), in process: what is refused and why, what the model's declared plan
+strategies/layers/vocab_head.py), in process: what is refused and why, what the model's declared
+plan
 keeps, the collectives predicted for its loss, and its score on one rank. Against one process
 on 4 ranks: tests/mpi/check_plan_vocab.py."""
 
@@ -16,8 +17,8 @@ from torch import nn
 from runner.core import GridShape, ProcessGrid
 from strategies import STRATEGIES
 from strategies.base import cross_entropy_score
-from strategies.module_plan import PlannedModel, VocabScoredModel
-from strategies.vocab_head import returns_logits_of, split_loss_ops
+from strategies.layers.vocab_head import returns_logits_of, split_loss_ops
+from strategies.plans.module_plan import PlannedModel, VocabScoredModel
 from tests import plan_models
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

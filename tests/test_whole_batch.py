@@ -1,4 +1,4 @@
-"""`strategies.whole_batch.RowDraws` in one process: the batch's rows drawn by two "ranks"
+"""`strategies.layers.whole_batch.RowDraws` in one process: the batch's rows drawn by two "ranks"
 holding half of them each are the rows one process draws (dropout, dropout2d, stochastic depth,
 attention dropout inside `nn.MultiheadAttention` and `F.scaled_dot_product_attention`, a
 Bernoulli of per-element probabilities), and the run's generator ends where it does in one
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strategies.layers.whole_batch import RowDraws, forward_key
 from strategies.probe import draw_plan
-from strategies.whole_batch import RowDraws, forward_key
 
 
 class DropPath(nn.Module):

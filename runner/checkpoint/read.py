@@ -43,7 +43,7 @@ from runner.checkpoint.layout import (
     short_name,
 )
 from runner.core.placement import Placement
-from strategies.sparse_exchange import is_hot_row_tensor
+from strategies.exchange.sparse_gradients import is_hot_row_tensor
 
 _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                | getattr(os, "O_CLOEXEC", 0))

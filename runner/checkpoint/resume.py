@@ -41,7 +41,7 @@ from runner.core import ProcessGrid
 from runner.optim.sync import ReplicaOptimizer
 from runner.records.rundir_files import load_yaml
 from strategies import ParallelModel
-from strategies.sparse_exchange import HOT_IDS, is_hot_row_tensor
+from strategies.exchange.sparse_gradients import HOT_IDS, is_hot_row_tensor
 
 
 def _copy_into(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:

@@ -59,7 +59,7 @@ from runner.optim.sync import ReplicaOptimizer, UnsavableState
 from runner.records import safe_paths
 from runner.records.rundir import atomic_write_text
 from strategies import ParallelModel
-from strategies.sparse_exchange import UnevenState
+from strategies.exchange.sparse_gradients import UnevenState
 
 
 @dataclass

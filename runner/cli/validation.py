@@ -206,7 +206,7 @@ def _gradient_problems(run: RunConfig, parts: CheckedParts) -> list[str]:
     (torch.optim.SparseAdam) on a model with dense ones: every rank would start and then fail
     at its first step."""
     from runner.optim.sync import SPARSE_ONLY_TORCH_OPTIMIZERS
-    from strategies.sparse_exchange import sparse_tables
+    from strategies.exchange.sparse_gradients import sparse_tables
 
     model = parts.model
     if model is None:

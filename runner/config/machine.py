@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the cost model imports torch: `calibration_path` (for --help) needs none
-    from runner.core.compute import ComputeRates
-    from runner.core.cost import MachineCosts
+    from runner.cost.collectives import MachineCosts
+    from runner.cost.compute import ComputeRates
 
 
 def cache_dir() -> Path:
@@ -83,7 +83,7 @@ def load_machine_costs(alpha: float | None = None, beta: float | None = None,
                        device: str | None = None) -> MachineCosts:
     """Explicit values first, then the stored calibration (the α and β of the GPU named
     `device` where it holds them), then the defaults."""
-    from runner.core.cost import (
+    from runner.cost.collectives import (
         DEFAULT_ALPHA,
         DEFAULT_BETA,
         DEFAULT_OVERSUBSCRIBED_SYNC,
@@ -127,7 +127,7 @@ def load_compute_rates(device: str | None = None, precision: str = "fp32") -> Co
     named `device` where it holds that GPU: its "compute_bf16" rates for a bf16 or fp16
     `precision`), else (not calibrated, calibrated before compute rates were measured, or a
     file that cannot be read or parsed) the defaults."""
-    from runner.core.compute import DEFAULT_RATES, ComputeRates
+    from runner.cost.compute import DEFAULT_RATES, ComputeRates
 
     path = calibration_path()
     everything = _stored()

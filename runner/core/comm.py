@@ -45,9 +45,10 @@ import torch
 
 from runner.core.pace import Pace
 
-# Operation names as records, predictions (`runner.core.cost.CommOp`) and JSON output spell them:
+# Operation names as records, predictions (`runner.cost.collectives.CommOp`) and JSON output spell
+# them:
 # measured and predicted operations are matched on these strings.
-# The collectives and point-to-point exchanges, each with an α–β cost (`runner.core.cost`):
+# The collectives and point-to-point exchanges, each with an α–β cost (`runner.cost.collectives`):
 CollectiveOp = Literal["allreduce", "iallreduce", "allgather", "reduce_scatter", "bcast", "reduce",
                        "alltoall", "alltoallv", "exchange"]
 # One-sided accesses (`runner.core.rma`): recorded, never predicted.

@@ -390,8 +390,8 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) 
     from runner.training import assembly
     from runner.training.precision import HALF_TYPES
     from strategies import PricingContext
-    from strategies.sparse_exchange import SPARSE_CHOICES, sparse_tables
-    from strategies.transformer import is_gpt
+    from strategies.exchange.sparse_gradients import SPARSE_CHOICES, sparse_tables
+    from strategies.transformer.gpt import is_gpt
 
     run = parse(cfg)
     assembly.import_plugins(run)  # a model the user's `plugins` modules register

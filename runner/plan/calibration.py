@@ -9,7 +9,7 @@ values the planner uses (training steps are collectives). Both are stored as JSO
 for every later plan and run.
 
 `measure_compute()` (in this process, one torch thread, about 6 seconds) measures the compute
-rates of `runner.core.compute` — matrix products and convolutions by size, the layers priced
+rates of `runner.cost.compute` — matrix products and convolutions by size, the layers priced
 per byte, the dispatch per operator call, fresh memory —, stored under "compute".
 
 On a machine where torch sees a GPU, `measure_device()` measures the same rates on the GPU
@@ -262,7 +262,7 @@ def measure_local(rows: int = 200_000, width: int = 64, touched: int = 50_000,
     adds into the table at random places."""
     import torch
 
-    from runner.core.sparse import coalesce_rows
+    from runner.core.row_sparse import coalesce_rows
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -296,7 +296,7 @@ def measure_local(rows: int = 200_000, width: int = 64, touched: int = 50_000,
         torch.set_num_threads(threads)
 
 
-# -- compute rates (runner.core.compute) ---------------------------------------------------------
+# -- compute rates (runner.cost.compute) ---------------------------------------------------------
 
 GEMM_ROWS = (16, 64, 256)  # a product's smallest dimension (a Linear's rows: a rank's batch)
 GEMM_MOST_FLOPS = 3e9  # the largest product measured (the rate is flat from ~1e8 on)
@@ -325,7 +325,7 @@ class _Timer:
     `device` in its `dtype` (`randn`).
 
     One thread: the thread's CPU time (the core's speed, not the moments another process took
-    it: sharing is priced apart, `runner.core.compute.oversubscription`); more threads work
+    it: sharing is priced apart, `runner.cost.compute.oversubscription`); more threads work
     beside this one: wall-clock time. Page faults are taken out at `per_fault` seconds each
     (once measured): below 32 MiB whether a block comes back freshly mapped is the allocator's
     whim (glibc trims its heap's top), and the model prices fresh memory apart
@@ -554,7 +554,7 @@ def _linear_overhead(timer: _Timer, backward_start: float) -> float:
 
 def _kind_rates(timer: _Timer, dispatch: float, backward_start: float,
                 sizes: Sequence[int] = KIND_BYTES) -> dict[str, list[list[float]]]:
-    """Per kind of `runner.core.compute.LAYER_KINDS`: [input bytes, forward, backward seconds
+    """Per kind of `runner.cost.compute.LAYER_KINDS`: [input bytes, forward, backward seconds
     per input byte] at inputs of `sizes` bytes, forward and backward under autograd as a training
     step runs them, less what is priced apart: the dispatch of their operator calls, the
     backward() call's start."""
@@ -562,7 +562,7 @@ def _kind_rates(timer: _Timer, dispatch: float, backward_start: float,
     import torch.nn.functional as F
     from torch import nn
 
-    from runner.core.compute import KIND_CALLS
+    from runner.cost.compute import KIND_CALLS
 
     Layer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -693,7 +693,7 @@ def _conv_shape(flops: float) -> tuple[int, int, int]:
 
 
 def measure_compute(threads: int = 1, device: str = "cpu") -> dict:
-    """This machine's compute rates (`runner.core.compute.ComputeRates.from_dict`'s form) with
+    """This machine's compute rates (`runner.cost.compute.ComputeRates.from_dict`'s form) with
     `threads` torch threads (a rank's; restored afterwards): the cost of fresh memory, the
     dispatch per operator call and the backward() call's start, the bytes per second of an
     elementwise pass, the matrix-product tables (by smallest dimension) and the convolution
@@ -744,7 +744,7 @@ def device_collective_plan(gpus: int, cores: int) -> tuple[int, str]:
 def fit_collective(sweep: dict) -> dict:
     """α and β of an all-reduce sweep (its ranks, sizes and seconds): a fit of
     t = 2α⌈log₂ p⌉ + 2β(p−1)/p·n, the factors undone."""
-    from runner.core.cost import log2_ceil
+    from runner.cost.collectives import log2_ceil
 
     p = sweep["ranks"]
     a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
@@ -806,7 +806,7 @@ def measure(repeats: int = 20, collective_ranks: int | None = None,
     `calibration_ranks(usable_cores())`); more than the usable cores is refused. `device`: also
     measure the GPU (`measure_device`, stored under "devices" by its name); None: where torch
     sees one."""
-    from runner.core.cost import log2_ceil
+    from runner.cost.collectives import log2_ceil
 
     cores = usable_cores()
     most = calibration_ranks(cores)  # refuses below 2 cores: the ping-pong needs them too

@@ -11,7 +11,7 @@ from rich.table import Table
 from torch import nn
 
 from runner.core import GridShape
-from runner.core.cost import CommOp, MachineCosts, comm_seconds, loss_op, step_bytes
+from runner.cost.collectives import CommOp, MachineCosts, comm_seconds, loss_op, step_bytes
 from strategies.base import Strategy, predict_rank_bytes, predict_step
 
 

@@ -29,7 +29,7 @@ def plan_one(world: int, batch: int) -> dict[str, Any]:
     and pure batch parallelism's prediction beside it."""
     from runner.cli.compose import compose
     from runner.config.schema import parse_plan
-    from runner.core.cost import DEFAULT_ALPHA, DEFAULT_BETA
+    from runner.cost.collectives import DEFAULT_ALPHA, DEFAULT_BETA
     from runner.plan.__main__ import build_plan
     from runner.plan.planner import order
 

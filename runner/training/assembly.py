@@ -32,9 +32,9 @@ from runner.config.registry import (
     resolve,
 )
 from runner.config.schema import Plugin, RunConfig
-from runner.core.compute import DEFAULT_RATES, ComputeRates
-from runner.core.cost import DEFAULT_COSTS, MachineCosts
 from runner.core.registry import UnknownPluginError
+from runner.cost.collectives import DEFAULT_COSTS, MachineCosts
+from runner.cost.compute import DEFAULT_RATES, ComputeRates
 from runner.optim.sync import ReplicaOptimizer
 from runner.training.precision import HALF_TYPES
 from runner.zoo.datasets import DatasetSpec

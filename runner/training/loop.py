@@ -26,9 +26,9 @@ from runner.checkpoint.write import TrainingProgress, save_checkpoint
 from runner.config.machine import load_compute_rates, load_machine_costs
 from runner.config.schema import RunConfig
 from runner.core import ProcessGrid
-from runner.core.compute import oversubscription
-from runner.core.cost import loss_op
 from runner.core.placement import place_whole
+from runner.cost.collectives import loss_op
+from runner.cost.compute import oversubscription
 from runner.records.board import TensorBoardWriter
 from runner.records.console import ProgressReporter, make_console, summary_table
 from runner.records.logs import get_logger

@@ -13,7 +13,7 @@ import torch
 from runner.checkpoint.read import Checkpoint
 from runner.config.schema import DebugConfig, RunConfig
 from runner.core import CountedComm, ProcessGrid
-from runner.core.cost import CommOp, MachineCosts
+from runner.cost.collectives import CommOp, MachineCosts
 from runner.optim.sync import ReplicaOptimizer
 from runner.records.rundir import RunDir
 from runner.training.precision import DynamicLossScale, Precision

@@ -20,8 +20,8 @@ import torch
 from runner.checkpoint.resume import resume_command
 from runner.config.schema import OBJECTIVES, RunConfig
 from runner.core import GridShape
-from runner.core.compute import LAYER_KINDS, ComputeRates, make_curve, make_gemm_table
-from runner.core.cost import comm_seconds, step_bytes
+from runner.cost.collectives import comm_seconds, step_bytes
+from runner.cost.compute import LAYER_KINDS, ComputeRates, make_curve, make_gemm_table
 from runner.records.logs import get_logger
 from runner.records.rundir import git_commit, versions, write_json
 from runner.training import assembly

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from runner.config.registry import register_model
-from strategies.transformer import GPT
+from strategies.transformer.gpt import GPT
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
@@ -382,7 +382,7 @@ def vgg(input_shape: Sequence[int], num_classes: int,
 
 @register_model("gpt")
 class ZooGPT(GPT):
-    """`strategies.transformer.GPT` for a token dataset: the context is the dataset's sequence
+    """`strategies.transformer.gpt.GPT` for a token dataset: the context is the dataset's sequence
     length, the vocabulary its. Trained on next-token targets (`objective`). GPT-2 small is
     width 768, 12 layers, 12 heads, vocabulary 50257, context 1024 (`conf/model/gpt2_small`)."""
 

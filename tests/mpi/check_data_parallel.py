@@ -135,7 +135,7 @@ def batch_norm_over_ranks_is_the_single_process_batch_norm() -> None:
     and running statistics as one process on the whole batch (float64, uneven rows), and the
     bytes the planner predicts."""
     from runner.core.placement import place_whole
-    from strategies.norm import batch_norm_ops
+    from strategies.layers.norm import batch_norm_ops
 
     torch.manual_seed(3)
     model = ResidualNet().double()

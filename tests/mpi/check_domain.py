@@ -30,7 +30,7 @@ from mpi4py import MPI
 from torch import nn
 
 from runner.core import CountedComm, ProcessGrid
-from strategies.spatial import SpatialWindowed
+from strategies.layers.spatial import SpatialWindowed
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -107,7 +107,7 @@ MODELS = {
     "cnn": {"name": "cnn", "channels": [6, 8], "kernel_size": 5, "hidden": [32],
             "activation": "relu"},
     # a module tree: halos inside residual blocks, shortcut convolutions on the same slabs,
-    # BatchNorm statistics over every rank's slabs (strategies/tree.py)
+    # BatchNorm statistics over every rank's slabs (strategies/layers/tree.py)
     "resnet": {"name": "resnet", "widths": [4, 6], "blocks": [1, 1]},
 }
 STEPS = {"cnn": 30, "resnet": 15}

@@ -25,7 +25,7 @@ from runner.core import ProcessGrid
 from runner.training.evaluation import evaluate
 from runner.zoo.models import cnn, mlp
 from strategies import STRATEGIES, PricingContext
-from strategies.transformer import GPT
+from strategies.transformer.gpt import GPT
 from tests import plan_models
 
 GRIDS = make_grids([(1, 4), (4, 1), (2, 2)])

@@ -33,12 +33,12 @@ from plan_harness import (
 from torch import nn
 
 from runner.core import ProcessGrid
-from runner.core.cost import CommOp
 from runner.core.placement import place_whole
+from runner.cost.collectives import CommOp
 from runner.zoo.models import mlp, resnet
 from strategies import STRATEGIES, PricingContext
 from strategies.probe import logits_of
-from strategies.transformer import GPT
+from strategies.transformer.gpt import GPT
 from tests import plan_models
 
 GRIDS = make_grids([(1, 2), (1, 4), (2, 2)])

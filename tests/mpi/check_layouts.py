@@ -1,4 +1,5 @@
-"""Per-layer layouts (`strategy=auto`, `strategies/layouts.py`) against the sequential model, in
+"""Per-layer layouts (`strategy=auto`, `strategies/layouts/chain.py`) against the sequential model,
+in
 one launch: `mpiexec -n 4 python THIS TMPDIR`, or in check_model_grid.py's, which imports it.
 
 - every layout of every layer kind (domain in height and in height × width), alone and mixed in

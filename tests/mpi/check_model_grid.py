@@ -32,7 +32,7 @@ from torch import nn
 from runner.core import Partition, ProcessGrid
 from runner.core.primitives import all_gather_op
 from strategies.grid import build_grid_model, split_at_first_linear
-from strategies.sharded import ShardedConv2d, ShardedLinear
+from strategies.layers.split import SplitConv2d, SplitLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's `tests`
 from tests.test_host_syncs import (
@@ -120,7 +120,7 @@ def compare_stack(name: str, seq: nn.Sequential, sample: tuple[int, ...], grid: 
     grid.model.allreduce_(summed)
     close(summed, seq_x.grad[rows_in], f"{name} input gradient")
     # Parameters: sharded ones are gathered along dim 0 over the model group.
-    shard_modules = [m for m in pmodel.body if isinstance(m, (ShardedLinear, ShardedConv2d))]
+    shard_modules = [m for m in pmodel.body if isinstance(m, (SplitLinear, SplitConv2d))]
     seq_sharded = [m for m in list(seq)[split:] if isinstance(m, (nn.Linear, nn.Conv2d))]
     for shard, whole in zip(shard_modules, seq_sharded, strict=True):
         total = whole.weight.shape[0]
@@ -157,7 +157,7 @@ def each_rank_holds_its_share_of_every_weight() -> None:
     seq = nn.Sequential(nn.Flatten(), nn.Linear(64, 30), nn.ReLU(), nn.Linear(30, 21), nn.ReLU(),
                         nn.Linear(21, 10))
     pmodel = build_grid_model(seq, grid, 0, True, 1 << 20, 1 << 20)
-    linears = [m for m in pmodel.body if isinstance(m, ShardedLinear)]
+    linears = [m for m in pmodel.body if isinstance(m, SplitLinear)]
     for shard, out_features in zip(linears, (30, 21, 10), strict=True):
         rows = shard.weight.shape[0]
         assert rows == Partition(out_features, 4).sizes[grid.model_index]
@@ -290,7 +290,7 @@ def run_config(strategy: str, model: str, pr: int, pc: int) -> dict:
         "vgg_bn": {"name": "vgg", "config": [6, "M", 10], "batch_norm": True, "hidden": 30,
                    "dropout": 0.0},
         # a module tree: residual additions, projection shortcuts (widths that do not divide
-        # by Pr), BatchNorm (strategies/tree.py)
+        # by Pr), BatchNorm (strategies/layers/tree.py)
         "resnet": {"name": "resnet", "widths": [4, 6], "blocks": [1, 1]},
     }[model]
     return {

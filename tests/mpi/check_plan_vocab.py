@@ -1,5 +1,5 @@
 """An output projection split by vocabulary (or classes) by a parallel plan (`vocab` on the
-model's head: strategies/vocab_head.py) against one process, in one launch:
+model's head: strategies/layers/vocab_head.py) against one process, in one launch:
 `mpiexec -n 4 python THIS`.
 
 The transformers library's Llama (its head untied) with `lm_head: vocab`, and its BERT
@@ -36,9 +36,9 @@ from plan_harness import (  # noqa: E402
 from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
-from runner.core.cost import step_bytes  # noqa: E402
+from runner.cost.collectives import step_bytes  # noqa: E402
 from strategies import STRATEGIES  # noqa: E402
-from strategies.module_plan import DECLARED_STYLES, declared_plan  # noqa: E402
+from strategies.plans.module_plan import DECLARED_STYLES, declared_plan  # noqa: E402
 from strategies.probe import logits_of  # noqa: E402
 from tests import plan_models  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Parallel plans by module name (strategies/module_plan.py) against one process, in one launch:
+"""Parallel plans by module name (strategies/plans/module_plan.py) against one process, in one
+launch:
 `mpiexec -n 4 python THIS [OUT]` (with the checks of `check_plan_vocab.py`,
 `check_plan_resume.py`, `check_fsdp.py` (sharded data parallelism) and `check_corpus.py` (the
 conformance corpus), which it imports: the ranks import torch and the transformers library once).
@@ -40,7 +41,7 @@ from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
 from strategies import STRATEGIES, PricingContext  # noqa: E402
-from strategies.module_plan import DERIVED_SOURCE  # noqa: E402
+from strategies.plans.module_plan import DERIVED_SOURCE  # noqa: E402
 from tests import plan_models  # noqa: E402
 
 WORLD = MPI.COMM_WORLD

@@ -23,11 +23,11 @@ from mpi4py import MPI
 
 from runner.core import CountedComm, Partition
 from runner.core import primitives as P
-from runner.core.cost import step_bytes
+from runner.cost.collectives import step_bytes
 from strategies import PricingContext
 from strategies.domain import DomainParallel
-from strategies.sequence import SequenceParallelGPT
-from strategies.transformer import GPT
+from strategies.transformer.context_parallel import SequenceParallelGPT
+from strategies.transformer.gpt import GPT
 
 WORLD = MPI.COMM_WORLD
 GRID_OF = make_grids([(4, 1), (2, 2)])

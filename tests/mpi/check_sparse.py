@@ -25,8 +25,7 @@ from mpi4py import MPI
 from torch import nn
 
 from runner.core import CommCounter, ProcessGrid
-from runner.core.cost import MachineCosts
-from runner.core.sparse import (
+from runner.core.row_sparse import (
     BlockRows,
     CyclicRows,
     NodeRoutes,
@@ -35,12 +34,13 @@ from runner.core.sparse import (
     push_rows,
     push_rows_by_node,
 )
+from runner.cost.collectives import MachineCosts
 from runner.optim.sync import SynchronousSGD
 from runner.zoo.datasets import ZipfTokens
 from runner.zoo.models import bag_classifier
 from strategies import ParallelModel, PricingContext, sparse_exchange
 from strategies.data import DataParallel
-from strategies.sparse_exchange import SparseGradientExchange
+from strategies.exchange.sparse_gradients import SparseGradientExchange
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

@@ -1,4 +1,5 @@
-"""Tensor parallelism of a GPT (strategies/tensor_parallel.py) against the sequential model, in
+"""Tensor parallelism of a GPT (strategies/transformer/tensor_parallel.py) against the sequential
+model, in
 one launch: `mpiexec -n 4 python THIS`.
 
 - each new communication operator passes the dot-product (adjoint) test; the distributed
@@ -24,9 +25,9 @@ from mpi4py import MPI
 from runner.core import Partition, ProcessGrid
 from runner.core.placement import Placement, place_whole, placement_of
 from strategies import STRATEGIES
-from strategies.tensor_parallel import GatheredLinear, RowParallelLinear
-from strategies.tensor_parallel_ops import vocab_argmax, vocab_embedding_sum
-from strategies.transformer import GPT
+from strategies.layers.vocab_ops import vocab_argmax, vocab_embedding_sum
+from strategies.transformer.gpt import GPT
+from strategies.transformer.tensor_parallel import GatheredLinear, RowParallelLinear
 
 WORLD = MPI.COMM_WORLD
 GRIDS = {"model": (4, 1), "grid": (2, 2)}

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import ProcessGrid
-from runner.core.cost import CommOp
 from runner.core.placement import place_whole, placement_of
+from runner.cost.collectives import CommOp
 from strategies.probe import logits_of, reads_tokens
 
 TOLERANCE = 1e-9  # relative, in float64

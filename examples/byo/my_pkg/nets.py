@@ -14,7 +14,8 @@ from torch import nn
 
 class ResidualMLP(nn.Module):
     """Linear → ReLU, then a residual block, then the classifier: a module tree with a skip
-    connection (data trains it; model and grid split it by the rules of strategies/tree.py)."""
+    connection (data trains it; model and grid split it by the rules of
+    strategies/layers/tree.py)."""
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> None:
         super().__init__()

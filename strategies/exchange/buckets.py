@@ -24,7 +24,7 @@ from torch import nn
 
 from runner.core import CountedComm, PendingOp
 from runner.core.comm import GridGroup
-from runner.core.cost import CommOp
+from runner.cost.collectives import CommOp
 
 
 def _ignore(param: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
 """What a parallel plan must hold before any rank starts, beyond each module's own checks
-(`strategies.plan_styles`): that the features a plan splits are summed again before anything
+(`strategies.plans.styles`): that the features a plan splits are summed again before anything
 reads them whole, and that the user's `forward` runs on one rank's pieces at all.
 
 - **Pairs.** In the order a forward calls them, a module whose output stays split (`colwise`,
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.plan_sequence import OneRankShards, SequenceLayout, install_sequence
-from strategies.plan_styles import PlanStyle, Projection
+from strategies.plans.sequence_parallel import OneRankShards, SequenceLayout, install_sequence
+from strategies.plans.styles import PlanStyle, Projection
 from strategies.probe import probe, reads_tokens, sample_dtype
 
 SPLITTING = ("colwise", "fused_qkv")  # styles whose output stays split (unless gathered)

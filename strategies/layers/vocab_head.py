@@ -1,6 +1,6 @@
 """Logits split by vocabulary (or by classes) over the model group, scored without gathering
-them: a GPT's head under tensor parallelism (`strategies.tensor_parallel`) and a planned
-model's output projection of style `vocab` (`strategies.module_plan`).
+them: a GPT's head under tensor parallelism (`strategies.transformer.tensor_parallel`) and a planned
+model's output projection of style `vocab` (`strategies.plans.module_plan`).
 
 Every rank of a model group holds rows [start, start + rows) of the head, and outputs that piece
 of the logits for every row of its group. The per-token cross-entropy and the arg-max come from
@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, Partition
-from runner.core.cost import CommOp
+from runner.cost.collectives import CommOp
 from strategies.base import ParallelModel, Score
+from strategies.layers.vocab_ops import vocab_argmax, vocab_cross_entropy
 from strategies.probe import logits_of, probe
-from strategies.tensor_parallel_ops import vocab_argmax, vocab_cross_entropy
 
 # The loss computes in float32 at least (`tensor_parallel_ops.loss_dtype`).
 MIN_LOSS_ITEMSIZE = torch.float32.itemsize

@@ -3,7 +3,8 @@
 A `Linear` keeps only its rows of W (output features) and of the bias; a `Conv2d` only its output
 channels. Layers that act on each feature/channel alone (activations, pooling) run on the shard
 as it is; a BatchNorm keeps its channels' slice of weight, bias and running statistics and takes
-its batch statistics over the batch group (`strategies.norm`: every rank of a model group holds
+its batch statistics over the batch group (`strategies.layers.norm`: every rank of a model group
+holds
 all of its group's rows). Before any layer that needs every feature (the next Linear or
 Conv2d, a Flatten), the shards are all-gathered along dim 1. The last sharded output is not
 gathered but repartitioned: features-split becomes rows-split, so each rank of the model group
@@ -23,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, Partition
-from runner.core.cost import CommOp
 from runner.core.placement import place_rows
 from runner.core.primitives import all_gather, repartition
-from strategies.norm import (
+from runner.cost.collectives import CommOp
+from strategies.layers.norm import (
     BATCH_NORMS,
     DistributedBatchNorm,
     batch_norm_comm_ops,
@@ -159,7 +160,7 @@ def plan_layers(layers: Sequence[nn.Module], start: int, group_size: int) -> lis
     return steps
 
 
-def _place(shard: ShardedLinear | ShardedConv2d, layer: nn.Linear | nn.Conv2d,
+def _place(shard: SplitLinear | SplitConv2d, layer: nn.Linear | nn.Conv2d,
            rows: slice) -> None:
     """Record which rows of the layer's weight and bias the shard holds (for checkpoints)."""
     place_rows(shard.weight, layer.weight, rows)
@@ -168,7 +169,7 @@ def _place(shard: ShardedLinear | ShardedConv2d, layer: nn.Linear | nn.Conv2d,
         place_rows(shard.bias, layer.bias, rows)
 
 
-class ShardedLinear(nn.Module):
+class SplitLinear(nn.Module):
     """Rows `part.slice(index)` of a Linear's weight and bias (output features)."""
 
     def __init__(self, linear: nn.Linear, part: Partition, index: int) -> None:
@@ -184,7 +185,7 @@ class ShardedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ShardedConv2d(nn.Module):
+class SplitConv2d(nn.Module):
     """Output channels `part.slice(index)` of a Conv2d (every input channel is needed)."""
 
     def __init__(self, conv: nn.Conv2d, part: Partition, index: int) -> None:
@@ -207,7 +208,7 @@ class ShardedConv2d(nn.Module):
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
 
-class GatherShards(nn.Module):
+class GatherSplits(nn.Module):
     """All-gather dim 1 over the model group (adjoint: reduce-scatter)."""
 
     def __init__(self, comm: CountedComm, total: int) -> None:
@@ -218,7 +219,7 @@ class GatherShards(nn.Module):
         return all_gather(x, self.comm, 1, self.part, label="activations")
 
 
-class ShardsToRows(nn.Module):
+class SplitsToRows(nn.Module):
     """Repartition from dim 1 split (features) to dim 0 split (rows) over the model group."""
 
     def __init__(self, comm: CountedComm, total: int) -> None:
@@ -230,7 +231,7 @@ class ShardsToRows(nn.Module):
         return repartition(x, self.comm, 1, self.part, 0, rows, label="output")
 
 
-def build_sharded(layers: Sequence[nn.Module], steps: list[PlanStep], comm: CountedComm,
+def build_split(layers: Sequence[nn.Module], steps: list[PlanStep], comm: CountedComm,
                   index: int, stats_comm: CountedComm | None = None) -> nn.Sequential:
     """The modules of `steps` for model-group rank `index`, weights sliced from `layers`; a
     BatchNorm's statistics over `stats_comm` (the batch group; None: this rank's rows)."""
@@ -241,8 +242,8 @@ def build_sharded(layers: Sequence[nn.Module], steps: list[PlanStep], comm: Coun
             layer = layers[step.layer]
             assert isinstance(layer, SHARDABLE), "plan_layers shards only these"
             sharded = part = Partition(step.total, comm.size)
-            modules.append(ShardedLinear(layer, part, index) if isinstance(layer, nn.Linear)
-                           else ShardedConv2d(layer, part, index))
+            modules.append(SplitLinear(layer, part, index) if isinstance(layer, nn.Linear)
+                           else SplitConv2d(layer, part, index))
         elif step.kind == "local" and isinstance(layers[step.layer], BATCH_NORMS):
             layer = layers[step.layer]
             assert isinstance(layer, BATCH_NORMS)
@@ -253,9 +254,9 @@ def build_sharded(layers: Sequence[nn.Module], steps: list[PlanStep], comm: Coun
             modules.append(layers[step.layer])
         elif step.kind == "gather":
             sharded = None
-            modules.append(GatherShards(comm, step.total))
+            modules.append(GatherSplits(comm, step.total))
         else:
-            modules.append(ShardsToRows(comm, step.total))
+            modules.append(SplitsToRows(comm, step.total))
     return nn.Sequential(*modules)
 
 
@@ -380,7 +381,7 @@ def rank0_param_items(layers: Sequence[nn.Module], steps: list[PlanStep],
 def body_norm_ops(layers: Sequence[nn.Module], steps: list[PlanStep], group_size: int,
                   batch_groups: int, itemsize: int) -> list[CommOp]:
     """What the split part's BatchNorms move per step over the batch group of `batch_groups`
-    ranks, C rank 0's channels (`strategies.norm.batch_norm_comm_ops`)."""
+    ranks, C rank 0's channels (`strategies.layers.norm.batch_norm_comm_ops`)."""
     if batch_groups == 1:
         return []
     ops: list[CommOp] = []

@@ -1,12 +1,12 @@
 """A parallel plan by module name: glob patterns over `named_modules()` mapped to a style
-(`strategies.plan_styles`), applied by swapping those modules for their split forms, so the
+(`strategies.plans.styles`), applied by swapping those modules for their split forms, so the
 model's own `forward` runs unchanged, under `strategy=model` and `strategy=grid`.
 
 Where a plan comes from, in order: the user's `strategy.plan`; the model's declared plan (the
 transformers library's `config.base_model_tp_plan`, whose patterns are relative to the base
 model and are resolved under the wrapper's `base_model_prefix`, with the wrapper class's own
 `_tp_plan` for its head); otherwise, for a model group of more than one rank, one derived from
-the module structure (`strategies.plan_derive`: MLP pairs, attention blocks and vocabulary
+the module structure (`strategies.plans.derive`: MLP pairs, attention blocks and vocabulary
 tables, each tried in one process before it is kept), where that finds anything; otherwise
 none, and the strategy splits the model as it always has.
 
@@ -17,7 +17,7 @@ output, where its last module is colwise, is gathered over the model group (adjo
 reduce-scatter) so the loss sees whole logits, and each rank keeps its own sub-shard of the
 rows (the row contract of `strategies.base`). Where the model's output projection is `vocab`
 (its vocabulary or classes split), its logits stay split and are scored split, never gathered
-(`strategies.vocab_head`): a `vocab` projection whose output is not the model's is refused.
+(`strategies.layers.vocab_head`): a `vocab` projection whose output is not the model's is refused.
 
 An attention module whose heads follow from a colwise projection runs on its rank's heads
 unchanged where it reshapes with -1 or by the head size. Where it reads a head count or width
@@ -38,28 +38,28 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp
+from runner.cost.collectives import CommOp
 from strategies.base import ParallelModel, split_model_exchanges
-from strategies.buckets import predict_gradient_ops
-from strategies.norm import (
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.layers.norm import (
     batch_norm_ops,
     batch_norm_problem,
     distribute_batch_norms,
     is_plain_batch_norm,
 )
-from strategies.plan_checks import pairing_problems, shape_problems
-from strategies.plan_derive import candidate_groups, owner_calls, signature, trial
-from strategies.plan_sequence import (
+from strategies.layers.split import activation_itemsize
+from strategies.layers.vocab_head import SplitLogitsScoring, returns_logits_of
+from strategies.plans.checks import pairing_problems, shape_problems
+from strategies.plans.derive import candidate_groups, owner_calls, signature, trial
+from strategies.plans.sequence_parallel import (
     SequenceLayout,
     SequenceShards,
     domain_layout,
     install_sequence,
     sequence_layout,
 )
-from strategies.plan_styles import STYLES, PlanStyle, Projection, ReplicatedKeyValue
+from strategies.plans.styles import STYLES, PlanStyle, Projection, ReplicatedKeyValue
 from strategies.probe import EMBEDDINGS, logits_of, probe
-from strategies.sharded import activation_itemsize
-from strategies.vocab_head import SplitLogitsScoring, returns_logits_of
 
 USER_SOURCE = "strategy.plan"
 WHOLE_MODEL = "(the model)"  # how an adjustment names the root module as its owner
@@ -106,7 +106,7 @@ class ModulePlan:
     styles: dict[str, PlanStyle] = field(default_factory=dict)
     given_problems: list[str] = field(default_factory=list)
     # strategy=domain: every weight whole, the blocks' modules other than the sequence ones
-    # run on the gathered sequence (`strategies.plan_sequence.domain_layout`)
+    # run on the gathered sequence (`strategies.plans.sequence_parallel.domain_layout`)
     whole_weights: bool = False
 
     @property
@@ -436,12 +436,12 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
     if problems:
         return problems
     # the pieces must be summed before anything reads them whole, and the user's forward
-    # must run on one rank's shapes (`strategies.plan_checks`)
+    # must run on one rank's shapes (`strategies.plans.checks`)
     problems = pairing_problems(plan.styles, model, sample_shape, gathered)
     if problems:
         return problems
     # the sequence region: where the hidden states are split, gathered and scattered
-    # (`strategies.plan_sequence`)
+    # (`strategies.plans.sequence_parallel`)
     sequence, problems = plan_region(plan, model, sample_shape, pr)
     if problems:
         return problems
@@ -492,7 +492,7 @@ class PlannedModel(ParallelModel):
 class VocabScoredModel(SplitLogitsScoring, PlannedModel):
     """A planned model whose output projection is split by vocabulary (or classes): it outputs
     its piece of the logits of every row of its group, and scores its own sub-shard of the rows
-    from the group's pieces (`strategies.vocab_head`), never gathering them."""
+    from the group's pieces (`strategies.layers.vocab_head`), never gathering them."""
 
     def __init__(self, grid: ProcessGrid, module: nn.Module, layouts: dict[str, str],
                  adjusted: list[str], vocab_start: int) -> None:

@@ -1,7 +1,7 @@
 """Compute time of a rank's local work: this machine's per-operation rates, and the forward +
 backward seconds of a layer on the local shapes a layout gives a rank.
 
-A training step's time is compute + communication + wait; `runner.core.cost` prices the
+A training step's time is compute + communication + wait; `runner.cost.collectives` prices the
 communication, this module the compute. The rates (`ComputeRates`) are measured by
 `python -m runner.plan plan.calibrate=true` (`runner.plan.calibration.measure_compute`) and found
 again by `runner.config.machine.load_compute_rates`; until then `DEFAULT_RATES` stand in.

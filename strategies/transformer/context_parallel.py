@@ -19,7 +19,7 @@ brought by one of two exchanges (`strategy.kv_exchange`):
   block;
 - `auto`: the one of less predicted step time (`predict_step`: the ring computes fewer blocks,
   the all-gather waits on fewer latencies); without a global batch, the cheaper exchange under
-  the α–β cost model (`runner.core.cost`).
+  the α–β cost model (`runner.cost.collectives`).
 
 The rows contract (`strategies.base`): a rank's output is the logits of its own positions of
 its batch group's rows, so its output rows are the whole group's and it scores
@@ -37,9 +37,9 @@ from torch import nn
 from torch.autograd import Function
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.compute import ComputeRates, layer_seconds
-from runner.core.cost import CommOp, MachineCosts, comm_seconds
 from runner.core.primitives import all_gather, ring_shift_adjoint_op, ring_shift_op
+from runner.cost.collectives import CommOp, MachineCosts, comm_seconds
+from runner.cost.compute import ComputeRates, layer_seconds
 from strategies.base import (
     GradientExchange,
     ParallelModel,
@@ -47,8 +47,8 @@ from strategies.base import (
     cross_entropy_score,
     split_model_exchanges,
 )
-from strategies.buckets import predict_gradient_ops
-from strategies.transformer import GPT, CausalAttention, GPTShapes, transformer_blocks
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.transformer.gpt import GPT, CausalAttention, GPTShapes, transformer_blocks
 
 KV_EXCHANGES = ("auto", "allgather", "ring")
 
@@ -152,7 +152,8 @@ class RingAttention(CausalAttention):
 
 
 class SequenceParallelGPT(ParallelModel):
-    """A GPT on this rank's positions of its batch group's rows (`strategies.sequence`)."""
+    """A GPT on this rank's positions of its batch group's rows
+    (`strategies.transformer.context_parallel`)."""
 
     def __init__(self, grid: ProcessGrid, gpt: GPT, length: int) -> None:
         super().__init__(grid)
@@ -260,7 +261,7 @@ def kv_exchange_ops(mode: str, model: GPT, length: int, grid: GridShape, rows: i
 def choose_kv_exchange(mode: str, model: GPT, length: int, grid: GridShape, rows: int,
                        itemsize: int, costs: MachineCosts) -> str:
     """`mode`, or for auto the exchange of fewer predicted seconds (α–β and the runner's cost
-    per call: `runner.core.cost.comm_seconds`; the bytes are the same, so latency decides:
+    per call: `runner.cost.collectives.comm_seconds`; the bytes are the same, so latency decides:
     the all-gather's ⌈log₂ Pr⌉ against the ring's Pr − 1). Ties go to allgather. A pure
     function of shapes and costs: every rank chooses alike."""
     if mode != "auto":

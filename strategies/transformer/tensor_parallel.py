@@ -1,4 +1,4 @@
-"""Tensor parallelism of a GPT (`strategies.transformer.GPT`) over the model group, under
+"""Tensor parallelism of a GPT (`strategies.transformer.gpt.GPT`) over the model group, under
 `strategy=model` and `strategy=grid`.
 
 The model group (`Pr` ranks) shares its batch group's rows (b_g, T); the batch groups (`Pc`) are
@@ -38,19 +38,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.compute import ComputeRates, layer_seconds
-from runner.core.cost import CommOp
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import all_gather, all_sum_reduce
+from runner.cost.collectives import CommOp
+from runner.cost.compute import ComputeRates, layer_seconds
 from strategies.base import (
     Strategy,
     predict_step,
     split_model_exchanges,
 )
-from strategies.buckets import predict_gradient_ops
-from strategies.sharded import activation_itemsize
-from strategies.tensor_parallel_ops import vocab_embedding_sum
-from strategies.transformer import (
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.layers.split import activation_itemsize
+from strategies.layers.vocab_head import SplitLogitsScoring, split_loss_ops
+from strategies.layers.vocab_ops import vocab_embedding_sum
+from strategies.transformer.gpt import (
     GPT,
     MLP,
     CausalSelfAttention,
@@ -58,7 +59,6 @@ from strategies.transformer import (
     TransformerBlock,
     activation_elements,
 )
-from strategies.vocab_head import SplitLogitsScoring, split_loss_ops
 
 Layout = Literal["pairing", "gather"]
 LAYOUTS: tuple[Layout, ...] = ("pairing", "gather")
@@ -198,7 +198,7 @@ def gpt_problems(model: GPT, pr: int, strategy: str) -> list[str]:
     blocks = [b for b in model.blocks if isinstance(b, TransformerBlock)
               and isinstance(b.attn, CausalSelfAttention) and isinstance(b.mlp, MLP)]
     if len(blocks) != len(model.blocks):
-        return [f"strategy={strategy} splits a GPT of strategies.transformer's "
+        return [f"strategy={strategy} splits a GPT of strategies.transformer.gpt's "
                 f"TransformerBlocks only"]
     shapes = GPTShapes.of(model)
     if any(b.attn.heads != shapes.heads or b.mlp.fc.out_features != shapes.hidden
@@ -206,7 +206,7 @@ def gpt_problems(model: GPT, pr: int, strategy: str) -> list[str]:
         problems.append(f"strategy={strategy} needs every block of the GPT alike (heads, MLP "
                         f"width)")
     problems += [f"strategy={strategy} cannot split the GPT's parameter {name} (not one of "
-                 f"strategies.transformer's layers)"
+                 f"strategies.transformer.gpt's layers)"
                  for name, _ in model.named_parameters() if _kind(name, "pairing") == "unknown"]
     if shapes.layers and pr > shapes.heads:
         problems.append(f"strategy={strategy} splits the GPT's {shapes.heads} attention heads "

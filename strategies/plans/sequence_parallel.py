@@ -1,4 +1,5 @@
-"""The `sequence` style of a parallel plan by module name (`strategies.module_plan`): Megatron-LM's
+"""The `sequence` style of a parallel plan by module name (`strategies.plans.module_plan`):
+Megatron-LM's
 sequence parallelism. Modules acting token by token (norms, dropout with p=0) run on this rank's
 piece of the sequence, the activation's dim -2 (`Partition(T, Pr)`, even pieces only: a length
 that does not divide is refused by name).
@@ -49,9 +50,9 @@ import torch
 from torch import nn
 
 from runner.core import CountedComm, Partition
-from runner.core.cost import CommOp
 from runner.core.primitives import all_gather, reduce_scatter, take_piece
-from strategies.plan_styles import PlanStyle, RowwiseProjection, mixing_problem
+from runner.cost.collectives import CommOp
+from strategies.plans.styles import PlanStyle, RowwiseProjection, mixing_problem
 from strategies.probe import sample_dtype
 
 SEQUENCE = "sequence"

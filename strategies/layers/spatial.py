@@ -1,8 +1,8 @@
 """Convolution and pooling on slices of an image's height (and width): the layers' windows,
 what a slab cannot compute as the whole image does, and the layers that exchange halos
 (`runner.core.halo`) before they compute. Used by `strategy=domain` on sequences
-(`strategies.domain`), on module trees (`strategies.tree`) and by the layouts of
-`strategy=auto` (`strategies.layouts`).
+(`strategies.domain`), on module trees (`strategies.layers.tree`) and by the layouts of
+`strategy=auto` (`strategies.layouts.chain`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from torch import nn
 
 from runner.core import CountedComm
 from runner.core.halo import HaloPlan, Window, halo_exchange, halo_window, start_halo_exchange
-from strategies.sharded import CHANNEL_LOCAL
+from strategies.layers.split import CHANNEL_LOCAL
 
 Windowed = nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d
 WINDOWED = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)  # left to inference: isinstance narrows
 # Row-local: activations; and BatchNorm2d, whose statistics are reduced over the slabs and rows
-# of every rank (`strategies.norm`).
+# of every rank (`strategies.layers.norm`).
 ROW_LOCAL = (*(t for t in CHANNEL_LOCAL if t not in (nn.MaxPool2d, nn.AvgPool2d)),
              nn.BatchNorm2d)
 

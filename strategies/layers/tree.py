@@ -28,7 +28,7 @@ Rules:
   the batch group. Under `grid`, nodes before the first Linear run batch-parallel (`rows`),
   their weights whole and summed over every rank.
 - BatchNorm: in `split`, its channels' slice with statistics over the batch group; in `rows`,
-  whole with statistics over every rank (`strategies.norm`). On whole features it is refused
+  whole with statistics over every rank (`strategies.layers.norm`). On whole features it is refused
   (each rank would hold a partial gradient of its weights). LayerNorm, GroupNorm and
   InstanceNorm normalize each sample by itself: batch-parallel (`rows`) they run as they are;
   anywhere else they are refused (on slabs they would need every slab's statistics).
@@ -69,20 +69,26 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
-from runner.core.cost import CommOp
 from runner.core.halo import HaloPlan
 from runner.core.primitives import all_gather, repartition
+from runner.cost.collectives import CommOp
 from strategies.base import ParallelModel, split_model_exchanges
-from strategies.buckets import predict_gradient_ops
-from strategies.norm import (
+from strategies.exchange.buckets import predict_gradient_ops
+from strategies.layers.norm import (
     BATCH_NORMS,
     DistributedBatchNorm,
     batch_norm_comm_ops,
     batch_norm_problem,
 )
+from strategies.layers.spatial import (
+    ROW_LOCAL,
+    WINDOWED,
+    SpatialWindowed,
+    height_window,
+    windowed_problem,
+)
+from strategies.layers.split import CHANNEL_LOCAL, SHARDABLE, SplitConv2d, SplitLinear
 from strategies.probe import logits_of, sample_dtype
-from strategies.sharded import CHANNEL_LOCAL, SHARDABLE, ShardedConv2d, ShardedLinear
-from strategies.spatial import ROW_LOCAL, WINDOWED, SpatialWindowed, height_window, windowed_problem
 
 Layout = Literal["whole", "split", "rows", "slab"]
 Mode = Literal["model", "grid", "domain"]  # the strategy whose rules apply
@@ -191,8 +197,8 @@ class SplitRule(Rule):
         assert isinstance(module, SHARDABLE)
         grid = parts.grid
         part = Partition(self.split_size(module, plan, step), grid.pr)
-        return (ShardedLinear(module, part, grid.model_index) if isinstance(module, nn.Linear)
-                else ShardedConv2d(module, part, grid.model_index))
+        return (SplitLinear(module, part, grid.model_index) if isinstance(module, nn.Linear)
+                else SplitConv2d(module, part, grid.model_index))
 
 
 class NormSplitRule(Rule):
@@ -463,7 +469,7 @@ def _rule(node: torch.fx.Node, modules: dict[str, nn.Module],
                 else "the model")
         raise TreeRefused(f"{what} uses its tensor {node.target} directly in forward, which "
                           f"has no rule: strategy=data trains it, or register its type with "
-                          f"strategies.tree.register_channel_local if it acts per channel")
+                          f"strategies.layers.tree.register_channel_local if it acts per channel")
     if node.op == "call_module":
         module = modules[str(node.target)]
         name = f"{node.target} ({type(module).__name__})"

@@ -51,18 +51,18 @@ from torch import nn
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.cartesian import CartesianPartition
 from runner.core.comm import GridGroup
-from runner.core.cost import CommOp
 from runner.core.halo import HaloPlan
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import reduce_scatter
-from strategies.sharded import ShardedConv2d, ShardedLinear
-from strategies.spatial import (
+from runner.cost.collectives import CommOp
+from strategies.layers.spatial import (
     WINDOWED,
     SpatialWindowed,
     SpatialWindowed2D,
     height_window,
     width_window,
 )
+from strategies.layers.split import SplitConv2d, SplitLinear
 
 C, R = 0, 1  # grid dims: a rank's coordinates are (batch_index, model_index)
 GroupName = Literal["world", "model", "batch", "self"]
@@ -321,7 +321,7 @@ class RowLinear(LinearLayout):
     def build(self, layer: nn.Module, grid: ProcessGrid, in_shape: tuple[int, ...],
               overlap: bool, label: str) -> tuple[nn.Module, HeldParams]:
         assert isinstance(layer, nn.Linear)
-        built = ShardedLinear(layer, Partition(layer.out_features, grid.pr), grid.model_index)
+        built = SplitLinear(layer, Partition(layer.out_features, grid.pr), grid.model_index)
         return built, {"batch": list(built.parameters())}
 
 
@@ -507,7 +507,7 @@ class FilterConv(ConvLayout):
     def build(self, layer: nn.Module, grid: ProcessGrid, in_shape: tuple[int, ...],
               overlap: bool, label: str) -> tuple[nn.Module, HeldParams]:
         assert isinstance(layer, nn.Conv2d)
-        built = ShardedConv2d(layer, Partition(layer.out_channels, grid.pr), grid.model_index)
+        built = SplitConv2d(layer, Partition(layer.out_channels, grid.pr), grid.model_index)
         return built, {"batch": list(built.parameters())}
 
 

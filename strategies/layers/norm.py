@@ -34,9 +34,9 @@ from torch import nn
 
 from runner.core import CountedComm, Partition
 from runner.core.comm import GridGroup
-from runner.core.cost import CommOp
 from runner.core.placement import place_rows
 from runner.core.primitives import all_gather_op
+from runner.cost.collectives import CommOp
 
 # `SyncBatchNorm` (what `convert_sync_batchnorm` leaves in DDP code) computes what a BatchNorm
 # over every rank's rows does: gridrun gives it that meaning over its own groups.

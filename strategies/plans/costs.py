@@ -1,14 +1,16 @@
-"""What a model split by a parallel plan by module name (`strategies.module_plan`) costs, for the
+"""What a model split by a parallel plan by module name (`strategies.plans.module_plan`) costs, for
+the
 predicted step time and the planner.
 
 `plan_module_bytes`: each planned module's bytes per step, its own collectives and its
 parameters' gradient exchange. `plan_compute_seconds`: the compute from the local shapes each
-style computes with, as `strategies.layer_layouts`' stand-ins do for layer layouts: every rank
+style computes with, as `strategies.layouts.layer`' stand-ins do for layer layouts: every rank
 of a model group runs all of its group's rows; a colwise projection makes its rank's output
 features, a rowwise one reads its rank's input features, a vocab table holds its rank's rows;
 what runs between a split output and the next rowwise projection (an MLP's activation) runs on
 the rank's features; a `sequence` module in the region runs on the rank's positions
-(`strategies.plan_sequence`); the operators a module holding colwise projections runs itself
+(`strategies.plans.sequence_parallel`); the operators a module holding colwise projections runs
+itself
 (attention's products and softmax) on its rank's heads; everything else runs whole. Under
 `strategy=domain` (every weight whole) the modules in the region that run on a rank's positions
 (the `sequence` ones, activations, the blocks' own operators) are priced on T/Pr positions,
@@ -23,16 +25,16 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, Partition
-from runner.core.compute import ComputeRates, layer_seconds
+from runner.cost.compute import ComputeRates, layer_seconds
 from strategies.base import operators_seconds
-from strategies.module_plan import (
+from strategies.plans.module_plan import (
     ModulePlan,
     gathered_path,
     plan_param_items,
     plan_region,
     predict_plan_ops,
 )
-from strategies.plan_styles import Colwise, PlanStyle, Projection, VocabHead
+from strategies.plans.styles import Colwise, PlanStyle, Projection, VocabHead
 from strategies.probe import probe
 
 

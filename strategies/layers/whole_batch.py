@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.core import CountedComm
-from strategies.norm import global_batch_norm
+from strategies.layers.norm import global_batch_norm
 from strategies.probe import DrawPlan, is_random_op, math_attention, op_name
 
 

@@ -49,14 +49,7 @@ from torch import nn
 
 from runner.core import CountedComm
 from runner.core import placement as placements
-from runner.core.cost import (
-    SPARSE_MODES,
-    MachineCosts,
-    SparseMode,
-    choose_hot_rows,
-    choose_sparse_mode,
-)
-from runner.core.sparse import (
+from runner.core.row_sparse import (
     BlockRows,
     NodeRoutes,
     allgather_sum_rows,
@@ -65,6 +58,13 @@ from runner.core.sparse import (
     pull_rows,
     push_rows,
     push_rows_by_node,
+)
+from runner.cost.collectives import (
+    SPARSE_MODES,
+    MachineCosts,
+    SparseMode,
+    choose_hot_rows,
+    choose_sparse_mode,
 )
 
 # `strategy.sparse`: a mode for every step, or `auto`, the cheapest mode chosen per step.

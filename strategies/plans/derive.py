@@ -1,5 +1,5 @@
 """A parallel plan derived from the module structure, for a model that neither the user nor
-the model itself gives one (`strategies.module_plan` decides which plan applies).
+the model itself gives one (`strategies.plans.module_plan` decides which plan applies).
 
 One forward of the model (`strategies.probe`) gives its leaf calls in order with their shapes;
 from them, candidate groups of modules:
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.plan_styles import STYLES, Colwise, ColwiseProjection, Projection
+from strategies.plans.styles import STYLES, Colwise, ColwiseProjection, Projection
 from strategies.probe import EMBEDDINGS, LeafCall, logits_of, probe, sample_dtype
 
 # relative tolerance of the trial in float64: far above rounding, far below any wrong split

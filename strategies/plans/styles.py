@@ -1,4 +1,5 @@
-"""The styles of a parallel plan by module name (`strategies.module_plan`): one class per style,
+"""The styles of a parallel plan by module name (`strategies.plans.module_plan`): one class per
+style,
 holding what follows from it for one module of the user's model.
 
     colwise    output features split over the model group (a Linear's rows, a Conv1D's
@@ -12,12 +13,12 @@ holding what follows from it for one module of the user's model.
     vocab      an Embedding's rows (the vocabulary) split: a masked lookup, then the sum over
                the group (`vocab_embedding_sum`); or the model's output projection's rows (its
                vocabulary or classes), its logits left split and scored split
-               (`strategies.vocab_head`)
+               (`strategies.layers.vocab_head`)
     sequence   a module acting token by token (a norm, dropout with p=0) run on this rank's
                piece of the sequence inside the blocks of the plan, whose colwise projections
                then gather their input along the sequence and rowwise ones reduce-scatter their
                partial sums along it (Megatron-LM's sequence parallelism:
-               `strategies.plan_sequence`); its weights whole, their gradients summed over
+               `strategies.plans.sequence_parallel`); its weights whole, their gradients summed over
                every rank
     replicate  left whole: its gradient summed over every rank, as a batch-parallel layer's
 
@@ -41,16 +42,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.core import CountedComm, Partition
-from runner.core.cost import CommOp
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import all_gather, all_sum_reduce
-from strategies.tensor_parallel_ops import vocab_embedding_sum
-from strategies.vocab_head import split_loss_ops
+from runner.cost.collectives import CommOp
+from strategies.layers.vocab_head import split_loss_ops
+from strategies.layers.vocab_ops import vocab_embedding_sum
 
 
 class SequenceScatter(Protocol):
     """What a rowwise projection in a sequence region scatters its sums with
-    (`strategies.plan_sequence.SequenceShards`)."""
+    (`strategies.plans.sequence_parallel.SequenceShards`)."""
 
     def reduce_scatter(self, x: torch.Tensor, label: str) -> torch.Tensor: ...
 
@@ -564,7 +565,8 @@ def mixing_problem(module: nn.Module) -> str | None:
 
 class Sequence(PlanStyle):
     """A module acting token by token, run on this rank's piece of the sequence in the blocks
-    of the plan (`strategies.plan_sequence` places the region's exchanges); left whole, its
+    of the plan (`strategies.plans.sequence_parallel` places the region's exchanges); left whole,
+    its
     gradient summed over every rank."""
 
     name = "sequence"

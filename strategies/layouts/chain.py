@@ -3,7 +3,7 @@ the activations moved between layouts by the core's general redistribution.
 
 The integrated-parallelism paper prices each layer on its own; the linear-algebraic approach
 (DistDL) partitions a layer's weight in two dimensions. Here every Linear and Conv2d gets one
-of several layouts (`strategies.layer_layouts`: the activation layouts and the layer layouts),
+of several layouts (`strategies.layouts.layer`: the activation layouts and the layer layouts),
 each a rule that says how the layer's input must be laid out over the grid, how its output
 comes out, which communication it does inside, and over which ranks its weights' gradients
 are summed. Between two layers whose layouts disagree the activation is redistributed
@@ -37,10 +37,24 @@ from runner.core.cartesian import (
     redistribute_send_bytes,
 )
 from runner.core.comm import GridGroup
-from runner.core.compute import layer_seconds
-from runner.core.cost import CommOp, comm_seconds, wait_seconds
+from runner.cost.collectives import CommOp, comm_seconds, wait_seconds
+from runner.cost.compute import layer_seconds
 from strategies.base import ParallelModel, PricingContext, gradient_exchange
-from strategies.layer_layouts import (
+from strategies.layers.norm import (
+    BATCH_NORMS,
+    DistributedBatchNorm,
+    batch_norm_comm_ops,
+    batch_norm_problem,
+)
+from strategies.layers.spatial import WINDOWED, windowed_problem
+from strategies.layers.split import (
+    CHANNEL_LOCAL,
+    activation_itemsize,
+    layer_label,
+    output_itemsizes,
+    output_shapes,
+)
+from strategies.layouts.layer import (
     BATCH_ONLY,
     FLAT_LAYOUTS,
     IMAGE_LAYOUTS,
@@ -64,20 +78,6 @@ from strategies.layer_layouts import (
     spatial_halo_ops,
     spatial_module,
 )
-from strategies.norm import (
-    BATCH_NORMS,
-    DistributedBatchNorm,
-    batch_norm_comm_ops,
-    batch_norm_problem,
-)
-from strategies.sharded import (
-    CHANNEL_LOCAL,
-    activation_itemsize,
-    layer_label,
-    output_itemsizes,
-    output_shapes,
-)
-from strategies.spatial import WINDOWED, windowed_problem
 
 # A communication operator of the core (a torch.autograd.Function in Python) costs about this
 # many framework dispatches forward and backward together, besides its data: 60 µs measured for
