@@ -225,6 +225,48 @@ def test_train_fits_on_a_page() -> None:
     assert train.end_lineno is not None and train.end_lineno - train.lineno + 1 <= 80
 
 
+def _import_targets(module: str, node: ast.Import | ast.ImportFrom, modules: set[str],
+                    packages: set[str]) -> set[str]:
+    """The project modules an import statement in `module` names (`from a import b`: a.b if that
+    is a module, else a; relative imports from the importing module's package)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module if module in packages else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{base}" if base else package
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                 for alias in node.names]
+    found = set()
+    for name in names:
+        while name and name not in modules:  # `import a.b.c`: the longest prefix a module
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
+
+
+def _circle_through(start: str, graph: dict[str, set[str]]) -> str | None:
+    """A shortest circle from `start` back to itself, breadth first, or None."""
+    came_from: dict[str, str] = {}  # per module reached: the module that imports it
+    todo = [start]
+    while todo and start not in came_from:
+        module = todo.pop(0)
+        for imported in sorted(graph[module]):
+            if imported not in came_from:
+                came_from[imported] = module
+                todo.append(imported)
+    if start not in came_from:
+        return None
+    circle = [start]
+    while len(circle) == 1 or circle[-1] != start:
+        circle.append(came_from[circle[-1]])
+    return " -> ".join(reversed(circle))
+
+
 def test_strategies_import_no_circle_and_none_inside_functions() -> None:
     """Every import of strategies/ and runner/ (module level and inside functions) is an edge;
     no circle may pass through a strategies module, and no function in strategies/ imports a
@@ -233,36 +275,14 @@ def test_strategies_import_no_circle_and_none_inside_functions() -> None:
     paths = sorted(p for folder in ("strategies", "runner") for p in (ROOT / folder).rglob("*.py"))
     trees = {module_name(p): ast.parse(p.read_text()) for p in paths}
     packages = {module_name(p) for p in paths if p.name == "__init__.py"}
-
-    def targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
-        """The project modules an import statement names (`from a import b`: a.b if that is a
-        module, else a)."""
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            base = node.module or ""
-            if node.level:  # relative: from the importing module's package
-                package = module if module in packages else module.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    package = package.rpartition(".")[0]
-                base = f"{package}.{base}" if base else package
-            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in trees else base
-                     for alias in node.names]
-        found = set()
-        for name in names:
-            while name and name not in trees:  # `import a.b.c`: the longest prefix a module
-                name = name.rpartition(".")[0]
-            if name:
-                found.add(name)
-        return found
-
+    modules = set(trees)
     graph: dict[str, set[str]] = {}
     inside_functions: list[str] = []
     for module, tree in trees.items():
         graph[module] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
-                graph[module] |= targets(module, node) - {module}
+                graph[module] |= _import_targets(module, node, modules, packages) - {module}
         if not module.startswith("strategies"):
             continue
         for function in ast.walk(tree):
@@ -270,25 +290,51 @@ def test_strategies_import_no_circle_and_none_inside_functions() -> None:
                 continue
             for node in ast.walk(function):
                 if isinstance(node, ast.Import | ast.ImportFrom):
-                    inside_functions += [f"{module}:{node.lineno} ({function.name}) imports "
-                                         f"{name}" for name in sorted(targets(module, node))
-                                         if name.startswith("strategies")]
+                    inside_functions += [
+                        f"{module}:{node.lineno} ({function.name}) imports {name}"
+                        for name in sorted(_import_targets(module, node, modules, packages))
+                        if name.startswith("strategies")]
     assert not inside_functions, "\n".join(sorted(set(inside_functions)))
-
-    # a circle through a strategies module: the module reached again from what it imports
-    circles = []
-    for start in sorted(m for m in graph if m.startswith("strategies")):
-        came_from: dict[str, str] = {}  # per module reached: the module that imports it
-        todo = [start]
-        while todo and start not in came_from:
-            module = todo.pop(0)
-            for imported in sorted(graph[module]):
-                if imported not in came_from:
-                    came_from[imported] = module
-                    todo.append(imported)
-        if start in came_from:
-            circle = [start]
-            while len(circle) == 1 or circle[-1] != start:
-                circle.append(came_from[circle[-1]])
-            circles.append(" -> ".join(reversed(circle)))
+    circles = [c for start in sorted(m for m in graph if m.startswith("strategies"))
+               if (c := _circle_through(start, graph)) is not None]
     assert not circles, "\n".join(circles)
+
+
+# Sizes a newcomer can read: modules of the strategies and the core (the cost model with it),
+# functions everywhere but the benchmarks (a benchmark's main reads top to bottom).
+MODULE_LINES = 700
+FUNCTION_LINES = 60
+SIZED_FOLDERS = ("strategies", "runner/core", "runner/cost")
+FUNCTION_FOLDERS = ("runner", "strategies", "hydra_plugins", "tests", "examples")
+
+
+def test_no_module_of_the_strategies_or_the_core_over_700_lines() -> None:
+    long = [f"{p.relative_to(ROOT)}: {n}" for folder in SIZED_FOLDERS
+            for p in sorted((ROOT / folder).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MODULE_LINES]
+    assert not long, f"over {MODULE_LINES} lines: {long}"
+
+
+def test_no_function_over_60_lines_outside_the_benchmarks() -> None:
+    long = []
+    for folder in FUNCTION_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                        node.end_lineno is not None and \
+                        node.end_lineno - node.lineno + 1 > FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "\n".join(long)
+
+
+def test_strategies_keep_the_choices_at_the_top_and_the_rest_in_families() -> None:
+    """The `strategy=` choices (conf/strategy/X.yaml -> strategies/X.py), their contract and
+    what every family shares at the top; everything else in family folders."""
+    top = sorted(p.stem for p in (ROOT / "strategies").glob("*.py") if p.stem != "__init__")
+    families = sorted(p.name for p in (ROOT / "strategies").iterdir()
+                      if (p / "__init__.py").is_file())
+    choices = sorted(p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml"))
+    assert set(choices) <= set(top), f"a choice without its module: {set(choices) - set(top)}"
+    assert len(top) <= 12, f"{len(top)} modules at the top of strategies/: {top}"
+    assert len(families) >= 4, families
