@@ -307,76 +307,65 @@ def _holds_a_run(path: Path) -> bool:
                                                      "summary.json"))
 
 
-def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str | None = None,
-           nproc_flag: str | None = None, trust_launcher: bool = False,
-           keep_debug: bool = False, trust: bool = False) -> int:
-    """Run `run_dir`'s config again into `new_dir` and compare the losses; the exit code.
-    `trust`: import the code the run names (and run its launcher)."""
+def _read_run(run_dir: Path, trust: bool) -> tuple[dict[str, Any], list[str] | None,
+                                                     dict[int, float] | None]:
+    """The run's config, overrides and training losses, every file read before anything is
+    imported or run; `Refused` for a file beyond the bounds, or for a run that names code when
+    the replay is not told to trust it. Trusted, each piece of code is named on a line of its
+    own before any of it is imported."""
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
-        print_error(f"{run_dir}: not a run directory (no config.yaml)")
-        return EXIT_BAD_INPUT
-    try:  # every file the replay reads, before anything is imported or run
-        values = read_config(config_path)
-        overrides = read_overrides(run_dir)
-        original = original_losses(run_dir)
-    except Refused as exc:
-        print_error(str(exc))
-        return EXIT_BAD_INPUT
+        raise Refused(f"{run_dir}: not a run directory (no config.yaml)")
+    values = read_config(config_path)
+    overrides = read_overrides(run_dir)
+    original = original_losses(run_dir)
     code = code_pieces(values)
     if code and not trust:
         checked = ["config.yaml", *([".hydra/overrides.yaml"] if overrides is not None else []),
                    *(["metrics.jsonl"] if original is not None else [])]
-        print_error(_untrusted(config_path, values, checked))
-        return EXIT_BAD_INPUT
-    for key, name in code:  # one line each, before any of it is imported
+        raise Refused(_untrusted(config_path, values, checked))
+    for key, name in code:
         print(printable(f"note: importing what the run names (--trust): {key}={name}"),
               file=sys.stderr)
-    trust_launcher = trust_launcher or (trust and launcher_command is None)
-    values, notes = replay_config(values, launcher_command=launcher_command,
-                                  nproc_flag=nproc_flag, trust_launcher=trust_launcher,
-                                  keep_debug=keep_debug)
-    if new_dir is None:  # inside the run: reached from it without following a link
+    return values, overrides, original
+
+
+def _replay_dir(run_dir: Path, new_dir: Path | None) -> Path:
+    """Where the replay writes, registered as a run directory root: `new_dir`, or a new
+    `replays/<time>/` inside the run, reached from it without following a link; `Refused` for
+    a place on a link or one that already holds a run (the original itself, say: its losses
+    would be overwritten)."""
+    if new_dir is None:
         safe_paths.register_root(run_dir)
         new_dir = run_dir / "replays" / time.strftime("%Y%m%d-%H%M%S")
         refused = safe_paths.refusal_on_the_way(run_dir, new_dir.relative_to(run_dir))
         if refused is not None:
-            print_error(str(refused))
-            return EXIT_BAD_INPUT
+            raise Refused(str(refused))
     safe_paths.register_root(new_dir)
-    if _holds_a_run(new_dir):  # the original itself, say: its losses would be overwritten
-        print_error(f"{new_dir} already holds a run: choose another --run-dir")
-        return EXIT_BAD_INPUT
-    made = not new_dir.exists()
-    cfg = OmegaConf.create(values)
-    try:
-        run = checked_run(cfg, new_dir)
-    except ConfigError as exc:
-        print_error(str(exc))
-        return EXIT_BAD_INPUT
+    if _holds_a_run(new_dir):
+        raise Refused(f"{new_dir} already holds a run: choose another --run-dir")
+    return new_dir
+
+
+def _announce(run_dir: Path, new_dir: Path, run: RunConfig, notes: list[str]) -> None:
+    """The notes on what the replay left out, where it writes and what it starts."""
     for line in notes:
         print(printable(f"note: {line}"), file=sys.stderr)
     print(printable(f"replaying {run_dir} in {new_dir}"))
     print(printable(f"launcher: {launch_line(run, new_dir)}"), flush=True)
-    if overrides is not None:  # the overrides a resume command repeats
-        kept = [o for o in overrides if kept_override(o, keep_debug)]
-        try:
-            safe_paths.replace_file(new_dir, ".hydra/overrides.yaml",
-                                    yaml.safe_dump(kept).encode(), create_dirs=True)
-        except PathRefused as exc:
-            print_error(str(exc))
-            return EXIT_BAD_INPUT
-    try:
-        execute(cfg, new_dir, run)
-    except ConfigError as exc:
-        if made:  # nothing ran: leave nothing behind
-            with contextlib.suppress(OSError):
-                safe_paths.remove_tree(*safe_paths.locate(new_dir))
-        print_error(str(exc))
-        return EXIT_BAD_INPUT
-    except (RunFailed, RunInterrupted) as exc:
-        print_error(f"the replay did not complete: {exc}")
-        return EXIT_DIFFERENT
+
+
+def _write_overrides(new_dir: Path, overrides: list[str], keep_debug: bool) -> None:
+    """The replay's `.hydra/overrides.yaml`: the overrides a resume command repeats."""
+    kept = [o for o in overrides if kept_override(o, keep_debug)]
+    safe_paths.replace_file(new_dir, ".hydra/overrides.yaml", yaml.safe_dump(kept).encode(),
+                            create_dirs=True)
+
+
+def _compared(run_dir: Path, new_dir: Path, original: dict[int, float] | None,
+              run: RunConfig) -> int:
+    """The exit code of a replay that completed, its losses compared with the original's and
+    the outcome printed: a difference is expected of an asynchronous optimizer."""
     if original is None:
         print("the original has no metrics.jsonl: nothing to compare")
         return 0
@@ -395,6 +384,45 @@ def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str 
         return 0
     print_error(difference)
     return EXIT_DIFFERENT
+
+
+def replay(run_dir: Path, new_dir: Path | None = None, *, launcher_command: str | None = None,
+           nproc_flag: str | None = None, trust_launcher: bool = False,
+           keep_debug: bool = False, trust: bool = False) -> int:
+    """Run `run_dir`'s config again into `new_dir` and compare the losses; the exit code.
+    `trust`: import the code the run names (and run its launcher)."""
+    try:
+        values, overrides, original = _read_run(run_dir, trust)
+    except Refused as exc:
+        print_error(str(exc))
+        return EXIT_BAD_INPUT
+    trust_launcher = trust_launcher or (trust and launcher_command is None)
+    values, notes = replay_config(values, launcher_command=launcher_command,
+                                  nproc_flag=nproc_flag, trust_launcher=trust_launcher,
+                                  keep_debug=keep_debug)
+    try:
+        new_dir = _replay_dir(run_dir, new_dir)
+        made = not new_dir.exists()
+        cfg = OmegaConf.create(values)
+        run = checked_run(cfg, new_dir)
+        _announce(run_dir, new_dir, run, notes)
+        if overrides is not None:
+            _write_overrides(new_dir, overrides, keep_debug)
+    except (Refused, ConfigError, PathRefused) as exc:
+        print_error(str(exc))
+        return EXIT_BAD_INPUT
+    try:
+        execute(cfg, new_dir, run)
+    except ConfigError as exc:
+        if made:  # nothing ran: leave nothing behind
+            with contextlib.suppress(OSError):
+                safe_paths.remove_tree(*safe_paths.locate(new_dir))
+        print_error(str(exc))
+        return EXIT_BAD_INPUT
+    except (RunFailed, RunInterrupted) as exc:
+        print_error(f"the replay did not complete: {exc}")
+        return EXIT_DIFFERENT
+    return _compared(run_dir, new_dir, original, run)
 
 
 def main(argv: list[str] | None = None) -> int:
