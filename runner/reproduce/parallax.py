@@ -184,32 +184,34 @@ def _point_rows(data: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def render(data: dict[str, Any], out: Path) -> Path:
-    figure = save(exchange_figure(data), out / "parallax_exchange.png")
-    cross = data["crossover"]
+def _crossover_text(cross: dict[str, Any]) -> str:
+    """The density where the dense exchange becomes no slower, or that none was measured."""
     if finite(cross.get("density")):
-        cross_text = (f"Dense becomes no slower than the best sparse exchange at about "
-                      f"**{cross['density']:.1%}** of the rows per rank (interpolated; first "
-                      f"measured at {cross['measured']:.1%}).")
-    else:
-        top = cross.get("max_density")
-        cross_text = ("The sparse exchanges stayed faster at every measured density"
-                      + (f" (up to {top:.1%})" if finite(top) else "") + ": no crossover. "
-                      "With one run per point on a shared machine, step times vary by tens of "
-                      "percent between runs, so a crossover near the top of the range would not "
-                      "show reliably.")
-    mem = memory(data)
-    replicated = mem["replicated_bytes"]
+        return (f"Dense becomes no slower than the best sparse exchange at about "
+                f"**{cross['density']:.1%}** of the rows per rank (interpolated; first "
+                f"measured at {cross['measured']:.1%}).")
+    top = cross.get("max_density")
+    return ("The sparse exchanges stayed faster at every measured density"
+            + (f" (up to {top:.1%})" if finite(top) else "") + ": no crossover. "
+            "With one run per point on a shared machine, step times vary by tens of "
+            "percent between runs, so a crossover near the top of the range would not "
+            "show reliably.")
+
+
+def _sharded_held_text(mem: dict[str, Any]) -> str:
+    """The table's bytes a `sharded` rank holds, as measured, or why they are not."""
     if mem["sharded_held_bytes"] is not None:
-        held = (f"{mem['sharded_held_bytes'] / 1e6:.2f} MB (measured: `held_bytes` in "
+        return (f"{mem['sharded_held_bytes'] / 1e6:.2f} MB (measured: `held_bytes` in "
                 "`summary.json`'s `sparse_exchange`, the largest over the sharded runs; the "
                 f"smallest was {mem['sharded_held_bytes_min'] / 1e6:.2f} MB)")
-    else:
-        held = (f"{replicated / 1e6:.2f} MB: this checkout's `sharded` still keeps a full copy "
-                "on every rank, and its summary has no `held_bytes`, so the measured figure "
-                "was unavailable. This is the replicated size.")
-    lines = [
-        f"# {TITLE}", "",
+    return (f"{mem['replicated_bytes'] / 1e6:.2f} MB: this checkout's `sharded` still keeps a "
+            "full copy on every rank, and its summary has no `held_bytes`, so the measured "
+            "figure was unavailable. This is the replicated size.")
+
+
+def _the_paper() -> str:
+    """What the paper claims, and what it measured."""
+    return (
         "**The paper.** Parallax observes that frameworks scale NLP models poorly because "
         "they ignore the sparsity of model parameters: an embedding's gradient touches few "
         "rows. It combines AllReduce (for dense variables) with parameter servers (for sparse "
@@ -220,7 +222,12 @@ def render(data: dict[str, Any], out: Path) -> Path:
         "with aggregation inside a machine first, and dense variables through all-reduce; bytes "
         "alone favour the sparse exchange below a density of about 2/N. On LM1B with 8 "
         "machines it reports 277k words/s against 101k for TensorFlow's parameter server and "
-        "39k for Horovod.", "",
+        "39k for Horovod.")
+
+
+def _our_run() -> str:
+    """What gridrun ran, and how the page's figures are measured."""
+    return (
         "**gridrun's run.** `experiment=parallax_tokens`: `EmbeddingBag(100000, 64, "
         "sparse=True)` (25.6 MB) → MLP → 4 classes, on Zipf–Mandelbrot token documents, "
         "global batch 256, `strategy=data` on 4 ranks, plain SGD. `dataset.seq_len` sets how "
@@ -228,24 +235,38 @@ def render(data: dict[str, Any], out: Path) -> Path:
         "runs each length. Step times are the median after the first "
         f"{WARMUP_STEPS} steps, one run each, 4 ranks on 2 cores. Bytes are the counted "
         "payload per step (`comm_bytes_per_step`). The density is the share of the table's "
-        "rows that rank 0's batch touched. Run one point yourself:", "",
-        "```bash",
-        f"python -m runner experiment={EXPERIMENT} strategy.sparse=sharded dataset.seq_len=256",
-        "```", "",
-        table(["seq_len", "density", "dense", "allgather", "sharded"], _point_rows(data)), "",
-        cross_text, "",
-        f"![bytes and step time against density]({figure})", "",
-        "## Memory of the table per rank", "",
-        table(["exchange", "table bytes per rank"],
-              [["dense (replicated on every rank)", f"{replicated / 1e6:.2f} MB"],
-               ["sharded (rows on their owners)", held]]), "",
+        "rows that rank 0's batch touched. Run one point yourself:")
+
+
+def _why_the_numbers_differ(data: dict[str, Any]) -> str:
+    """Why gridrun's figures are not the paper's: the size of the table, and the machine."""
+    return (
         "**Why the numbers differ.** The paper measured multi-GPU machines over a real "
         "network, with models of millions of embedding rows. Here a 25.6 MB table lives on 4 "
         "ranks that share 2 cores, so the dense all-reduce is cheap in absolute terms. The "
         "sparse modes' local work (sorting, summing and scattering rows) weighs as much as "
         "their communication, and they make several collectives a step where dense makes "
         f"one, each waiting for any descheduled rank. {_direction(data)} "
-        f"{machine_note(data)}", "",
+        f"{machine_note(data)}")
+
+
+def render(data: dict[str, Any], out: Path) -> Path:
+    figure = save(exchange_figure(data), out / "parallax_exchange.png")
+    mem = memory(data)
+    replicated = mem["replicated_bytes"]
+    lines = [
+        f"# {TITLE}", "", _the_paper(), "", _our_run(), "",
+        "```bash",
+        f"python -m runner experiment={EXPERIMENT} strategy.sparse=sharded dataset.seq_len=256",
+        "```", "",
+        table(["seq_len", "density", "dense", "allgather", "sharded"], _point_rows(data)), "",
+        _crossover_text(data["crossover"]), "",
+        f"![bytes and step time against density]({figure})", "",
+        "## Memory of the table per rank", "",
+        table(["exchange", "table bytes per rank"],
+              [["dense (replicated on every rank)", f"{replicated / 1e6:.2f} MB"],
+               ["sharded (rows on their owners)", _sharded_held_text(mem)]]), "",
+        _why_the_numbers_differ(data), "",
     ]
     page = out / f"{NAME}.md"
     page.write_text("\n".join(lines))

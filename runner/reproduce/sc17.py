@@ -236,30 +236,26 @@ def bars_figure(results: dict[str, Any]) -> Figure:
     return fig
 
 
-def render(results: dict[str, Any], out: Path) -> Path:
-    figures = {"accuracy": save(accuracy_figure(results), out / "sc17_accuracy.png"),
-               "bars": save(bars_figure(results), out / "sc17_time_and_comm.png")}
-    target = results["target"]
-    rows = []
-    for method in results["methods"]:
-        if method["status"] != "ok":
-            rows.append([f"`{method['name']}`", method["family"], method["status"],
-                         "—", "—", "—", "—", method["note"]])
-            continue
-        notes = []
-        if len(method.get("times_to_target_s") or []) > 1:
-            notes.append("each run: " + ", ".join(fmt(t, ".2f") for t in
-                                                  method["times_to_target_s"]) + " s")
-        if method.get("nesterov") is not None:
-            notes.append(f"optimizer.nesterov={str(method['nesterov']).lower()} (its default)")
-        note = "; ".join(notes)
-        rows.append([f"`{method['name']}`", method["family"], "ran",
-                     fmt(method["steps_to_target"], ".0f"),
-                     fmt(method["time_to_target_s"], ".2f"), fmt(method["median_step_ms"], ".1f"),
-                     percent(method["comm_share"]), note])
-    skipped = [m["name"] for m in results["methods"] if m["status"] == "skipped"]
-    lines = [
-        f"# {TITLE}", "",
+def _method_row(method: dict[str, Any]) -> list[str]:
+    """One method's row of the page's table: its numbers, or why it has none."""
+    if method["status"] != "ok":
+        return [f"`{method['name']}`", method["family"], method["status"],
+                "—", "—", "—", "—", method["note"]]
+    notes = []
+    if len(method.get("times_to_target_s") or []) > 1:
+        notes.append("each run: " + ", ".join(fmt(t, ".2f") for t in
+                                              method["times_to_target_s"]) + " s")
+    if method.get("nesterov") is not None:
+        notes.append(f"optimizer.nesterov={str(method['nesterov']).lower()} (its default)")
+    return [f"`{method['name']}`", method["family"], "ran",
+            fmt(method["steps_to_target"], ".0f"),
+            fmt(method["time_to_target_s"], ".2f"), fmt(method["median_step_ms"], ".1f"),
+            percent(method["comm_share"]), "; ".join(notes)]
+
+
+def _the_paper() -> str:
+    """What the paper claims, and its Table 3."""
+    return (
         "**The paper.** The SC17 paper redesigns Elastic Averaging SGD for HPC clusters. Its "
         "abstract reports three results. Async EASGD, Async MEASGD and Hogwild EASGD are faster "
         "than their counterparts (Async SGD, Async MSGD, Hogwild SGD) in all its comparisons. "
@@ -271,24 +267,26 @@ def render(results: dict[str, Any], out: Path) -> Path:
         f"{PAPER_COMM_SHARE[0]:.0%} of the time communicating; Sync EASGD "
         f"{PAPER_STEPS[1]:,} iterations and 7.7 s, {PAPER_COMM_SHARE[1]:.0%} communicating — "
         f"{PAPER_SPEEDUP}× faster. Its weak scaling of GoogleNet on KNL keeps 91.6% efficiency "
-        "at 4,352 cores.",
-        "",
+        "at 4,352 cores.")
+
+
+def _our_run(results: dict[str, Any]) -> str:
+    """What gridrun ran, and how the page's figures are measured."""
+    return (
         f"**gridrun's run.** `experiment={EXPERIMENT}`: the digits MLP (64→128→128→10), global "
         f"batch 64, `strategy=data` on a 1 × 4 grid (4 replicas), seed 0, {results['steps']} "
         "steps, the centre evaluated every 10 steps. Each method changes only `optimizer=` and "
         "keeps that optimizer's default options. Time to target is rank 0's training time (the "
         "sum of its step times, evaluations excluded) up to the first evaluation at or above "
-        f"{target:.0%}. The communication share is Σ `comm_time_s` / Σ `step_time_s` over the "
-        "training steps in `metrics.jsonl`. "
+        f"{results['target']:.0%}. The communication share is Σ `comm_time_s` / Σ "
+        "`step_time_s` over the training steps in `metrics.jsonl`. "
         f"{_repeats_text(results)} 4 ranks on 2 cores. The asynchronous methods' step counts "
-        "vary from run to run; the synchronous ones repeat exactly. Run one method yourself:",
-        "",
-        "```bash",
-        f"python -m runner experiment={EXPERIMENT} optimizer=sync_easgd",
-        "python -m runner.report outputs/<date>/<time>      # its figures", "```", "",
-        "## The paper's figures beside gridrun's", "",
-        table(["claim", "paper (SC17)", "gridrun here", "same direction?"],
-              comparisons(results)), "",
+        "vary from run to run; the synchronous ones repeat exactly. Run one method yourself:")
+
+
+def _why_the_numbers_differ(results: dict[str, Any]) -> str:
+    """Why gridrun's figures are not the paper's: the size of the model, and the machine."""
+    return (
         "**Why the numbers differ.** The paper trained larger networks on KNL and GPU "
         "clusters, one worker per node or GPU. There, exchanging a large model is most of a "
         "step, and the round-robin original makes every worker wait for all those before it. "
@@ -299,8 +297,24 @@ def render(results: dict[str, Any], out: Path) -> Path:
         "\"no\", that is the size of effect a 2-core machine can show, not a refutation. Time "
         "to target is also steps to target: the elastic force (α = 0.9/4 per replica) and "
         "each method's default learning rate set how many steps a method needs, and those "
-        f"are set for digits, not tuned per method as a paper would. {machine_note(results)}",
-        "",
+        f"are set for digits, not tuned per method as a paper would. {machine_note(results)}")
+
+
+def render(results: dict[str, Any], out: Path) -> Path:
+    figures = {"accuracy": save(accuracy_figure(results), out / "sc17_accuracy.png"),
+               "bars": save(bars_figure(results), out / "sc17_time_and_comm.png")}
+    target = results["target"]
+    rows = [_method_row(method) for method in results["methods"]]
+    skipped = [m["name"] for m in results["methods"] if m["status"] == "skipped"]
+    lines = [
+        f"# {TITLE}", "", _the_paper(), "", _our_run(results), "",
+        "```bash",
+        f"python -m runner experiment={EXPERIMENT} optimizer=sync_easgd",
+        "python -m runner.report outputs/<date>/<time>      # its figures", "```", "",
+        "## The paper's figures beside gridrun's", "",
+        table(["claim", "paper (SC17)", "gridrun here", "same direction?"],
+              comparisons(results)), "",
+        _why_the_numbers_differ(results), "",
         "## Every method", "",
         table(["method", "family", "status", f"steps to {target:.0%}", f"time to {target:.0%} (s)",
                "median step (ms)", "comm share", "note"], rows), "",
