@@ -18,6 +18,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # `tests` is this checkout's, whatever else is installed
@@ -37,7 +38,7 @@ from torch import nn  # noqa: E402
 
 from runner.core import ProcessGrid  # noqa: E402
 from runner.cost.collectives import step_bytes  # noqa: E402
-from strategies import STRATEGIES  # noqa: E402
+from strategies import STRATEGIES, ParallelModel, Strategy  # noqa: E402
 from strategies.plans.module_plan import DECLARED_STYLES, declared_plan  # noqa: E402
 from strategies.probe import logits_of  # noqa: E402
 from tests import plan_models  # noqa: E402
@@ -52,36 +53,34 @@ def relative_gap(got: float, want: float) -> float:
     return abs(got - want) / max(abs(want), 1e-300)
 
 
-def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
-            strategy_name: str, shape: tuple[int, int], classes: int | None = None) -> None:
-    grid: ProcessGrid | None = GRIDS[shape]
-    if grid is None:
-        return
-    what = f"{factory.__name__} {strategy_name} {shape[0]}x{shape[1]}"
-    strategy = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
-                                             plan={**plan, head: "vocab"})
-    gathered = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
-                                             plan={**plan, head: "colwise"})
-    seq = built(factory)
-    assert strategy.check_model(seq, (T,), grid.shape) == [], (
-        what, strategy.check_model(seq, (T,), grid.shape))
-    ops = strategy.predict_ops(seq, (T,), grid.shape, BATCH)
-    gathered_ops = gathered.predict_ops(seq, (T,), grid.shape, BATCH)
-    assert step_bytes(ops) < step_bytes(gathered_ops), (
-        what, step_bytes(ops), step_bytes(gathered_ops))
-    pmodel = strategy.parallelize(tagged_copy(seq), (T,), grid)
-    assert getattr(pmodel, "layouts", {}).get(head) == "vocab", what
+def vocab_and_gathered(strategy_name: str, plan: dict[str, str],
+                       head: str) -> tuple[Strategy, Strategy]:
+    """The strategy with `plan` and its head split by vocabulary, and the same with the head
+    gathered (`colwise`), to compare the bytes they move."""
+    make = STRATEGIES.get(strategy_name)
+    return (make(bucket_cap_mb=0.004, first_bucket_mb=0.001, plan={**plan, head: "vocab"}),
+            make(bucket_cap_mb=0.004, first_bucket_mb=0.001, plan={**plan, head: "colwise"}))
+
+
+def batch(classes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: token ids, and a class per sequence or a next token per position."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randint(1, VOCAB, (BATCH, T), generator=gen)
     y = (torch.randint(0, classes, (BATCH,), generator=gen) if classes
          else torch.randint(0, VOCAB, (BATCH, T), generator=gen))
+    return x, y
+
+
+def train_alike(what: str, seq: nn.Module, pmodel: ParallelModel, grid: ProcessGrid,
+                x: torch.Tensor, y: torch.Tensor, predicted: Counter[Any]) -> None:
+    """Three SGD steps of one process and of the parallel model: every step's loss the same,
+    each rank's logits a piece of the vocabulary (never gathered), and the bytes rank 0 moves
+    the `predicted` ones."""
     targets = y.numel()
     scale = grid.size / targets
     seq_opt = torch.optim.SGD(seq.parameters(), lr=0.5, momentum=0.9)
     par_opt = torch.optim.SGD(pmodel.parameters(), lr=0.5, momentum=0.9)
     x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
-    predicted = Counter(op.key for op in ops)
-    whole_width = classes or VOCAB
     grid.counter.keep_records = True
     for step in range(3):
         seq_opt.zero_grad()
@@ -93,7 +92,7 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
         logits = pmodel(x_local)
         # every row of the group, a piece of the vocabulary: never gathered
         assert logits.shape[0] == len(x_local), what
-        assert logits.shape[-1] == whole_width // grid.pr, (what, logits.shape)
+        assert logits.shape[-1] == out.shape[-1] // grid.pr, (what, logits.shape)
         score = pmodel.score(logits, y_local)
         (score.loss_sum * scale).backward()
         pmodel.finish_gradient_sync()
@@ -104,9 +103,16 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
         seq_opt.step()
         par_opt.step()
     grid.counter.keep_records = False
-    # the loss and the accuracy of the trained weights, as evaluation scores them
+
+
+def assert_scores_equal(what: str, seq: nn.Module, pmodel: ParallelModel, grid: ProcessGrid,
+                        x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """The loss and the accuracy of the trained weights, as evaluation scores them, equal one
+    process's; the targets scored right, and all of them."""
+    x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
     with torch.no_grad():
-        out = logits_of(seq(x)).reshape(-1, whole_width)
+        out = logits_of(seq(x))
+        out = out.reshape(-1, out.shape[-1])
         seq_loss = F.cross_entropy(out, y.reshape(-1), reduction="sum").item()
         seq_right = (out.argmax(dim=1) == y.reshape(-1)).sum().item()
         score = pmodel.score(pmodel(x_local), y_local, correct=True)
@@ -114,8 +120,30 @@ def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
     loss, right, count = grid.world.mpi_comm.allreduce(
         torch.tensor([score.loss_sum.item(), score.correct.item(), score.count],
                      dtype=torch.float64)).tolist()
-    assert count == targets and right == seq_right, (what, count, right, seq_right)
+    assert count == y.numel() and right == seq_right, (what, count, right, seq_right)
     assert relative_gap(loss, seq_loss) <= TOLERANCE, (what, loss, seq_loss)
+    return right, count
+
+
+def compare(factory: Callable[[], nn.Module], plan: dict[str, str], head: str,
+            strategy_name: str, shape: tuple[int, int], classes: int | None = None) -> None:
+    grid: ProcessGrid | None = GRIDS[shape]
+    if grid is None:
+        return
+    what = f"{factory.__name__} {strategy_name} {shape[0]}x{shape[1]}"
+    strategy, gathered = vocab_and_gathered(strategy_name, plan, head)
+    seq = built(factory)
+    assert strategy.check_model(seq, (T,), grid.shape) == [], (
+        what, strategy.check_model(seq, (T,), grid.shape))
+    ops = strategy.predict_ops(seq, (T,), grid.shape, BATCH)
+    gathered_ops = gathered.predict_ops(seq, (T,), grid.shape, BATCH)
+    assert step_bytes(ops) < step_bytes(gathered_ops), (
+        what, step_bytes(ops), step_bytes(gathered_ops))
+    pmodel = strategy.parallelize(tagged_copy(seq), (T,), grid)
+    assert getattr(pmodel, "layouts", {}).get(head) == "vocab", what
+    x, y = batch(classes)
+    train_alike(what, seq, pmodel, grid, x, y, Counter(op.key for op in ops))
+    right, count = assert_scores_equal(what, seq, pmodel, grid, x, y)
     assert_pieces_equal(seq, pmodel, what)
     if grid.rank == 0:
         print(f"{what}: {step_bytes(ops)} bytes a step as predicted (a gathered head: "

@@ -1,6 +1,5 @@
-"""Tensor parallelism of a GPT (strategies/transformer/tensor_parallel.py) against the sequential
-model, in
-one launch: `mpiexec -n 4 python THIS`.
+"""Tensor parallelism of a GPT (strategies/transformer/tensor_parallel.py) against the
+sequential model, in one launch: `mpiexec -n 4 python THIS`.
 
 - each new communication operator passes the dot-product (adjoint) test; the distributed
   arg-max breaks ties as torch.argmax does;
@@ -16,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from runner.core import Partition, ProcessGrid
 from runner.core.placement import Placement, place_whole, placement_of
-from strategies import STRATEGIES
+from strategies import STRATEGIES, ParallelModel, Strategy
 from strategies.layers.vocab_ops import vocab_argmax, vocab_embedding_sum
 from strategies.transformer.gpt import GPT
 from strategies.transformer.tensor_parallel import GatheredLinear, RowParallelLinear
@@ -106,12 +106,64 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float) -> None:
     assert got.shape == want.shape and err <= tol, f"{what}: {got.shape} {want.shape} err {err}"
 
 
+def assert_moved_as_predicted(what: str, strategy: Strategy, grid: ProcessGrid,
+                              tied: bool) -> None:
+    """Rank 0's collectives in the step just taken: the ones the strategy predicts."""
+    measured = Counter((r.op, r.group, r.group_size, r.nbytes) for r in grid.counter.records)
+    ops = strategy.predict_ops(gpt(tied), (T,), grid.shape, BATCH)
+    predicted = Counter(op.key for op in ops)
+    assert measured == predicted, (f"{what}: measured-only {measured - predicted}, "
+                                   f"predicted-only {predicted - measured}")
+    nbytes = sum(r.nbytes for r in grid.counter.records)
+    print(f"{what}: {nbytes} bytes a step, predicted {sum(op.nbytes for op in ops)}",
+          flush=True)
+
+
+def assert_pieces_are_blocks(what: str, pmodel: ParallelModel,
+                             seq_params: Mapping[str, torch.Tensor], tol: float,
+                             values: bool = True) -> None:
+    """Every piece's gradient (and its value) is the sequential parameter's block its
+    placement names."""
+    for param in pmodel.parameters():
+        place = placement_of(param)
+        assert place is not None and param.grad is not None, what
+        whole = seq_params[place.name]
+        assert whole.grad is not None
+        close(param.grad, block_of(whole, whole.grad, place), f"{what} grad of {place}", tol)
+        if values:
+            close(param.detach(), block_of(whole, whole.detach(), place),
+                  f"{what} {place.name}", tol)
+
+
+def assert_pieces_tile(what: str, pmodel: ParallelModel, seq_params: Mapping[str, torch.Tensor],
+                       grid: ProcessGrid) -> None:
+    """The pieces of every parameter over all ranks tile it (what a checkpoint needs to load on
+    any grid)."""
+    places = {placement_of(p) for p in pmodel.parameters()}
+    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
+    for name, param in seq_params.items():
+        blocks = [p for p in every if p is not None and p.name == name]
+        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
+        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
+
+
+def assert_argmax_counts(what: str, pmodel: ParallelModel, seq: GPT, grid: ProcessGrid,
+                         x: torch.Tensor, y: torch.Tensor) -> None:
+    """On evaluation the arg-max counts the sequential model's, each rank its own rows."""
+    with torch.no_grad():
+        counted_right = pmodel.score(pmodel(x[pmodel.input_rows(BATCH)]),
+                                     y[pmodel.output_rows(BATCH)], correct=True).correct
+        assert counted_right is not None
+        want = int((seq(x).argmax(dim=-1) == y).sum().item())
+    right = grid.world.mpi_comm.allreduce(int(counted_right.item()))
+    assert right == want, (what, right, want)
+
+
 def compare(strategy_name: str, layout: str, tied: bool, shape: tuple[int, int]) -> None:
     grid: ProcessGrid | None = GRID_OF[shape]
     if grid is None:
         return
-    pr, pc, size = grid.pr, grid.pc, grid.size
-    what = f"{strategy_name} {pr}x{pc} {layout} {'tied' if tied else 'untied'}"
+    what = f"{strategy_name} {grid.pr}x{grid.pc} {layout} {'tied' if tied else 'untied'}"
     strategy = STRATEGIES.get(strategy_name)(bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                              tp_layout=layout)
     assert strategy.check(grid.shape, BATCH) == [], what
@@ -122,7 +174,7 @@ def compare(strategy_name: str, layout: str, tied: bool, shape: tuple[int, int])
     gen = torch.Generator().manual_seed(9)
     x = torch.randint(0, VOCAB, (BATCH, T), generator=gen)
     y = torch.randint(0, VOCAB, (BATCH, T), generator=gen)
-    scale = size / (BATCH * T)
+    scale = grid.size / (BATCH * T)
     seq_opt = torch.optim.SGD(seq.parameters(), lr=0.5, momentum=0.9)
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.5, momentum=0.9)
     x_local, y_local = x[pmodel.input_rows(BATCH)], y[pmodel.output_rows(BATCH)]
@@ -136,48 +188,19 @@ def compare(strategy_name: str, layout: str, tied: bool, shape: tuple[int, int])
         score = pmodel.score(pmodel(x_local), y_local)
         (score.loss_sum * scale).backward()
         pmodel.finish_gradient_sync()
-        if step == 0 and grid.rank == 0:  # rank 0's collectives: the predicted ones
-            measured = Counter((r.op, r.group, r.group_size, r.nbytes)
-                               for r in grid.counter.records)
-            ops = strategy.predict_ops(gpt(tied), (T,), grid.shape, BATCH)
-            predicted = Counter(op.key for op in ops)
-            assert measured == predicted, (f"{what}: measured-only {measured - predicted}, "
-                                           f"predicted-only {predicted - measured}")
-            nbytes = sum(r.nbytes for r in grid.counter.records)
-            print(f"{what}: {nbytes} bytes a step, predicted {sum(op.nbytes for op in ops)}",
-                  flush=True)
+        if step == 0 and grid.rank == 0:
+            assert_moved_as_predicted(what, strategy, grid, tied)
         loss = grid.world.mpi_comm.allreduce(score.loss_sum.item()) / (BATCH * T)
         counted = grid.world.mpi_comm.allreduce(score.count)
         assert counted == BATCH * T, (what, counted)
         tol = 1e-10 if step == 0 else 1e-8
         assert abs(loss - seq_loss.item()) <= tol, (what, step, loss, seq_loss.item())
-        for param in pmodel.parameters():
-            place = placement_of(param)
-            assert place is not None and param.grad is not None, what
-            whole = seq_params[place.name]
-            assert whole.grad is not None
-            close(param.grad, block_of(whole, whole.grad, place), f"{what} step {step} grad of "
-                  f"{place}", tol)
-            close(param.detach(), block_of(whole, whole.detach(), place),
-                  f"{what} step {step} {place.name}", tol)
+        assert_pieces_are_blocks(f"{what} step {step}", pmodel, seq_params, tol)
         seq_opt.step()
         opt.step()
     grid.counter.keep_records = False
-    # the pieces of every parameter tile it (what a checkpoint needs to load on any grid)
-    places = {placement_of(p) for p in pmodel.parameters()}
-    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
-    for name, param in seq_params.items():
-        blocks = [p for p in every if p is not None and p.name == name]
-        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
-        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
-    # arg-max counts on evaluation: the sequential model's
-    with torch.no_grad():
-        counted_right = pmodel.score(pmodel(x_local), y_local, correct=True).correct
-        assert counted_right is not None
-        want = int((seq(x).argmax(dim=-1) == y).sum().item())
-    # each rank counts its own rows
-    right = grid.world.mpi_comm.allreduce(int(counted_right.item()))
-    assert right == want, (what, right, want)
+    assert_pieces_tile(what, pmodel, seq_params, grid)
+    assert_argmax_counts(what, pmodel, seq, grid, x, y)
 
 
 @check
@@ -206,13 +229,7 @@ def replicas_without_synchronisation_keep_their_own_gradients() -> None:
     score = pmodel.score(pmodel(x[rows]), y[pmodel.output_rows(BATCH)])
     (score.loss_sum * grid.pr / ((rows.stop - rows.start) * T)).backward()
     pmodel.finish_gradient_sync()
-    seq_params = dict(seq.named_parameters())
-    for param in pmodel.parameters():
-        place = placement_of(param)
-        assert place is not None and param.grad is not None
-        whole = seq_params[place.name]
-        assert whole.grad is not None
-        close(param.grad, block_of(whole, whole.grad, place), f"easgd grad of {place}", 1e-10)
+    assert_pieces_are_blocks("easgd", pmodel, dict(seq.named_parameters()), 1e-10, values=False)
 
 
 if __name__ == "__main__":
