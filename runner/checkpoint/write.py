@@ -210,6 +210,22 @@ def _write_shard(path: Path, payload: dict[str, torch.Tensor]) -> ShardRecord:
     return ShardRecord(writer.size, writer.sha256.hexdigest())
 
 
+def _shard_payload(held: list[tuple[Entry, torch.Tensor]], writer: dict[str, int], rank: int,
+                   progress: TrainingProgress, scalars: dict[Scalar, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """What rank `rank`'s shard file holds: the blocks it writes (`writer`), its random state,
+    and on rank 0 the sampler's state and the one-value optimizer state."""
+    payload = {e.key: t for e, t in held if writer.get(e.key) == rank}
+    payload["rng"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # a run on a GPU: its draws
+        payload["cuda_rng"] = torch.cuda.get_rng_state()
+    if rank == 0:
+        payload["sampler/generator"] = _host_copy(progress.sampler["generator"])
+        payload["sampler/order"] = _host_copy(progress.sampler["order"])
+        payload.update({scalar.key: value for scalar, value in scalars.items()})
+    return payload
+
+
 def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: ParallelModel,
                     optimizer: ReplicaOptimizer, grid: ProcessGrid, run_info: dict[str, Any],
                     keep: int | None = None) -> Path:
@@ -237,14 +253,7 @@ def save_checkpoint(checkpoints: Path, progress: TrainingProgress, model: Parall
         error = _attempt(lambda: _fresh_directory(path))
     _raise_first(grid.world.allgather_object(error), step)
     writer = _writers([entries for entries, _, _ in everyone])
-    payload = {e.key: t for e, t in held if writer.get(e.key) == grid.rank}
-    payload["rng"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # a run on a GPU: its draws
-        payload["cuda_rng"] = torch.cuda.get_rng_state()
-    if grid.rank == 0:
-        payload["sampler/generator"] = _host_copy(progress.sampler["generator"])
-        payload["sampler/order"] = _host_copy(progress.sampler["order"])
-        payload.update({scalar.key: value for scalar, value in scalars.items()})
+    payload = _shard_payload(held, writer, grid.rank, progress, scalars)
     records: list[ShardRecord] = []
     error = _attempt(lambda: records.append(_write_shard(path / shard_file(grid.rank), payload)))
     written = grid.world.allgather_object((error, records[0] if records else None))

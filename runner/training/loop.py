@@ -27,8 +27,8 @@ from runner.config.machine import load_compute_rates, load_machine_costs
 from runner.config.schema import RunConfig
 from runner.core import ProcessGrid
 from runner.core.placement import place_whole
-from runner.cost.collectives import loss_op
-from runner.cost.compute import oversubscription
+from runner.cost.collectives import CommOp, MachineCosts, loss_op
+from runner.cost.compute import ComputeRates, oversubscription
 from runner.records.board import TensorBoardWriter
 from runner.records.console import ProgressReporter, make_console, summary_table
 from runner.records.logs import get_logger
@@ -53,7 +53,8 @@ from runner.training.step import (
 )
 from runner.training.summary import completed_summary, interrupted_summary, sparse_line
 from runner.zoo.datasets import ClassificationData
-from strategies.base import accumulated_ops, predict_step
+from strategies import ParallelModel
+from strategies.base import StepPrediction, accumulated_ops, predict_step
 from strategies.recompute import checkpoint_modules, checkpoint_targets
 
 __all__ = ["StepFailure", "Training", "build_training", "train"]
@@ -238,70 +239,56 @@ def compute_slowdown(grid: ProcessGrid) -> float:
     return oversubscription(local_ranks * threads, cores)
 
 
-def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
-                   device: torch.device | None = None) -> Training:
-    """This rank's run on `device` (cpu when None), ready for its first step (fresh, or resumed
-    from a checkpoint)."""
-    torch.manual_seed(run.seed)  # every rank builds the same initial model
-    device = torch.device("cpu") if device is None else device
-    precision = Precision(run.trainer.precision, device.type)
-    # a GPU run priced with its GPU's calibration, where the calibration holds it
+def _calibration(run: RunConfig, device: torch.device) -> tuple[MachineCosts, ComputeRates]:
+    """The machine's communication costs and compute rates: a GPU run's priced with its GPU's
+    calibration, where the calibration holds it."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    costs = load_machine_costs(device=gpu)
-    rates = load_compute_rates(gpu, run.trainer.precision)
-    parts = assemble(run, costs, rates=rates, slowdown=compute_slowdown(grid))
-    data = load_data(run, parts, device, precision)
-    dtype = dtype_of(run)
-    parts.model.to(device)  # initialised on the host: the same values on every device
-    place_whole(parts.model)  # every shard a strategy makes knows where it sits (checkpoints)
+    return load_machine_costs(device=gpu), load_compute_rates(gpu, run.trainer.precision)
+
+
+def _predictions(run: RunConfig, parts: RunParts, grid: ProcessGrid, precision: Precision
+                 ) -> tuple[list[CommOp] | None, StepPrediction | None, dict[str, int] | None]:
+    """What the planner predicts of a step on this grid: its collectives, its time and rank
+    0's memory. It models synchronous gradient exchange only: no collectives and no time for
+    other optimizers."""
     syncs = parts.optimizer_cls.syncs_gradients
-    # The planner models synchronous gradient exchange only: no prediction for other optimizers.
-    itemsize = torch.empty((), dtype=dtype).element_size()  # host: a dtype's size
+    shape, batch_size = parts.spec.input_shape, run.trainer.batch_size
+    itemsize = torch.empty((), dtype=dtype_of(run)).element_size()  # host: a dtype's size
     with torch.random.fork_rng(devices=[]):  # what is priced leaves the run's draws alone
-        predicted = (accumulated_ops(parts.strategy, parts.model, parts.spec.input_shape,
-                                     grid.shape, run.trainer.batch_size,
-                                     run.trainer.accumulate_steps)
-                     + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
-                     if syncs else None)
-        predicted_step = (predict_step(parts.strategy, parts.model, parts.spec.input_shape,
-                                       grid.shape, run.trainer.batch_size) if syncs else None)
-        predicted_memory = parts.strategy.predict_memory(
-            parts.model, parts.spec.input_shape, grid.shape,
-            parts.optimizer_cls.state_copies(run.optimizer.options))
+        ops = (accumulated_ops(parts.strategy, parts.model, shape, grid.shape, batch_size,
+                               run.trainer.accumulate_steps)
+               + loss_op(grid.size, itemsize, overflow_flag=precision.name == "fp16")
+               if syncs else None)
+        step = (predict_step(parts.strategy, parts.model, shape, grid.shape, batch_size)
+                if syncs else None)
+        memory = parts.strategy.predict_memory(
+            parts.model, shape, grid.shape, parts.optimizer_cls.state_copies(run.optimizer.options))
+    return ops, step, memory
+
+
+def _parallel_model(run: RunConfig, parts: RunParts, grid: ProcessGrid) -> ParallelModel:
+    """The strategy's parallel model of this rank, its modules of
+    `trainer.activation_checkpointing` recomputed in backward (those a strategy rebuilt are
+    named in a warning, and in the model's `recomputed`)."""
     recomputed, problem = checkpoint_targets(parts.model, run.trainer.activation_checkpointing)
     if problem is not None:  # validation refuses it before any rank starts
         raise ValueError(problem)
     by_name = dict(parts.model.named_modules())
     model = parts.strategy.parallelize(parts.model, parts.spec.input_shape, grid,
-                                       sync_replica_gradients=syncs)
+                                       sync_replica_gradients=parts.optimizer_cls.syncs_gradients)
     wrapped, rebuilt = checkpoint_modules(model, {name: by_name[name] for name in recomputed})
     if rebuilt:
         get_logger().warning("trainer.activation_checkpointing: %s rebuilt by strategy=%s, "
                              "not recomputed", ", ".join(rebuilt), run.strategy.name)
     model.recomputed = {"modules": wrapped, "rebuilt": rebuilt} if recomputed else None
-    optimizer, start = start_or_resume(
-        run.trainer.resume, run.trainer.steps, run_dir, grid, model, parts.optimizer_cls,
-        lambda: parts.optimizer_cls(model, grid=grid, total_steps=run.trainer.steps,
-                                    **run.optimizer.options))
-    sampler = EpochSampler(parts.spec.train_size, run.trainer.batch_size, run.seed)
-    if start.sampler_state is not None:
-        sampler.load_state(start.sampler_state)
-    loss_comm = model.loss_comm
-    get_logger().info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)",
-                      grid, sum(p.numel() for p in model.parameters()), run.dataset.name,
-                      parts.spec.train_size, parts.spec.val_size)
-    scaler = precision.loss_scale()
-    if scaler is not None and start.loss_scale is not None:  # a checkpoint of an fp16 run
-        scaler.load_state(start.loss_scale)
-    training = Training(
-        run=run, run_dir=run_dir, grid=grid, model=model, optimizer=optimizer, start=start,
-        loss_comm=loss_comm, predicted_ops=predicted, predicted_step=predicted_step, costs=costs,
-        device=device, precision=precision, scaler=scaler,
-        targets_per_sample=math.prod(parts.spec.target_shape), data=data, sampler=sampler,
-        state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path),
-        predicted_memory=predicted_memory,
-        meter=SavedTensorMeter(model.parameters()))
-    model.outer_saved_hooks = (training.meter.pack, training.meter.unpack)
+    return model
+
+
+def _attach_records(training: Training) -> None:
+    """What records the run: the activation meter's hooks, rank 0's metrics.jsonl (and
+    TensorBoard), and what each checkpoint records of the run."""
+    run, run_dir, grid, start = training.run, training.run_dir, training.grid, training.start
+    training.model.outer_saved_hooks = (training.meter.pack, training.meter.unpack)
     if grid.rank == 0:
         training.sinks.append(MetricsWriter(
             run_dir.metrics, continue_after=start.step if start.continues_here else None))
@@ -310,7 +297,129 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     training.run_info = {"config": OmegaConf.to_container(OmegaConf.load(run_dir.config)),
                          "strategy": run.strategy.name, "optimizer": run.optimizer.name,
                          "git_commit": git_commit() if grid.rank == 0 else None}
+
+
+def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
+                   device: torch.device | None = None) -> Training:
+    """This rank's run on `device` (cpu when None), ready for its first step (fresh, or resumed
+    from a checkpoint)."""
+    torch.manual_seed(run.seed)  # every rank builds the same initial model
+    device = torch.device("cpu") if device is None else device
+    precision = Precision(run.trainer.precision, device.type)
+    costs, rates = _calibration(run, device)
+    parts = assemble(run, costs, rates=rates, slowdown=compute_slowdown(grid))
+    data = load_data(run, parts, device, precision)
+    parts.model.to(device)  # initialised on the host: the same values on every device
+    place_whole(parts.model)  # every shard a strategy makes knows where it sits (checkpoints)
+    predicted, predicted_step, predicted_memory = _predictions(run, parts, grid, precision)
+    model = _parallel_model(run, parts, grid)
+    optimizer, start = start_or_resume(
+        run.trainer.resume, run.trainer.steps, run_dir, grid, model, parts.optimizer_cls,
+        lambda: parts.optimizer_cls(model, grid=grid, total_steps=run.trainer.steps,
+                                    **run.optimizer.options))
+    sampler = EpochSampler(parts.spec.train_size, run.trainer.batch_size, run.seed)
+    if start.sampler_state is not None:
+        sampler.load_state(start.sampler_state)
+    get_logger().info("grid %s, model %d parameters on this rank, dataset %s (%d train, %d val)",
+                      grid, sum(p.numel() for p in model.parameters()), run.dataset.name,
+                      parts.spec.train_size, parts.spec.val_size)
+    scaler = precision.loss_scale()
+    if scaler is not None and start.loss_scale is not None:  # a checkpoint of an fp16 run
+        scaler.load_state(start.loss_scale)
+    training = Training(
+        run=run, run_dir=run_dir, grid=grid, model=model, optimizer=optimizer, start=start,
+        loss_comm=model.loss_comm, predicted_ops=predicted, predicted_step=predicted_step,
+        costs=costs, device=device, precision=precision, scaler=scaler,
+        targets_per_sample=math.prod(parts.spec.target_shape), data=data, sampler=sampler,
+        state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path),
+        predicted_memory=predicted_memory, meter=SavedTensorMeter(model.parameters()))
+    _attach_records(training)
     return training
+
+
+def _set_up_rank(run: RunConfig, grid: ProcessGrid) -> None:
+    """The rank's settings from `debug` (communication isolation, the watchdog's deadline
+    floor), and a file-size limit (ulimit -f) made to fail the write with EFBIG, which is
+    reported, instead of killing the rank without a word."""
+    grid.counter.isolate = run.debug.isolate_comm
+    if run.debug.deadline_floor_s is not None:
+        grid.counter.pace.floor_s = run.debug.deadline_floor_s
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def _train_one_step(t: Training, step: int, stop: StopRequest, progress: ProgressReporter,
+                    device_times: DeviceStepTimes) -> tuple[torch.Tensor | None, bool]:
+    """Step `step`, timed and logged: its loss where the step left it on the device unread
+    (None where it was read), and whether the step carries a stop request."""
+    grid, trainer, state = t.grid, t.run.trainer, t.state
+    meets = t.optimizer.meets_replicas(step - 1)
+    # asynchronous replicas never wait for each other in a step: each step is a round
+    grid.counter.pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
+    # a step that reads its loss waits for the device anyway: its communication seconds are
+    # read whole; another's as far as the device has reported them
+    reads = t.reads_loss(step)
+    began, before = time.perf_counter(), grid.counter.snapshot(wait=reads)
+    device_times.begin(len(state.history.seconds))
+    # activation memory is measured on the first step and the logged ones (the hooks cost a
+    # few microseconds per saved tensor: a quarter of a small MLP's step)
+    measured = (step == t.start.step + 1 or step % trainer.log_every == 0
+                or step == trainer.steps)
+    loss, stopping = train_step(t, t.batch(), step, t.loss_comm if meets else grid.model,
+                                t.stop_request(stop.requested, meets),
+                                meter=t.meter if measured else None, read_loss=reads,
+                                device_times=device_times)
+    unread: torch.Tensor | None = None  # the loss, left on the device
+    if isinstance(loss, torch.Tensor):
+        unread = loss
+    else:
+        state.loss = loss
+    seconds = time.perf_counter() - began
+    if reads:  # the device's own times of this step and the unread ones before it
+        seconds = device_times.resolve(state.history).get(len(state.history.seconds), seconds)
+    t.log_step(step, state.loss if unread is None else None, seconds,
+               grid.counter.since(before, wait=reads), progress,
+               replica_loss=not meets and grid.pc > 1)
+    return unread, stopping
+
+
+def _stops_here(t: Training, step: int, stopping: bool, stop: StopRequest,
+                unread: torch.Tensor | None) -> bool:
+    """At a checkpoint step, the last step or a step that carries a stop, the ranks meet
+    (collective): whether any of them stops. A checkpoint due on this step is then written."""
+    every, pace = t.run.trainer.checkpoint_every, t.grid.counter.pace
+    at_end = step == t.run.trainer.steps
+    due = every is not None and step % every == 0 and not at_end
+    if not (stopping or due or at_end):
+        return False
+    pace.begin("a stop check", step)  # asynchronous replicas meet here
+    if t.anyone_stopping(stopping or stop.requested, step, unread):  # a held request too
+        return True
+    if due:
+        pace.begin("a checkpoint", step)
+        t.checkpoint(step)
+    return False
+
+
+def _evaluate_when_due(t: Training, step: int, progress: ProgressReporter) -> None:
+    """Evaluate on the steps of `trainer.eval_every` and on the last step."""
+    at_end, eval_every = step == t.run.trainer.steps, t.run.trainer.eval_every
+    if at_end or (eval_every is not None and step % eval_every == 0):
+        t.grid.counter.pace.begin("evaluation", step)
+        t.evaluate(step, at_end, progress)
+
+
+def _completed(t: Training, started: float) -> dict[str, Any]:
+    """The summary of a run that trained every step (collective: every rank's rates and
+    devices); rank 0 writes it and prints its table."""
+    state, world = t.state, t.grid.world
+    rates = world.allgather_object(len(state.history.seconds) / state.history.total_s)
+    devices = world.allgather_object(describe_device(t.device))
+    summary = completed_summary(t, state, rates, devices, time.perf_counter() - started)
+    if t.grid.rank == 0:
+        write_json(t.run_dir.summary, summary)
+        make_console().print(summary_table(summary))
+    get_logger().info("done: final loss %.6f, wall %.2fs", state.loss, summary["wall_time_s"])
+    return summary
 
 
 def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
@@ -318,16 +427,10 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     """Train `run` as this rank of `grid` on `device` (cpu when None); returns the summary
     (rank 0 also writes it)."""
     started = time.perf_counter()
-    grid.counter.isolate = run.debug.isolate_comm
-    if run.debug.deadline_floor_s is not None:
-        grid.counter.pace.floor_s = run.debug.deadline_floor_s
-    # A file-size limit (ulimit -f) then fails the write with EFBIG, which is reported, instead
-    # of killing the rank without a word.
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _set_up_rank(run, grid)
     t = build_training(run, run_dir, grid, device)
     start_up_done()  # torch's, the model's and the data's objects: out of later collections
-    state, trainer = t.state, run.trainer
-    steps, every, eval_every = trainer.steps, trainer.checkpoint_every, trainer.eval_every
+    state, steps = t.state, run.trainer.steps
     stopped_by = None
     title = f"{run.strategy.name} {grid.pr}x{grid.pc}"
     pace = grid.counter.pace  # what the watchdog's deadlines derive from
@@ -335,48 +438,12 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     with StopRequest() as stop, ProgressReporter(grid.rank == 0, steps, title) as progress:
         for step in range(t.start.step + 1, steps + 1):
             state.step = step
-            meets = t.optimizer.meets_replicas(step - 1)
-            # asynchronous replicas never wait for each other in a step: each step is a round
-            pace.begin_step(step, ends_round=meets or t.optimizer.asynchronous)
-            # a step that reads its loss waits for the device anyway: its communication
-            # seconds are read whole; another's as far as the device has reported them
-            reads = t.reads_loss(step)
-            began, before = time.perf_counter(), grid.counter.snapshot(wait=reads)
-            device_times.begin(len(state.history.seconds))
-            # activation memory is measured on the first step and the logged ones (the hooks
-            # cost a few microseconds per saved tensor: a quarter of a small MLP's step)
-            measured = (step == t.start.step + 1 or step % trainer.log_every == 0
-                        or step == steps)
-            loss, stopping = train_step(t, t.batch(), step, t.loss_comm if meets else grid.model,
-                                        t.stop_request(stop.requested, meets),
-                                        t.meter if measured else None, reads, device_times)
-            unread: torch.Tensor | None = None  # the loss, left on the device
-            if isinstance(loss, torch.Tensor):
-                unread = loss
-            else:
-                state.loss = loss
-            seconds = time.perf_counter() - began
-            if reads:  # the device's own times of this step and the unread ones before it
-                seconds = device_times.resolve(state.history).get(len(state.history.seconds),
-                                                                  seconds)
-            t.log_step(step, state.loss if unread is None else None, seconds,
-                       grid.counter.since(before, wait=reads), progress,
-                       replica_loss=not meets and grid.pc > 1)
-            at_end = step == steps
-            due = every is not None and step % every == 0 and not at_end
-            if stopping or due or at_end:
-                pace.begin("a stop check", step)  # asynchronous replicas meet here
-                held = stopping or stop.requested  # a held request too
-                if t.anyone_stopping(held, step, unread):
-                    stopped_by = stop.signal_name or "a signal to another rank"
-                    break
-                if due:
-                    pace.begin("a checkpoint", step)
-                    t.checkpoint(step)
-            if at_end or (eval_every is not None and step % eval_every == 0):
-                pace.begin("evaluation", step)
-                t.evaluate(step, at_end, progress)
-        if stopped_by is not None or every:
+            unread, stopping = _train_one_step(t, step, stop, progress, device_times)
+            if _stops_here(t, step, stopping, stop, unread):
+                stopped_by = stop.signal_name or "a signal to another rank"
+                break
+            _evaluate_when_due(t, step, progress)
+        if stopped_by is not None or run.trainer.checkpoint_every:
             pace.begin("a checkpoint", state.step)
             t.checkpoint(state.step)
     pace.begin("the end of training", state.step)
@@ -384,11 +451,4 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     t.close()
     if stopped_by is not None:
         return interrupted_summary(t, state, stopped_by)
-    rates = grid.world.allgather_object(len(state.history.seconds) / state.history.total_s)
-    devices = grid.world.allgather_object(describe_device(t.device))
-    summary = completed_summary(t, state, rates, devices, time.perf_counter() - started)
-    if grid.rank == 0:
-        write_json(run_dir.summary, summary)
-        make_console().print(summary_table(summary))
-    get_logger().info("done: final loss %.6f, wall %.2fs", state.loss, summary["wall_time_s"])
-    return summary
+    return _completed(t, started)

@@ -149,7 +149,7 @@ def forward_backward_step(setup: RunSetup, feeds: Sequence[Feed], step: int,
 
 
 def train_step(setup: RunSetup, feeds: Sequence[Feed], step: int, loss_comm: CountedComm,
-               stop_requested: bool, meter: SavedTensorMeter | None = None,
+               stop_requested: bool, *, meter: SavedTensorMeter | None = None,
                read_loss: bool = True, device_times: DeviceStepTimes | None = None
                ) -> tuple[float | torch.Tensor, bool]:
     """Step `step` (1-based): the gradients of its micro-batches, then the replica optimizer's

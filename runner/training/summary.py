@@ -56,16 +56,10 @@ def interrupted_summary(setup: RunSetup, state: TrainingState,
     return summary
 
 
-def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
-                      devices: list[str], wall: float) -> dict[str, Any]:
-    """`summary.json` of a run that trained every step: `rates` (steps per second) and
-    `devices` are every rank's, `wall` the seconds since the rank began."""
-    run, grid, model, costs = setup.run, setup.grid, setup.model, setup.costs
-    history, evaluation, start = state.history, state.evaluation, setup.start
-    predicted_ops, predicted_step = setup.predicted_ops, setup.predicted_step
-    tokens = setup.targets_per_sample  # a language model's sequence length; 1: a classifier
-    median_step = statistics.median(history.seconds)
-    summary: dict[str, Any] = {
+def _outcome(setup: RunSetup, state: TrainingState) -> dict[str, Any]:
+    """What ran and what it reached: the run's names, its final loss and its evaluation."""
+    run, grid, evaluation = setup.run, setup.grid, state.evaluation
+    return {
         "status": "completed",
         "strategy": run.strategy.name,
         "optimizer": run.optimizer.name,
@@ -81,28 +75,49 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
         # with a centre variable: val_* are the centre's, workers_val_* the replicas' mean
         "workers_val_loss": evaluation.get("workers_loss") if evaluation else None,
         "workers_val_accuracy": evaluation.get("workers_accuracy") if evaluation else None,
+    }
+
+
+def _timing(setup: RunSetup, state: TrainingState, wall: float,
+            median_step: float) -> dict[str, Any]:
+    """The step times measured and predicted, and the throughput of the median step."""
+    seconds, predicted = state.history.seconds, setup.predicted_step
+    batch_size = setup.run.trainer.batch_size
+    tokens = setup.targets_per_sample  # a language model's sequence length; 1: a classifier
+    return {
         "wall_time_s": wall,
-        "mean_step_time_s": statistics.fmean(history.seconds),
+        "mean_step_time_s": statistics.fmean(seconds),
         "median_step_time_s": median_step,
-        "predicted_step_time_s": (predicted_step.total_s if predicted_step is not None
-                                  else None),
-        "predicted_compute_time_s": (predicted_step.compute_s if predicted_step is not None
-                                     else None),
+        "predicted_step_time_s": predicted.total_s if predicted is not None else None,
+        "predicted_compute_time_s": predicted.compute_s if predicted is not None else None,
         # the part of the measured communication time that is waiting for peers sharing cores
-        "predicted_wait_time_s": (predicted_step.wait_s if predicted_step is not None
-                                  else None),
-        "samples_per_s": run.trainer.batch_size / median_step,
+        "predicted_wait_time_s": predicted.wait_s if predicted is not None else None,
+        "samples_per_s": batch_size / median_step,
         # a language model's targets per second (batch × sequence length); None for a classifier
-        "tokens_per_s": (run.trainer.batch_size * tokens / median_step if tokens > 1 else None),
+        "tokens_per_s": batch_size * tokens / median_step if tokens > 1 else None,
+    }
+
+
+def _communication(setup: RunSetup, state: TrainingState,
+                   rates: list[float]) -> dict[str, Any]:
+    """The bytes and seconds of a step's communication, measured and predicted, and every
+    rank's steps per second."""
+    history, costs, ops = state.history, setup.costs, setup.predicted_ops
+    return {
         "comm_bytes_per_step": statistics.fmean(history.comm_bytes),
-        "predicted_comm_bytes_per_step": (step_bytes(predicted_ops)
-                                          if predicted_ops is not None else None),
+        "predicted_comm_bytes_per_step": step_bytes(ops) if ops is not None else None,
         "comm_time_s_per_step": statistics.fmean(history.comm_seconds),
-        "predicted_comm_time_s_per_step": (comm_seconds(predicted_ops, costs)
-                                           if predicted_ops is not None else None),
+        "predicted_comm_time_s_per_step": comm_seconds(ops, costs) if ops is not None else None,
         "alpha_beta": {"alpha": costs.alpha, "beta": costs.beta, "source": costs.source},
         "comm_time_share": sum(history.comm_seconds) / history.total_s,
         "steps_per_s_by_rank": rates,
+    }
+
+
+def _model_layout(setup: RunSetup, state: TrainingState) -> dict[str, Any]:
+    """How the strategy laid the model out, and the memory it holds."""
+    model = setup.model
+    return {
         "sparse_exchange": model.exchange_report() or None,
         "layouts": getattr(model, "layouts", None),
         # a parallel plan by module name: the attention attributes it divided
@@ -117,19 +132,40 @@ def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
         "memory_per_rank": held_memory(model, setup.optimizer),
         "predicted_memory_per_rank": setup.predicted_memory,
         # the most bytes of tensors kept for backward at once in a step, rank 0's largest
-        "activation_bytes_peak": max(history.activation_bytes, default=None),
-        "accumulate_steps": run.trainer.accumulate_steps,
+        "activation_bytes_peak": max(state.history.activation_bytes, default=None),
+        "accumulate_steps": setup.run.trainer.accumulate_steps,
         # trainer.activation_checkpointing: the modules recomputed, and those a strategy rebuilt
         "activation_checkpointing": getattr(model, "recomputed", None),
-        "seed": run.seed,
+    }
+
+
+def _provenance(setup: RunSetup, state: TrainingState) -> dict[str, Any]:
+    """What repeats the run: its seed, the code's versions, where it began and where it left
+    its checkpoint."""
+    start = setup.start
+    return {
+        "seed": setup.run.seed,
         "versions": versions(),
-        "git_commit": git_commit() if grid.rank == 0 else None,
+        "git_commit": git_commit() if setup.grid.rank == 0 else None,
         "run_dir": str(setup.run_dir.path),
         "resumed_from": ({"checkpoint": str(start.checkpoint_path), "step": start.step}
                          if start.checkpoint is not None else None),
         "checkpoint": (str(state.last_checkpoint) if state.last_checkpoint is not None
                        else None),
     }
+
+
+def completed_summary(setup: RunSetup, state: TrainingState, rates: list[float],
+                      devices: list[str], wall: float) -> dict[str, Any]:
+    """`summary.json` of a run that trained every step: `rates` (steps per second) and
+    `devices` are every rank's, `wall` the seconds since the rank began."""
+    run, grid = setup.run, setup.grid
+    median_step = statistics.median(state.history.seconds)
+    summary: dict[str, Any] = {**_outcome(setup, state),
+                               **_timing(setup, state, wall, median_step),
+                               **_communication(setup, state, rates),
+                               **_model_layout(setup, state),
+                               **_provenance(setup, state)}
     summary["objective"] = {"name": run.objective, "direction": OBJECTIVES[run.objective],
                             "value": summary[run.objective]}
     logged_loss = setup.optimizer.logged_loss() if grid.pc > 1 else "global batch"
