@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,12 +30,14 @@ from runner.cli.compose import (
     register_configs,
     with_target_groups,
 )
-from runner.config.schema import PlanConfig, Plugin
+from runner.config.schema import PlanConfig, Plugin, RunConfig
 from runner.records.console import make_console, print_error
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from runner.plan.planner import Plan
-    from strategies import Strategy
+    from strategies import PricingContext, Strategy
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -381,44 +383,61 @@ def _unwritable_file(path: Path) -> str | None:
     return None
 
 
-def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) -> Plan:
-    """The plan for a composed config (no MPI: the model is built on the meta device), over
-    `world` ranks (`plan.world` by default)."""
-    from runner.config.machine import load_compute_rates, load_machine_costs, pricing_device
-    from runner.config.schema import parse
-    from runner.plan.planner import make_plan
-    from runner.training import assembly
-    from runner.training.precision import HALF_TYPES
-    from strategies import PricingContext
-    from strategies.exchange.sparse_gradients import SPARSE_CHOICES, sparse_tables
-    from strategies.transformer.gpt import is_gpt
+@dataclasses.dataclass(frozen=True)
+class PlannedModel:
+    """The model a plan prices, built on the meta device, and what its dataset tells of it."""
 
-    run = parse(cfg)
-    assembly.import_plugins(run)  # a model the user's `plugins` modules register
-    world, batch = world or plan_cfg.world, run.trainer.batch_size
-    if world < 1 or batch < 1:
-        raise ValueError(f"plan.world={world} and trainer.batch_size={batch} must be >= 1")
-    steps_per_epoch = rows_touched = None
+    model: nn.Module
+    sample_shape: tuple[int, ...]
+    steps_per_epoch: int | None  # None: a model described by its own shapes, no dataset
+    rows_touched: Callable[[int], float] | None  # of an embedding table (None: no token data)
+
+
+def planned_model(run: RunConfig, batch: int) -> PlannedModel:
+    """The run's model on the meta device: from its dataset's shapes, or from its own
+    (`model.sample_shape` and `model.classes`, as alexnet's config gives them)."""
+    from runner.training import assembly
+
     dtype = assembly.dtype_of(run)
-    if "sample_shape" in run.model.options:  # a model described by its own shapes (alexnet)
+    if "sample_shape" in run.model.options:
         sample_shape = tuple(int(d) for d in run.model.options["sample_shape"])
         classes = int(run.model.options["classes"])
         model = assembly.build_model(run.model, sample_shape, classes, {}, dtype, "meta")
-    else:
-        dataset = assembly.build_dataset(run.dataset, assembly.objective_of(run.model))
-        spec = dataset.spec()
-        sample_shape = tuple(spec.input_shape)
-        steps_per_epoch = spec.train_size // batch
-        rows_touched = assembly.rows_touched(dataset)
-        model = assembly.model_for(run.model, spec, dtype, "meta")
-    # a run on a GPU is priced with that GPU's calibration, where there is one
-    device = pricing_device(run.trainer.device)
+        return PlannedModel(model, sample_shape, None, None)
+    dataset = assembly.build_dataset(run.dataset, assembly.objective_of(run.model))
+    spec = dataset.spec()
+    rows_touched = assembly.rows_touched(dataset)
+    return PlannedModel(assembly.model_for(run.model, spec, dtype, "meta"),
+                        tuple(spec.input_shape), spec.train_size // batch, rows_touched)
+
+
+def plan_pricing(run: RunConfig, plan_cfg: PlanConfig,
+                 rows_touched: Callable[[int], float] | None) -> PricingContext:
+    """What the strategies price with: `plan.alpha`/`plan.beta` or this machine's calibration
+    (a run on a GPU priced with that GPU's, where there is one), and the run's settings."""
+    from runner.config.machine import load_compute_rates, load_machine_costs, pricing_device
+    from runner.training import assembly
+    from runner.training.precision import HALF_TYPES
+    from strategies import PricingContext
+
+    trainer = run.trainer
+    device = pricing_device(trainer.device)
     costs = load_machine_costs(plan_cfg.alpha, plan_cfg.beta, device=device)
-    pricing = PricingContext(costs, rows_touched, HALF_TYPES.get(run.trainer.precision),
-                             load_compute_rates(device, run.trainer.precision), batch,
-                             plan_cfg.slowdown,
-                             assembly.optimizer_kind(run.optimizer),
-                             run.trainer.accumulate_steps, run.trainer.activation_checkpointing)
+    return PricingContext(costs, rows_touched, HALF_TYPES.get(trainer.precision),
+                          load_compute_rates(device, trainer.precision), trainer.batch_size,
+                          plan_cfg.slowdown, assembly.optimizer_kind(run.optimizer),
+                          trainer.accumulate_steps, trainer.activation_checkpointing)
+
+
+def planned_strategies(run: RunConfig, plan_cfg: PlanConfig, pricing: PricingContext,
+                       model: nn.Module) -> dict[str, Strategy]:
+    """The plan's strategies by row name: `plan.strategies`, the configured one with its
+    options and the others with their defaults; one row per variant where the choice is the
+    plan's to show (sparse exchange modes of a model with embedding tables, a transformer's
+    tensor-parallel layouts and key/value exchanges, FSDP's stages)."""
+    from runner.training import assembly
+    from strategies.exchange.sparse_gradients import SPARSE_CHOICES, sparse_tables
+    from strategies.transformer.gpt import is_gpt
 
     def strategy(name: str, options: Mapping[str, Any]) -> Strategy:
         return assembly.build_strategy(Plugin(name, options), pricing)
@@ -449,9 +468,28 @@ def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) 
             strategies[f"fsdp stage={stage}"] = strategy("fsdp",
                                                          {**configured("fsdp"), "stage": stage})
         del strategies["fsdp"]
+    return strategies
+
+
+def build_plan(cfg: DictConfig, plan_cfg: PlanConfig, world: int | None = None) -> Plan:
+    """The plan for a composed config (no MPI: the model is built on the meta device), over
+    `world` ranks (`plan.world` by default)."""
+    from runner.config.schema import parse
+    from runner.plan.planner import make_plan
+    from runner.training import assembly
+
+    run = parse(cfg)
+    assembly.import_plugins(run)  # a model the user's `plugins` modules register
+    world, batch = world or plan_cfg.world, run.trainer.batch_size
+    if world < 1 or batch < 1:
+        raise ValueError(f"plan.world={world} and trainer.batch_size={batch} must be >= 1")
+    planned = planned_model(run, batch)
+    pricing = plan_pricing(run, plan_cfg, planned.rows_touched)
+    strategies = planned_strategies(run, plan_cfg, pricing, planned.model)
     copies = assembly.optimizer_class(run.optimizer).state_copies(run.optimizer.options)
-    return make_plan(model, sample_shape, batch, world, strategies, costs, steps_per_epoch,
-                     copies)
+    return make_plan(planned.model, planned.sample_shape, batch, world, strategies,
+                     pricing.costs, steps_per_epoch=planned.steps_per_epoch,
+                     state_copies=copies)
 
 
 # Hydra's flags that take the next word as their value (`--info` only a word of its choices).

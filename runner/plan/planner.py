@@ -69,7 +69,7 @@ def factorisations(world: int) -> list[tuple[int, int]]:
 
 
 def make_plan(model: nn.Module, sample_shape: tuple[int, ...], batch: int, world: int,
-              strategies: dict[str, Strategy], costs: MachineCosts,
+              strategies: dict[str, Strategy], costs: MachineCosts, *,
               steps_per_epoch: int | None = None, state_copies: int = 0) -> Plan:
     """Every strategy at every factorisation of `world`, predicted; `state_copies`: the
     optimizer's parameter-shaped tensors of state per parameter (for the memory per rank)."""
