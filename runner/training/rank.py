@@ -67,6 +67,9 @@ from runner.training.supervisor import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
+    from runner.config.schema import RunConfig
     from runner.core import CommWatchdog, ProcessGrid
     from runner.core.watchdog import CommProgress
 
@@ -302,34 +305,50 @@ def run_rank(run_dir: Path, mpi_comm: Any | None) -> int:
         return _train_rank(directory, rank, mpi_comm, log)
 
 
+def _join_grid(run: RunConfig, directory: RunDir, rank: int,
+               mpi_comm: Any | None) -> tuple[ProcessGrid, torch.device]:
+    """This rank's place in the run's grid (collective over the job), and its device."""
+    from runner.core import Backend, ProcessGrid
+    from runner.core.torchdist import init_torch_distributed
+    from runner.training.devices import device_paths, place_rank
+
+    _set_threads(run.trainer.threads, mpi_comm)
+    # An earlier run's record is not this rank's progress (the grid's set-up below is
+    # collective: no peer reads before every rank has removed its own).
+    _forget_progress(directory, rank)
+    placement = place_rank(run.trainer.device, mpi_comm)  # before any NCCL group
+    if run.comm.backend == "torch":  # collective over the job; nothing for one process
+        init_torch_distributed(mpi_comm, timeout_s=run.trainer.comm_timeout_s)
+    backend: Backend = "torch" if run.comm.backend == "torch" else "mpi"  # validated
+    grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm, backend=backend,
+                       devices=device_paths(run, placement, mpi_comm))
+    return grid, placement.device
+
+
+def _train_watched(run: RunConfig, directory: RunDir, grid: ProcessGrid, device: torch.device,
+                   mpi_comm: Any | None) -> None:
+    """Train, this rank's collectives watched for a peer that never arrives."""
+    from runner.training.loop import train
+
+    watchdog = _start_watchdog(run.trainer.comm_timeout_s, grid, directory, mpi_comm)
+    try:
+        train(run, directory, grid, device)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+            _forget_progress(directory, grid.rank)
+
+
 def _train_rank(directory: RunDir, rank: int, mpi_comm: Any | None, log: Any) -> int:
     from runner.config.schema import load_run_config
-    from runner.core import Backend, ProcessGrid
-    from runner.core.torchdist import init_torch_distributed, shutdown_torch_distributed
-    from runner.training.devices import device_paths, place_rank
-    from runner.training.loop import train
+    from runner.core.torchdist import shutdown_torch_distributed
     from runner.training.step import StepFailure
 
-    grid: ProcessGrid | None = None
+    grid: ProcessGrid | None = None  # None: the failure is the start-up's
     try:
         run = load_run_config(directory.config)
-        _set_threads(run.trainer.threads, mpi_comm)
-        # An earlier run's record is not this rank's progress (the grid's set-up below is
-        # collective: no peer reads before every rank has removed its own).
-        _forget_progress(directory, rank)
-        placement = place_rank(run.trainer.device, mpi_comm)  # before any NCCL group
-        if run.comm.backend == "torch":  # collective over the job; nothing for one process
-            init_torch_distributed(mpi_comm, timeout_s=run.trainer.comm_timeout_s)
-        backend: Backend = "torch" if run.comm.backend == "torch" else "mpi"  # validated
-        grid = ProcessGrid(run.grid.pr, run.grid.pc, mpi_comm, backend=backend,
-                           devices=device_paths(run, placement, mpi_comm))
-        watchdog = _start_watchdog(run.trainer.comm_timeout_s, grid, directory, mpi_comm)
-        try:
-            train(run, directory, grid, placement.device)
-        finally:
-            if watchdog is not None:
-                watchdog.stop()
-                _forget_progress(directory, rank)
+        grid, device = _join_grid(run, directory, rank, mpi_comm)
+        _train_watched(run, directory, grid, device, mpi_comm)
         # Not in a `finally`: its barrier would hold a rank that failed alone from its Abort.
         shutdown_torch_distributed()  # every rank gets here; nothing under mpi
         return 0
