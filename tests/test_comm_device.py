@@ -13,13 +13,8 @@ import torch
 
 from runner.core import CommCounter, CommWatchdog, CountedComm
 from runner.core import comm as comm_module
-from runner.core.torchdist import (
-    NO_TIMEOUT,
-    cut_blocks,
-    pad_blocks,
-    padding_pays,
-    process_group_timeout,
-)
+from runner.core.torch_transport import cut_blocks, pad_blocks, padding_pays
+from runner.core.torchdist import NO_TIMEOUT, process_group_timeout
 
 
 class FakeMark:

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runner.core import CommCounter, CommWatchdog, CountedComm, torchdist
+from runner.core import CommCounter, CommWatchdog, CountedComm, torch_transport, torchdist
 from runner.core.staging import StagedTransport
 from runner.training.devices import place_rank
 from strategies.layers.whole_batch import RandomDrawError, RowDraws, forward_key
@@ -283,7 +283,7 @@ def test_a_cpu_run_on_a_gpu_machine_makes_no_cuda_context() -> None:
     code = (
         "import torch\n"
         "from runner.core.staging import StagedTransport\n"
-        "from runner.core.torchdist import LocalTransport\n"
+        "from runner.core.torch_transport import LocalTransport\n"
         "from runner.training.devices import place_rank\n"
         "assert place_rank('cpu', None).device.type == 'cpu'\n"
         "staged = StagedTransport(LocalTransport(), force=True)\n"
@@ -512,7 +512,7 @@ def test_on_one_gpu_a_one_rank_nccl_group_takes_the_native_calls() -> None:
     torchdist._session = torchdist._Session(0, 1, None, dist.HashStore(),
                                             torchdist.process_group_timeout(60), False)
     try:
-        transport = torchdist.TorchTransport([0], ("cpu", "cuda"))
+        transport = torch_transport.TorchTransport([0], ("cpu", "cuda"))
         assert type(transport.groups.backends["cuda"]).__name__ == "ProcessGroupNCCL"
         counter = CommCounter(keep_records=True)
         comm = CountedComm(None, counter, "world", transport)

@@ -18,7 +18,7 @@ from runner.cli.app import precheck
 from runner.config.schema import parse
 from runner.core import CommCounter, CountedComm, DevicePaths, ProcessGrid
 from runner.core.staging import HostBufferPool, StagedTransport
-from runner.core.torchdist import LocalTransport
+from runner.core.torch_transport import LocalTransport
 from runner.cost.collectives import MachineCosts
 from runner.records.rundir import RunDir, release_run_dirs
 from runner.training.precision import DynamicLossScale, Precision

@@ -1,8 +1,8 @@
 """The distributed-tensor core: process grid, partitions, counted communication.
 
 Knows nothing of Hydra, configs, strategies or training (see docs/design.md, "Layout").
-Communication goes through mpi4py or torch.distributed (`runner.core.torchdist`, imported only
-by a grid with backend "torch").
+Communication goes through mpi4py (`runner.core.mpi_transport`) or torch.distributed
+(`runner.core.torch_transport`, imported only by a grid with backend "torch").
 """
 
 from runner.core.cartesian import (
@@ -14,8 +14,9 @@ from runner.core.cartesian import (
     redistribute_recv_bytes,
     redistribute_send_bytes,
 )
-from runner.core.comm import BACKENDS, Backend, CommCounter, CommRecord, CountedComm, PendingOp
+from runner.core.comm import CommCounter, CommRecord, CountedComm, PendingOp
 from runner.core.grid import DevicePaths, GridShape, ProcessGrid
+from runner.core.mpi_transport import BACKENDS, Backend
 from runner.core.partition import Partition, balanced_sizes, balanced_slice
 from runner.core.watchdog import CommWatchdog, describe_timeout
 

@@ -23,13 +23,14 @@ at once; the seconds (the time the stream was held) are resolved when the totals
 the device there and nowhere inside a step. Until its end event has completed, the operation is
 in flight for the watchdog (`CommCounter.watched`). On the host nothing of this runs.
 
-The data itself moves through the group's *transport* (`Transport`): mpi4py (`MpiTransport`,
-the default) or torch.distributed process groups (`runner.core.torchdist`, chosen per grid with
-`ProcessGrid(..., backend="torch")`). Records are made here, above the transport, from the
-operation's logical payload, so the same operation records the same operation, group, size,
-bytes and label under either transport, and measured == predicted bytes holds alike. What a
-transport physically sends may differ from the recorded payload (gloo has no uneven all-gather
-and no true reduce-scatter: see `runner.core.torchdist`).
+The data itself moves through the group's *transport* (`runner.core.mpi_transport.Transport`):
+mpi4py (`MpiTransport`, the default) or torch.distributed process groups
+(`runner.core.torch_transport`, chosen per grid with `ProcessGrid(..., backend="torch")`).
+Records are made here, above the transport, from the operation's logical payload, so the same
+operation records the same operation, group, size, bytes and label under either transport, and
+measured == predicted bytes holds alike. What a transport physically sends may differ from the
+recorded payload (gloo has no uneven all-gather and no true reduce-scatter: see
+`runner.core.torch_transport`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from runner.core.mpi_transport import Backend, MpiTransport, Request, Transport
 from runner.core.pace import Pace
 
-# Operation names as records, predictions (`runner.cost.collectives.CommOp`) and JSON output spell
-# them:
-# measured and predicted operations are matched on these strings.
+# Operation names as records, predictions (`runner.cost.collectives.CommOp`) and JSON output
+# spell them: measured and predicted operations are matched on these strings.
 # The collectives and point-to-point exchanges, each with an α–β cost (`runner.cost.collectives`):
 CollectiveOp = Literal["allreduce", "iallreduce", "allgather", "reduce_scatter", "bcast", "reduce",
                        "alltoall", "alltoallv", "exchange"]
@@ -61,10 +62,6 @@ InFlightOp = Literal[RecordedOp, ControlOp]
 # The groups of a process grid (`runner.core.grid`), and a group of one rank alone.
 GridGroup = Literal["world", "model", "batch"]
 GroupName = Literal[GridGroup, "self"]
-
-# How a grid's collectives travel (`runner.core.grid.ProcessGrid(backend=...)`).
-Backend = Literal["mpi", "torch"]
-BACKENDS: tuple[Backend, ...] = ("mpi", "torch")
 
 
 @dataclass(frozen=True)
@@ -157,14 +154,20 @@ class CommCounter:
         if self.keep_records:  # a record object per call only when someone reads them
             self.records.append(CommRecord(op, group, group_size, nbytes, seconds, label))
 
-    def add_on_device(self, op: CollectiveOp, group: GroupName, group_size: int, nbytes: int,
-                      label: str, began: float, start: DeviceMark, end: DeviceMark) -> None:
-        """Count `op` (its call and bytes now), issued at `began` (`time.perf_counter()`), whose
-        seconds are those from `start` to `end` on its device, resolved when the totals are next
-        read."""
-        self.add(op, group, group_size, nbytes, 0.0, label)
-        record = (len(self.records) - 1, self.records[-1]) if self.keep_records else None
-        timed = _OnDevice((op, group, group_size, label, began), start, end, record)
+    def add_on_device(self, issued: CommRecord, began: float, start: DeviceMark,
+                      end: DeviceMark) -> None:
+        """Count the operation `issued` (its call and bytes now; its seconds, 0 until then, are
+        those from `start` to `end` on its device, resolved when the totals are next read),
+        issued at `began` (`time.perf_counter()`)."""
+        totals = self.totals
+        totals.calls += 1
+        totals.nbytes += issued.nbytes
+        record = None
+        if self.keep_records:
+            self.records.append(issued)
+            record = (len(self.records) - 1, issued)
+        in_flight = (issued.op, issued.group, issued.group_size, issued.label, began)
+        timed = _OnDevice(in_flight, start, end, record)
         with self._on_device_lock:
             self._on_device.append(timed)
         if len(self._on_device) > _MAX_ON_DEVICE:
@@ -218,22 +221,8 @@ class CommCounter:
         )
 
 
-def _mpi() -> Any:
-    from mpi4py import MPI  # imported lazily: a 1-process run never initialises MPI
-
-    return MPI
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _displacements(counts: list[int]) -> list[int]:
-    offsets, total = [], 0
-    for count in counts:
-        offsets.append(total)
-        total += count
-    return offsets
 
 
 def has_c_strides(tensor: torch.Tensor) -> bool:
@@ -252,256 +241,21 @@ def _require_contiguous(tensor: torch.Tensor) -> None:
         raise ValueError("communication buffers must be row-major contiguous tensors")
 
 
-# -- transports: how a group's data physically moves --------------------------------------------
-
-
-class Request(Protocol):
-    """A transport's non-blocking operation in flight."""
-
-    def test(self) -> bool:
-        """True once complete; drives progress where the transport needs calls to progress."""
-        ...
-
-    def wait(self) -> None:
-        """Block until complete."""
-        ...
-
-
-class Transport(Protocol):
-    """The data movement of one group of ranks, without counting. Ranks are the group's own
-    (0..size-1); counts and displacements are in elements; every buffer is row-major contiguous
-    (`CountedComm` checks). Blocking operations return when this rank's buffers are final."""
-
-    backend: Backend
-    rank: int
-    size: int
-
-    def allreduce_(self, tensor: torch.Tensor) -> None:
-        """Sum over the group, in place."""
-        ...
-
-    def allreduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
-        """`out` = sum of `tensor` over the group."""
-        ...
-
-    def reduce(self, tensor: torch.Tensor, out: torch.Tensor | None, root: int) -> None:
-        """`out` on `root` = sum of `tensor` over the group (`out` unused elsewhere)."""
-        ...
-
-    def iallreduce_(self, tensor: torch.Tensor) -> Request:
-        """Start an in-place sum over the group."""
-        ...
-
-    def exchange(self, sends: list[tuple[torch.Tensor, int]],
-                 recvs: list[tuple[torch.Tensor, int]], tag: int) -> Request:
-        """Post sends of (tensor, destination) and receives into (tensor, source)."""
-        ...
-
-    def bcast_(self, tensor: torch.Tensor, root: int) -> None:
-        ...
-
-    def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
-        """`out` = every rank's `piece` (`counts[k]` elements from rank k), by rank."""
-        ...
-
-    def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor,
-                     counts: list[int]) -> Request:
-        """Start `allgatherv_(piece, out, counts)`; `out` is final once the request completes,
-        and neither buffer may be touched before."""
-        ...
-
-    def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
-        """`out` = block `rank` (`counts[rank]` elements) of the sum of `full` over the group."""
-        ...
-
-    def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
-                   recv_counts: list[int]) -> None:
-        """Block k of `send` to rank k; block k of `recv` from rank k."""
-        ...
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable `obj`, by rank."""
-        ...
-
-    def barrier(self) -> None:
-        ...
-
-
-class _MpiRequest:
-    def __init__(self, request: Any) -> None:
-        self._request = request
-
-    def test(self) -> bool:
-        return bool(self._request.Test())
-
-    def wait(self) -> None:
-        self._request.Wait()
-
-
-class _MpiRequests:
-    def __init__(self, requests: list[Any]) -> None:
-        self._requests = requests
-
-    def test(self) -> bool:
-        return bool(_mpi().Request.Testall(self._requests))
-
-    def wait(self) -> None:
-        _mpi().Request.Waitall(self._requests)
-
-
-class _Widened:
-    """A non-blocking sum on a float32 copy, copied back into the bfloat16 tensor at the end."""
-
-    def __init__(self, request: Any, wide: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._request, self._wide, self._tensor = request, wide, tensor
-        self._done = False
-
-    def _finish(self) -> None:
-        if not self._done:
-            self._done = True
-            self._tensor.copy_(self._wide)
-
-    def test(self) -> bool:
-        if not self._done and self._request.Test():
-            self._finish()
-        return self._done
-
-    def wait(self) -> None:
-        self._request.Wait()
-        self._finish()
-
-
-def _summable(tensor: torch.Tensor) -> bool:
-    """Whether MPI can sum this dtype: MPI has no bfloat16 (mpi4py passes it as bytes), so its
-    sums run on a float32 copy (`MpiTransport`): twice the bytes on the wire, the same result
-    as a float32 sum rounded once."""
-    return tensor.dtype != torch.bfloat16
-
-
-def _device_ready(*tensors: torch.Tensor | None) -> None:
-    """A CUDA-aware MPI reads device memory from the host side, outside CUDA's stream order:
-    the kernels writing these tensors (a gradient a backward hook hands over) must be done."""
-    for tensor in tensors:
-        if tensor is not None and tensor.is_cuda:
-            torch.cuda.current_stream(tensor.device).synchronize()
-            return
-
-
-def _typed(tensor: torch.Tensor) -> torch.Tensor:
-    """A buffer MPI knows the element type of, for operations with counts in elements: mpi4py
-    passes bfloat16 as bytes (counts would then be bytes), so it goes as int16 of the same
-    bits."""
-    return tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-
-
-class MpiTransport:
-    """mpi4py on an MPI communicator. Tensors are handed to mpi4py directly (buffer protocol),
-    never copied through NumPy; sums of bfloat16 go through a float32 copy (`_summable`)."""
-
-    backend: Backend = "mpi"
-
-    def __init__(self, mpi_comm: Any) -> None:
-        self.comm = mpi_comm
-        self.rank: int = mpi_comm.Get_rank()
-        self.size: int = mpi_comm.Get_size()
-
-    def allreduce_(self, tensor: torch.Tensor) -> None:
-        _device_ready(tensor)
-        MPI = _mpi()
-        if not _summable(tensor):
-            wide = tensor.float()
-            self.comm.Allreduce(MPI.IN_PLACE, wide, op=MPI.SUM)
-            tensor.copy_(wide)
-            return
-        self.comm.Allreduce(MPI.IN_PLACE, tensor, op=MPI.SUM)
-
-    def allreduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
-        _device_ready(tensor)
-        if not _summable(tensor):
-            self.allreduce_(out.copy_(tensor))
-            return
-        self.comm.Allreduce(tensor, out, op=_mpi().SUM)
-
-    def reduce(self, tensor: torch.Tensor, out: torch.Tensor | None, root: int) -> None:
-        _device_ready(tensor)
-        if not _summable(tensor):
-            wide_out = torch.empty_like(tensor, dtype=torch.float32) if self.rank == root else None
-            self.comm.Reduce(tensor.float(), wide_out, op=_mpi().SUM, root=root)
-            if out is not None and wide_out is not None:
-                out.copy_(wide_out)
-            return
-        self.comm.Reduce(tensor, out if self.rank == root else None, op=_mpi().SUM, root=root)
-
-    def iallreduce_(self, tensor: torch.Tensor) -> Request:
-        _device_ready(tensor)
-        MPI = _mpi()
-        if not _summable(tensor):
-            wide = tensor.float()
-            return _Widened(self.comm.Iallreduce(MPI.IN_PLACE, wide, op=MPI.SUM), wide, tensor)
-        return _MpiRequest(self.comm.Iallreduce(MPI.IN_PLACE, tensor, op=MPI.SUM))
-
-    def exchange(self, sends: list[tuple[torch.Tensor, int]],
-                 recvs: list[tuple[torch.Tensor, int]], tag: int) -> Request:
-        _device_ready(*(buf for buf, _ in sends))
-        comm = self.comm
-        requests = [comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
-        requests += [comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
-        return _MpiRequests(requests)
-
-    def bcast_(self, tensor: torch.Tensor, root: int) -> None:
-        _device_ready(tensor)
-        self.comm.Bcast(tensor, root=root)
-
-    def allgatherv_(self, piece: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
-        _device_ready(piece)
-        self.comm.Allgatherv(_typed(piece), [_typed(out), (counts, _displacements(counts))])
-
-    def iallgatherv_(self, piece: torch.Tensor, out: torch.Tensor,
-                     counts: list[int]) -> Request:
-        _device_ready(piece)
-        return _MpiRequest(self.comm.Iallgatherv(
-            _typed(piece), [_typed(out), (counts, _displacements(counts))]))
-
-    def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor, counts: list[int]) -> None:
-        _device_ready(full)
-        if not _summable(full):
-            wide_out = torch.empty_like(out, dtype=torch.float32)
-            self.comm.Reduce_scatter(full.float(), wide_out, counts, op=_mpi().SUM)
-            out.copy_(wide_out)
-            return
-        self.comm.Reduce_scatter(full, out, counts, op=_mpi().SUM)
-
-    def alltoallv_(self, send: torch.Tensor, send_counts: list[int], recv: torch.Tensor,
-                   recv_counts: list[int]) -> None:
-        _device_ready(send)
-        self.comm.Alltoallv([_typed(send), (send_counts, _displacements(send_counts))],
-                            [_typed(recv), (recv_counts, _displacements(recv_counts))])
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = self.comm.allgather(obj)
-        return gathered
-
-    def barrier(self) -> None:
-        self.comm.Barrier()
-
-
 # -- the counted communicator ---------------------------------------------------------------------
 
 
 class PendingOp:
-    """A non-blocking collective in flight; `wait()` completes it and records it. With
+    """A non-blocking collective in flight; `wait()` completes it and records it: `issued` is
+    its record as issued (its seconds those spent issuing it, to which waiting adds). With
     `on_device` (a tensor of the operation, when the transport's operations on it are only
     ordered on its device's stream) the wait is timed on that device."""
 
-    def __init__(self, owner: CountedComm, op: CollectiveOp, request: Request | None,
-                 nbytes: int, label: str, issue_seconds: float,
-                 keepalive: tuple[Any, ...], on_device: torch.Tensor | None = None) -> None:
+    def __init__(self, owner: CountedComm, issued: CommRecord, request: Request | None,
+                 keepalive: tuple[Any, ...] = (), on_device: torch.Tensor | None = None) -> None:
         self._owner = owner
-        self._op = op
+        self._issued = issued
         self._request = request
-        self._nbytes = nbytes
-        self._label = label
-        self._seconds = issue_seconds
+        self._seconds = issued.seconds
         self._keepalive = keepalive  # the transport reads these buffers until completion
         self._on_device = on_device
         self.done = request is None
@@ -523,21 +277,23 @@ class PendingOp:
             return
         owner = self._owner
         start = time.perf_counter()
-        owner.counter.in_flight = (self._op, owner.name, owner.size, self._label, start)
+        issued = self._issued
+        owner.counter.in_flight = (issued.op, issued.group, issued.group_size, issued.label,
+                                   start)
         mark = None if self._on_device is None else owner.counter.mark(self._on_device)
         self._request.wait()
         self.done = True
         if mark is not None and self._on_device is not None:
             # the seconds the stream waits for it (what computation did not hide)
-            owner._timed_on_device(self._op, self._nbytes, self._label, start,
-                                   self._on_device, mark)
+            owner._timed_on_device(replace(issued, seconds=0.0), start, self._on_device, mark)
             self._keepalive = ()
             return
         self._seconds += time.perf_counter() - start
         self._finish()
 
     def _finish(self) -> None:
-        self._owner._record(self._op, self._nbytes, self._seconds, self._label)
+        issued = self._issued
+        self._owner._record(issued.op, issued.nbytes, self._seconds, issued.label)
         self._keepalive = ()
 
 
@@ -602,9 +358,14 @@ class CountedComm:
             start = time.perf_counter()
         return start
 
-    def _record(self, op: CollectiveOp, nbytes: int, seconds: float, label: str) -> None:
+    def _record(self, op: RecordedOp, nbytes: int, seconds: float, label: str) -> None:
         self.counter.in_flight = None
         self.counter.add(op, self.name, self.size, nbytes, seconds, label)
+
+    def _issued(self, op: CollectiveOp, nbytes: int, label: str,
+                seconds: float = 0.0) -> CommRecord:
+        """The record of `op` on this group as issued (`seconds`: those known so far)."""
+        return CommRecord(op, self.name, self.size, nbytes, seconds, label)
 
     def _ordered(self, tensor: torch.Tensor) -> bool:
         """Whether the transport's operation on `tensor` is only ordered on its device's stream
@@ -622,14 +383,13 @@ class CountedComm:
         if mark is None:
             self._record(op, nbytes, time.perf_counter() - start, label)
         else:
-            self._timed_on_device(op, nbytes, label, start, tensor, mark)
+            self._timed_on_device(self._issued(op, nbytes, label), start, tensor, mark)
 
-    def _timed_on_device(self, op: CollectiveOp, nbytes: int, label: str, began: float,
-                         tensor: torch.Tensor, mark: DeviceMark) -> None:
+    def _timed_on_device(self, issued: CommRecord, began: float, tensor: torch.Tensor,
+                         mark: DeviceMark) -> None:
         counter = self.counter
         # watched as the device's before the host's mark goes: never out of sight
-        counter.add_on_device(op, self.name, self.size, nbytes, label, began, mark,
-                              counter.mark(tensor))
+        counter.add_on_device(issued, began, mark, counter.mark(tensor))
         counter.in_flight = None
 
     # -- collectives on tensors -------------------------------------------------------------
@@ -675,14 +435,14 @@ class CountedComm:
     def iallreduce_(self, tensor: torch.Tensor, label: str = "") -> PendingOp:
         """Start an in-place sum of `tensor` over the group; complete it with `wait()`."""
         if self.size == 1:
-            return PendingOp(self, "iallreduce", None, 0, label, 0.0, ())
+            return PendingOp(self, self._issued("iallreduce", 0, label), None)
         _require_contiguous(tensor)
         transport = self._moved
         start = self._start("iallreduce", label)
         request = transport.iallreduce_(tensor)
         self.counter.in_flight = None  # issued: in flight again only while someone waits for it
-        pending = PendingOp(self, "iallreduce", request, _nbytes(tensor), label,
-                            time.perf_counter() - start, (tensor,),
+        issued = self._issued("iallreduce", _nbytes(tensor), label, time.perf_counter() - start)
+        pending = PendingOp(self, issued, request, (tensor,),
                             tensor if self._ordered(tensor) else None)
         if self.counter.isolate:  # no overlap: the operation's own time
             pending.wait()
@@ -695,15 +455,15 @@ class CountedComm:
         `wait()` completes them all. Ranks are the group's. Payload: the bytes this rank
         sends."""
         if self.size == 1 or (not sends and not recvs):
-            return PendingOp(self, "exchange", None, 0, label, 0.0, ())
+            return PendingOp(self, self._issued("exchange", 0, label), None)
         transport = self._moved
         start = self._start("exchange", label)
         request = transport.exchange(sends, recvs, tag)
         self.counter.in_flight = None
         nbytes = sum(_nbytes(buf) for buf, _ in sends)
         buffers = tuple(buf for buf, _ in sends + recvs)
-        pending = PendingOp(self, "exchange", request, nbytes, label,
-                            time.perf_counter() - start, buffers,
+        issued = self._issued("exchange", nbytes, label, time.perf_counter() - start)
+        pending = PendingOp(self, issued, request, buffers,
                             buffers[0] if self._ordered(buffers[0]) else None)
         if self.counter.isolate:
             pending.wait()
@@ -743,8 +503,8 @@ class CountedComm:
         start = self._start("allgather", label)
         request = transport.iallgatherv_(piece, out, counts)
         self.counter.in_flight = None  # issued: in flight again only while someone waits for it
-        pending = PendingOp(self, "allgather", request, _nbytes(out), label,
-                            time.perf_counter() - start, (piece, out),
+        issued = self._issued("allgather", _nbytes(out), label, time.perf_counter() - start)
+        pending = PendingOp(self, issued, request, (piece, out),
                             out if self._ordered(out) else None)
         if self.counter.isolate:  # no overlap: the operation's own time
             pending.wait()

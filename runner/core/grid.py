@@ -7,7 +7,8 @@ World rank = batch_index · Pr + model_index, so a model group is a block of con
 
 The groups are MPI Cartesian communicators; `backend` says how their collectives travel:
 "mpi" (mpi4py on those communicators) or "torch" (torch.distributed process groups over the same
-ranks, in the same order: `runner.core.torchdist`, which needs `init_torch_distributed` first).
+ranks, in the same order: `runner.core.torch_transport`, which needs
+`runner.core.torchdist.init_torch_distributed` first).
 Under either backend the grid keeps its MPI communicators (`CountedComm.communicator`): the
 one-sided windows of `runner.core.rma` (the EASGD family's centre) are MPI's and stay on MPI.
 
@@ -22,14 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runner.core.comm import (
-    BACKENDS,
-    Backend,
-    CommCounter,
-    CountedComm,
-    MpiTransport,
-    Transport,
-)
+from runner.core.comm import CommCounter, CountedComm
+from runner.core.mpi_transport import BACKENDS, Backend, MpiTransport, Transport
 
 
 @dataclass(frozen=True)
@@ -118,7 +113,7 @@ class ProcessGrid:
             comms = [cart, model, batch]
             transports: list[Transport]
             if backend == "torch":
-                from runner.core.torchdist import grid_transports
+                from runner.core.torch_transport import grid_transports
 
                 nccl = self.devices.direct and self.devices.device_type == "cuda"
                 transports = list(grid_transports(comms, device_types=(

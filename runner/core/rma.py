@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 import torch
 
-from runner.core.comm import CountedComm, _mpi
+from runner.core.comm import CountedComm
+from runner.core.mpi_transport import mpi_module
 from runner.core.partition import Partition
 
 NEXT_TICKET, NOW_SERVING, TURN = 0, 1, 2  # slots of each rank's counter window
@@ -45,7 +46,7 @@ class OneSidedVector:
             self._local = initial.clone()
             self._turn = 0
             return
-        MPI = _mpi()
+        MPI = mpi_module()
         itemsize = initial.element_size()
         own = self.partition.sizes[comm.rank]
         mpi_comm = comm.communicator
@@ -78,7 +79,7 @@ class OneSidedVector:
         if self._data_window is None:
             return out.copy_(self._local[self.piece(owner)])
         if out.numel():
-            MPI = _mpi()
+            MPI = mpi_module()
             start = time.perf_counter()
             # NO_OP: the origin is unused (count 0); the target count is the piece's length
             self._data_window.Get_accumulate([None, 0, self._mpi_type], out, owner,
@@ -94,7 +95,7 @@ class OneSidedVector:
             self._local[self.piece(owner)] += values
             return
         if values.numel():
-            MPI = _mpi()
+            MPI = mpi_module()
             start = time.perf_counter()
             self._data_window.Accumulate(values, owner, op=MPI.SUM)
             self._data_window.Flush(owner)
@@ -108,7 +109,7 @@ class OneSidedVector:
             self._local[self.piece(owner)] = values
             return
         if values.numel():
-            MPI = _mpi()
+            MPI = mpi_module()
             start = time.perf_counter()
             self._data_window.Accumulate(values, owner, op=MPI.REPLACE)
             self._data_window.Flush(owner)
@@ -154,7 +155,7 @@ class OneSidedVector:
             self._fetch_add(0, TURN, 1)
 
     def _fetch_add(self, owner: int, slot: int, amount: int) -> int:
-        MPI = _mpi()
+        MPI = mpi_module()
         self._one[0] = amount
         self._counter_window.Fetch_and_op(self._one, self._fetched, owner, slot,
                                           op=MPI.SUM if amount else MPI.NO_OP)

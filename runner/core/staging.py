@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
-from runner.core.comm import Backend, Request, Transport
+from runner.core.mpi_transport import Backend, Request, Transport
 
 DEFAULT_POOL_CAP_BYTES = 1 << 30
 

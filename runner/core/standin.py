@@ -14,8 +14,9 @@ from typing import Any, cast
 
 import torch
 
-from runner.core.comm import Backend, CountedComm, GroupName, Transport
+from runner.core.comm import CountedComm, GroupName
 from runner.core.grid import GridShape, ProcessGrid
+from runner.core.mpi_transport import Backend, Transport
 
 
 class _Done:
