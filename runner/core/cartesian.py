@@ -396,11 +396,16 @@ def _plan_for(x: torch.Tensor, comm: CountedComm, src: CartesianPartition,
     return plan
 
 
-def _exchange(comm: CountedComm, x: torch.Tensor, outgoing: Sequence[Block],
-              send_counts: Sequence[int], incoming: Sequence[Block],
-              recv_counts: Sequence[int], label: str, tag: str) -> torch.Tensor:
-    """Pack the `outgoing` blocks of `x` in peer order, run the all-to-all-v, and return the
-    receive buffer (incoming blocks in peer order)."""
+def _exchange(comm: CountedComm, x: torch.Tensor, plan: RedistributionPlan, label: str,
+              adjoint: bool) -> torch.Tensor:
+    """Pack the blocks of `x` this rank sends in peer order, run the all-to-all-v, and return
+    the receive buffer (the blocks it receives, in peer order): the plan's sends and receives,
+    or for the `adjoint` the other way round."""
+    if adjoint:  # what the forward received goes back to where it came from
+        outgoing, send_counts, recv_counts = plan.recvs, plan.recv_counts, plan.send_counts
+    else:
+        outgoing, send_counts, recv_counts = plan.sends, plan.send_counts, plan.recv_counts
+    tag = "redistribute.adjoint" if adjoint else "redistribute"
     send = _scratch(comm, f"{tag}.send", (sum(send_counts),), x.dtype, x.device)
     offset = 0
     for block in outgoing:
@@ -426,8 +431,7 @@ def redistribute_op(x: torch.Tensor, comm: CountedComm, src: CartesianPartition,
         src_box, dst_box = plan.local
         out[dst_box] = x[src_box]
     if plan.collective:
-        recv = _exchange(comm, x, plan.sends, plan.send_counts, plan.recvs, plan.recv_counts,
-                         label, "redistribute")
+        recv = _exchange(comm, x, plan, label, adjoint=False)
         offset = 0
         for block in plan.recvs:
             out[block.box] = recv[offset:offset + block.numel].view(block.shape)
@@ -447,8 +451,7 @@ def redistribute_adjoint_op(y: torch.Tensor, comm: CountedComm, src: CartesianPa
         src_box, dst_box = plan.local
         out[src_box] += y[dst_box]
     if plan.collective:
-        recv = _exchange(comm, y, plan.recvs, plan.recv_counts, plan.sends, plan.send_counts,
-                         label, "redistribute.adjoint")
+        recv = _exchange(comm, y, plan, label, adjoint=True)
         offset = 0
         for block in plan.sends:
             out[block.box] += recv[offset:offset + block.numel].view(block.shape)
