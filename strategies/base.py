@@ -39,13 +39,8 @@ from runner.cost.collectives import (
     step_bytes,
     wait_seconds,
 )
-from runner.cost.compute import (
-    DEFAULT_RATES,
-    ComputeRates,
-    layer_seconds,
-    loss_seconds,
-    operator_seconds,
-)
+from runner.cost.compute import DEFAULT_RATES, ComputeRates
+from runner.cost.layers import layer_seconds, loss_seconds, operator_seconds
 from strategies.exchange.buckets import GradientBuckets
 from strategies.exchange.sparse_gradients import SparseGradientExchange
 from strategies.probe import operator_calls, probe

@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.cost.compute import OperatorCall
+from runner.cost.layers import OperatorCall
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 

@@ -1,5 +1,5 @@
-"""The compute-time model (runner.cost.compute) and its rates' storage, on hand-made rates (no
-calibration runs here)."""
+"""The compute-time model (runner.cost.compute, runner.cost.layers) and its rates' storage, on
+hand-made rates (no calibration runs here)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,20 @@ from runner.cost.compute import (
     DEFAULT_RATES,
     FRESH_ALLOCATION,
     ComputeRates,
-    conv_layer_seconds,
+    ConvShape,
     curve_seconds,
-    layer_seconds,
-    linear_seconds,
-    loss_seconds,
     make_curve,
     make_gemm_table,
     matmul_seconds,
-    output_shape,
     oversubscription,
     pass_seconds,
+)
+from runner.cost.layers import (
+    conv_layer_seconds,
+    layer_seconds,
+    linear_seconds,
+    loss_seconds,
+    output_shape,
 )
 
 RATES = ComputeRates(
@@ -124,9 +127,10 @@ def test_without_the_input_gradient_a_layer_is_cheaper() -> None:
     assert skipped == pytest.approx(RATES.gemm_seconds(m, n, k))
     # a narrow convolution's input gradient is dear (4 forwards here)
     conv = nn.Conv2d(3, 32, 3, padding=1)
-    with_grad = conv_layer_seconds(32, 3, 32, (32, 32), (3, 3), RATES)
-    without = conv_layer_seconds(32, 3, 32, (32, 32), (3, 3), RATES, input_grad=False)
-    forward = RATES.conv_seconds(32, 3, 32, (32, 32), (3, 3))
+    shape = ConvShape(32, 3, 32, (32, 32), (3, 3))
+    with_grad = conv_layer_seconds(shape, RATES)
+    without = conv_layer_seconds(shape, RATES, input_grad=False)
+    forward = RATES.conv_seconds(shape)
     assert with_grad - without == pytest.approx(4 * forward)
     assert layer_seconds(conv, (32, 3, 32, 32), RATES) == pytest.approx(with_grad)
 
@@ -287,7 +291,7 @@ def test_the_operators_between_leaves_are_recorded_with_their_owner_and_backward
 
 
 def test_an_operator_is_priced_by_its_kind_on_the_rows_and_share_a_rank_runs() -> None:
-    from runner.cost.compute import OperatorCall, operator_seconds
+    from runner.cost.layers import OperatorCall, operator_seconds
 
     product = OperatorCall("bmm", ((1, 64, 32), (1, 32, 64)), 0, backward=True)
     one, eight = operator_seconds(product, 1, RATES), operator_seconds(product, 8, RATES)

@@ -38,7 +38,7 @@ from runner.core.cartesian import (
 )
 from runner.core.comm import GridGroup
 from runner.cost.collectives import CommOp, comm_seconds, wait_seconds
-from runner.cost.compute import layer_seconds
+from runner.cost.layers import layer_seconds
 from strategies.base import ParallelModel, PricingContext, gradient_exchange
 from strategies.layers.norm import (
     BATCH_NORMS,

@@ -1,6 +1,5 @@
-"""What a model split by a parallel plan by module name (`strategies.plans.module_plan`) costs, for
-the
-predicted step time and the planner.
+"""What a model split by a parallel plan by module name (`strategies.plans.module_plan`) costs,
+for the predicted step time and the planner.
 
 `plan_module_bytes`: each planned module's bytes per step, its own collectives and its
 parameters' gradient exchange. `plan_compute_seconds`: the compute from the local shapes each
@@ -10,8 +9,7 @@ features, a rowwise one reads its rank's input features, a vocab table holds its
 what runs between a split output and the next rowwise projection (an MLP's activation) runs on
 the rank's features; a `sequence` module in the region runs on the rank's positions
 (`strategies.plans.sequence_parallel`); the operators a module holding colwise projections runs
-itself
-(attention's products and softmax) on its rank's heads; everything else runs whole. Under
+itself (attention's products and softmax) on its rank's heads; everything else runs whole. Under
 `strategy=domain` (every weight whole) the modules in the region that run on a rank's positions
 (the `sequence` ones, activations, the blocks' own operators) are priced on T/Pr positions,
 everything else (the attention, gathered) on the whole sequence.
@@ -25,7 +23,8 @@ import torch
 from torch import nn
 
 from runner.core import GridShape, Partition
-from runner.cost.compute import ComputeRates, layer_seconds
+from runner.cost.compute import ComputeRates
+from runner.cost.layers import layer_seconds
 from strategies.base import operators_seconds
 from strategies.plans.module_plan import (
     ModulePlan,

@@ -39,7 +39,8 @@ from torch.autograd import Function
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.primitives import all_gather, ring_shift_adjoint_op, ring_shift_op
 from runner.cost.collectives import CommOp, MachineCosts, comm_seconds
-from runner.cost.compute import ComputeRates, layer_seconds
+from runner.cost.compute import ComputeRates
+from runner.cost.layers import layer_seconds
 from strategies.base import (
     GradientExchange,
     ParallelModel,

@@ -41,7 +41,8 @@ from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.placement import place_block, place_rows
 from runner.core.primitives import all_gather, all_sum_reduce
 from runner.cost.collectives import CommOp
-from runner.cost.compute import ComputeRates, layer_seconds
+from runner.cost.compute import ComputeRates
+from runner.cost.layers import layer_seconds
 from strategies.base import (
     Strategy,
     predict_step,
