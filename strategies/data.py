@@ -19,7 +19,9 @@ from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.core.row_sparse import NodeRoutes
 from runner.cost.collectives import (
     CommOp,
+    RowOwners,
     SparseMode,
+    TableRows,
     choose_partitions,
     choose_sparse_mode,
     node_push_seconds,
@@ -364,14 +366,14 @@ class DataParallel(Strategy):
                     node_ranks = self.ranks_per_node
                     node_rows = (self._node_rows(num_rows, p, node_ranks)
                                  or rows * node_ranks)
-            return sparse_exchange_ops("sharded", "world", p, num_rows, row_bytes, rows,
-                                       rows * p, label=name, hot_rows=hot,
-                                       parts=self.table_parts(weight, p),
-                                       node_ranks=node_ranks, node_rows=node_rows)
+            owners = RowOwners(self.table_parts(weight, p), hot, node_ranks, node_rows)
+            return sparse_exchange_ops("sharded", "world", p,
+                                       TableRows(num_rows, row_bytes, rows, rows * p),
+                                       label=name, owners=owners)
         mode: SparseMode = (choose_sparse_mode(p, num_rows, row_bytes, [rows] * p,
                                                self.pricing.costs, PER_STEP_MODES)
                             if self.sparse == "auto" else self.sparse)
-        return sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, rows, rows * p,
+        return sparse_exchange_ops(mode, "world", p, TableRows(num_rows, row_bytes, rows, rows * p),
                                    label=name, counts_first=self.sparse == "auto")
 
     def predict_param_bytes(self, model: nn.Module, sample_shape: tuple[int, ...],

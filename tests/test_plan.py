@@ -212,19 +212,24 @@ def test_calibration_on_one_core_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_sparse_exchange_bytes_and_choice_by_hand() -> None:
-    from runner.cost.collectives import MachineCosts, choose_sparse_mode, sparse_exchange_ops
+    from runner.cost.collectives import (
+        MachineCosts,
+        TableRows,
+        choose_sparse_mode,
+        sparse_exchange_ops,
+    )
 
     # a 1000 x 16 float32 table (64 B rows) on 4 ranks, each touching 10 rows, 40 in all
-    dense = sparse_exchange_ops("dense", "world", 4, 1000, 64, 10, 40)
+    dense = sparse_exchange_ops("dense", "world", 4, TableRows(1000, 64, 10, 40))
     assert [(o.op, o.nbytes) for o in dense] == [("allreduce", 64_000)]
-    gather = sparse_exchange_ops("allgather", "world", 4, 1000, 64, 10, 40)
+    gather = sparse_exchange_ops("allgather", "world", 4, TableRows(1000, 64, 10, 40))
     assert [(o.op, o.nbytes) for o in gather] == [("allgather", 32), ("allgather", 320),
                                                   ("allgather", 2560)]
-    sharded = sparse_exchange_ops("sharded", "world", 4, 1000, 64, 10, 40)
+    sharded = sparse_exchange_ops("sharded", "world", 4, TableRows(1000, 64, 10, 40))
     # push and pull: counts (4 x 8 B), then 3/4 of the 10 rows' ids (8 B) and rows (64 B)
     assert [o.nbytes for o in sharded] == [32, 60, 480] * 2
     assert step_time(sharded, A, B) == pytest.approx(6 * 3 * A + B * 2 * (32 + 60 + 480))
-    assert sparse_exchange_ops("allgather", "world", 1, 1000, 64, 10, 10) == []
+    assert sparse_exchange_ops("allgather", "world", 1, TableRows(1000, 64, 10, 10)) == []
     # few rows of a big table: a sparse mode; nearly every row: dense
     assert choose_sparse_mode(4, 1_000_000, 256, [400] * 4, MachineCosts(A, B)) != "dense"
     assert choose_sparse_mode(4, 1000, 64, [900] * 4, MachineCosts(A, B)) == "dense"

@@ -12,6 +12,8 @@ from runner.core import GridShape
 from runner.core.row_sparse import BlockRows
 from runner.cost.collectives import (
     MachineCosts,
+    RowOwners,
+    TableRows,
     choose_hot_rows,
     choose_partitions,
     hot_row_gain,
@@ -51,11 +53,13 @@ def test_memory_caps_the_block_an_owner_holds() -> None:
 def test_fewer_owners_move_more_of_the_owner_s_rows() -> None:
     """Rank 0, an owner: it sends the rows other owners own, and answers the rows of its block
     that the other ranks ask for ((p−1)/K of a rank's rows)."""
-    every = sparse_exchange_ops("sharded", "world", 4, 1000, 64, 12, 48)
-    two = sparse_exchange_ops("sharded", "world", 4, 1000, 64, 12, 48, parts=2)
+    every = sparse_exchange_ops("sharded", "world", 4, TableRows(1000, 64, 12, 48))
+    two = sparse_exchange_ops("sharded", "world", 4, TableRows(1000, 64, 12, 48),
+                              owners=RowOwners(parts=2))
     assert [o.nbytes for o in every] == [32, 72, 576, 32, 72, 576]  # (3/4)·12 rows
     assert [o.nbytes for o in two] == [32, 48, 384, 32, 48, 1152]  # 12/2 sent; 12·3/2 answered
-    hot = sparse_exchange_ops("sharded", "world", 4, 1000, 64, 12, 48, hot_rows=5)
+    hot = sparse_exchange_ops("sharded", "world", 4, TableRows(1000, 64, 12, 48),
+                              owners=RowOwners(hot_rows=5))
     assert hot[0].op == "allreduce" and hot[0].nbytes == 5 * 64 and hot[1:] == every
 
 

@@ -114,29 +114,49 @@ SPARSE_MODES: tuple[SparseMode, ...] = get_args(SparseMode)  # in this order: ti
 INDEX_BYTES = 8  # int64 row ids
 
 
-def sparse_exchange_ops(mode: SparseMode, group: GridGroup, p: int, num_rows: int, row_bytes: int,
-                        own_rows: float, all_rows: float, label: str = "",
-                        counts_first: bool = False, hot_rows: int = 0,
-                        parts: int | None = None, node_ranks: int = 1,
-                        node_rows: float = 0.0) -> list[CommOp]:
-    """The operations one rank issues to exchange the gradient of a (num_rows × row) table of
-    which it touched `own_rows` rows and all ranks together `all_rows` (counted per rank, so
-    rows touched by two ranks count twice), in `mode`:
+@dataclass(frozen=True)
+class TableRows:
+    """An embedding table's gradient rows as a sparse exchange moves them: `num_rows` rows of
+    `row_bytes` each, of which this rank touched `own_rows` and all ranks together `all_rows`
+    (counted per rank, so rows touched by two ranks count twice). Row counts may be expectations
+    (floats): bytes are rounded."""
+
+    num_rows: int
+    row_bytes: int
+    own_rows: float
+    all_rows: float
+
+
+@dataclass(frozen=True)
+class RowOwners:
+    """Who owns a table's rows under the owners-only exchange ("sharded"): `parts` owners (K,
+    p when None; rank 0 is an owner) and `hot_rows` H rows replicated on every rank. With
+    `node_ranks` > 1 ranks per node the push takes two steps (`push_rows_by_node`), of the
+    node's `node_rows` distinct rows across the nodes."""
+
+    parts: int | None = None
+    hot_rows: int = 0
+    node_ranks: int = 1
+    node_rows: float = 0.0
+
+
+def sparse_exchange_ops(mode: SparseMode, group: GridGroup, p: int, rows: TableRows,
+                        label: str = "", counts_first: bool = False,
+                        owners: RowOwners = RowOwners()) -> list[CommOp]:
+    """The operations one rank issues to exchange the gradient `rows` of a table in `mode`:
 
     - dense: one all-reduce of the whole table;
     - allgather: all-gather of the indices and of the rows (every rank gets everyone's rows);
     - sharded: push to the row owners (counts, indices, rows: three all-to-all-v) and the pull
       of the rows the next batch needs (the same three), each rank sending the fraction
-      (K−1)/K of its rows that others own (`parts`: K owners, p when None; rank 0 is an
-      owner); with `hot_rows` H replicated rows, one all-reduce of their H rows as well (their
-      rows are not pushed or pulled: `own_rows` then counts the others). With `node_ranks` > 1
-      ranks per node the push takes two steps (`push_rows_by_node`): (P−N)/P of a rank's rows
+      (K−1)/K of its rows that others own (K `owners.parts`); with H hot rows, one all-reduce of
+      their H rows as well (their rows are not pushed or pulled: `own_rows` then counts the
+      others). With `owners.node_ranks` > 1 the push takes two steps: (P−N)/P of a rank's rows
       to the ranks of its node (N nodes), then a delegate's share, (N−1)/P, of the node's
       `node_rows` distinct rows across the nodes.
 
     `counts_first`: the all-gather of every rank's row count that precedes an `auto` choice
-    (and that `allgather` needs anyway). Row counts may be expectations (floats): bytes are
-    rounded.
+    (and that `allgather` needs anyway).
     """
     if p <= 1:
         return []
@@ -144,27 +164,30 @@ def sparse_exchange_ops(mode: SparseMode, group: GridGroup, p: int, num_rows: in
     if counts_first or mode == "allgather":
         ops.append(CommOp("allgather", group, p, INDEX_BYTES * p, label + " counts"))
     if mode == "dense":
-        ops.append(CommOp("allreduce", group, p, num_rows * row_bytes, label))
+        ops.append(CommOp("allreduce", group, p, rows.num_rows * rows.row_bytes, label))
     elif mode == "allgather":
-        ops += [CommOp("allgather", group, p, round(all_rows * INDEX_BYTES), label + " indices"),
-                CommOp("allgather", group, p, round(all_rows * row_bytes), label + " rows")]
+        ops += [CommOp("allgather", group, p, round(rows.all_rows * INDEX_BYTES),
+                       label + " indices"),
+                CommOp("allgather", group, p, round(rows.all_rows * rows.row_bytes),
+                       label + " rows")]
     elif mode == "sharded":
-        owners = p if parts is None else parts
-        sent = own_rows * (owners - 1) / owners  # its rows other owners own (push, requests)
-        answered = own_rows * (p - 1) / owners  # the rows of its block others ask for
-        if hot_rows:
-            ops.append(CommOp("allreduce", group, p, hot_rows * row_bytes, label + " hot"))
+        parts = p if owners.parts is None else owners.parts
+        sent = rows.own_rows * (parts - 1) / parts  # its rows other owners own (push, requests)
+        answered = rows.own_rows * (p - 1) / parts  # the rows of its block others ask for
+        if owners.hot_rows:
+            ops.append(CommOp("allreduce", group, p, owners.hot_rows * rows.row_bytes,
+                              label + " hot"))
         phases = [("push", sent, sent), ("pull", sent, answered)]
-        if node_ranks > 1:  # the push in two steps: inside the node, then the node's sums across
-            nodes = p / node_ranks
-            inside = own_rows * (p - nodes) / p
-            across = node_rows * (nodes - 1) / p
+        if owners.node_ranks > 1:  # the push in two steps: inside the node, then across
+            nodes = p / owners.node_ranks
+            inside = rows.own_rows * (p - nodes) / p
+            across = owners.node_rows * (nodes - 1) / p
             phases[:1] = [("push node", inside, inside), ("push", across, across)]
         for phase, ids_sent, rows_sent in phases:
             ops += [CommOp("alltoallv", group, p, INDEX_BYTES * p, f"{label} {phase} counts"),
                     CommOp("alltoallv", group, p, round(ids_sent * INDEX_BYTES),
                            f"{label} {phase} indices"),
-                    CommOp("alltoallv", group, p, round(rows_sent * row_bytes),
+                    CommOp("alltoallv", group, p, round(rows_sent * rows.row_bytes),
                            f"{label} {phase} rows")]
     else:
         raise ValueError(f"unknown sparse exchange mode '{mode}'; known: {', '.join(SPARSE_MODES)}")
@@ -204,16 +227,15 @@ class MachineCosts:
 DEFAULT_COSTS = MachineCosts()
 
 
-def sparse_local_time(mode: SparseMode, num_rows: int, row_bytes: int, own_rows: float,
-                      all_rows: float, table_pass: float, sparse_row: float) -> float:
+def sparse_local_time(mode: SparseMode, rows: TableRows, costs: MachineCosts) -> float:
     """Seconds of local work per step: dense passes over the whole table; allgather handles
     every rank's rows (coalesce, update); sharded its own rows twice (coalesce and update at
     the owner, then the pull's gather and write)."""
     if mode == "dense":
-        return table_pass * num_rows * row_bytes
+        return costs.table_pass * rows.num_rows * rows.row_bytes
     if mode == "allgather":
-        return sparse_row * all_rows * row_bytes
-    return sparse_row * 2 * own_rows * row_bytes
+        return costs.sparse_row * rows.all_rows * rows.row_bytes
+    return costs.sparse_row * 2 * rows.own_rows * rows.row_bytes
 
 
 def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[float],
@@ -224,12 +246,11 @@ def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[f
     (`sparse_local_time`) — given every rank's row count. A pure function of values every rank
     holds alike, so every rank chooses the same mode (ties go to the earlier mode in
     SPARSE_MODES: dense first)."""
-    own, total = max(counts), sum(counts)
+    rows = TableRows(num_rows, row_bytes, max(counts), sum(counts))
 
     def cost(mode: SparseMode) -> float:
-        ops = sparse_exchange_ops(mode, "world", p, num_rows, row_bytes, own, total)
-        return comm_seconds(ops, costs) + sparse_local_time(
-            mode, num_rows, row_bytes, own, total, costs.table_pass, costs.sparse_row)
+        ops = sparse_exchange_ops(mode, "world", p, rows)
+        return comm_seconds(ops, costs) + sparse_local_time(mode, rows, costs)
 
     return min(modes, key=cost)
 
