@@ -346,9 +346,9 @@ def test_a_bad_value_is_one_line_naming_it(overrides: list[str], fragment: str, 
 def test_a_run_directory_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from runner.records.rundir import lock_run_dir; "
-         f"lock_run_dir({str(run_dir)!r}); print('locked', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)
+        [sys.executable, "-c", "import sys; from runner.records.rundir import lock_run_dir; "
+         f"lock_run_dir({str(run_dir)!r}); print('locked', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # holds until killed
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         problem = precheck([f"hydra.run.dir={run_dir}"])
@@ -428,19 +428,19 @@ def test_checking_a_bad_value_is_quick() -> None:
 
 def test_two_runs_into_one_directory_through_the_command_line(tmp_path: Path) -> None:
     """The second run is refused in one line while the first trains on, undisturbed: its
-    summary is its own seed's, and its lock is gone when it ends."""
+    summary is its own seed's, and its lock is gone when it ends. The first is held at its
+    step 2 (`tests.gates`) until the second has been refused."""
     from tests.conftest import ROOT, read_summary, run_cli
+    from tests.gates import Gate
 
     run_dir = tmp_path / "shared"
+    gate = Gate(tmp_path / "gate", hold_at=2)
     first = subprocess.Popen(
-        [sys.executable, "-m", "runner", "grid.pr=1", "grid.pc=2", "trainer.steps=60",
-         "debug.slow_rank=0", "debug.slow_seconds=0.05",  # long enough to be in the way
-         "seed=1", f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "runner", "grid.pr=1", "grid.pc=2", "trainer.steps=10",
+         *gate.overrides, "seed=1", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (run_dir / "config.yaml").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        gate.wait_held(2, job=first)
         second = run_cli("grid.pr=1", "grid.pc=2", "trainer.steps=5", "seed=2",
                          f"hydra.run.dir={run_dir}", timeout=120)
         assert second.returncode == 2, second.stderr
@@ -448,10 +448,11 @@ def test_two_runs_into_one_directory_through_the_command_line(tmp_path: Path) ->
             line for line in second.stderr.strip().splitlines() if "in use by another run" in line]
         assert f"pid {first.pid}" in second.stderr
     finally:
+        gate.release()
         _, err = first.communicate(timeout=240)
     assert first.returncode == 0, err
     summary = read_summary(run_dir)
-    assert summary["seed"] == 1 and summary["steps"] == 60
+    assert summary["seed"] == 1 and summary["steps"] == 10
     assert not (run_dir / LOCK_FILE).exists()
 
 
