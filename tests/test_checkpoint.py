@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,8 @@ from runner.checkpoint.layout import CheckpointError, latest_checkpoint
 from runner.checkpoint.read import Checkpoint
 from runner.checkpoint.resume import verify_resume
 from runner.core.placement import Placement
-from tests.conftest import ROOT, TIMEOUT_S, assert_ok, read_metrics, read_summary, run_cli
+from tests.conftest import ROOT, assert_ok, read_metrics, read_summary, run_cli
+from tests.gates import Gate
 
 BASE = ["trainer.eval_every=null", "trainer.batch_size=32", "trainer.dtype=float64", "seed=3"]
 GRID = [*BASE, "strategy=grid", "grid.pr=2", "grid.pc=2", "optimizer.momentum=0.9"]
@@ -91,32 +91,30 @@ def test_a_stopped_run_resumes_to_exactly_the_uninterrupted_losses(tmp: Path,
                                                                    reference: Path) -> None:
     """SIGTERM to the command mid-run: a checkpoint, exit 130, and a printed command that
     continues the run (in its own directory, metrics continued) to the reference's losses bit
-    for bit: 2 x 2 grid, momentum, data order, all restored."""
+    for bit: 2 x 2 grid, momentum, data order, all restored. The ranks are held at step 4
+    (`tests.gates`: the default MLP, its weights the same) until the stop reaches them."""
     run_dir = tmp / "interrupted"
-    command = [sys.executable, "-m", "runner", *GRID, "trainer.steps=40",
-               "debug.slow_rank=0", "debug.slow_seconds=0.3", f"hydra.run.dir={run_dir}"]
+    gate = Gate(tmp / "interrupted_gate", hold_at=4)
+    command = [sys.executable, "-m", "runner", *GRID, "trainer.steps=40", *gate.overrides,
+               f"hydra.run.dir={run_dir}"]
     job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline and job.poll() is None:
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
+    gate.wait_held(4, job=job)
     job.send_signal(signal.SIGTERM)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
     assert err.count("stopping: the ranks finish their step") == 1, err
     summary = read_summary(run_dir)
-    assert summary["status"] == "interrupted" and 3 <= summary["step"] < 40
+    # held in step 4's forward, every rank has noted the stop when step 5 agrees on it
+    assert summary["status"] == "interrupted" and summary["step"] == 5, summary
     checkpoint = Path(summary["checkpoint"])
     assert checkpoint == latest_checkpoint(run_dir / "checkpoints")
     resume = next(line for line in err.splitlines() if "python -m runner" in line)
     words = shlex.split(resume[resume.index("python -m runner"):])
     assert words[:3] == ["python", "-m", "runner"] and "trainer.resume=auto" in words
-    # the printed command, less the straggler, continues the run to the reference's losses
-    words = [w for w in words[3:] if not w.startswith("debug.slow")]
-    assert_ok(run_cli(*words))
+    # the printed command continues the run (its ranks held once already: they pass the gate)
+    # to the reference's losses
+    assert_ok(run_cli(*words[3:]))
     resumed = losses(run_dir)
     assert sorted(resumed) == list(range(1, 41))  # the metrics continue, nothing doubled
     assert resumed == losses(reference)
@@ -153,21 +151,21 @@ def _rank_pids(run_dir: Path) -> list[int]:
 
 def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp: Path) -> None:
     """A real write error: after the first checkpoint the ranks' file-size limit drops below a
-    shard's size, so the next shard write fails (EFBIG) on every rank."""
+    shard's size, so the next shard write fails (EFBIG) on every rank. The ranks are held at
+    step 6 (`tests.gates`) while the limit drops."""
     run_dir = tmp / "disk"
+    gate = Gate(tmp / "disk_gate", hold_at=6)
     command = [sys.executable, "-m", "runner", *DATA2, "trainer.steps=40",
-               "trainer.checkpoint_every=5", "debug.slow_rank=0", "debug.slow_seconds=0.1",
-               f"hydra.run.dir={run_dir}"]
+               "trainer.checkpoint_every=5", *gate.overrides, f"hydra.run.dir={run_dir}"]
     job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     first = run_dir / "checkpoints" / "step-00000005"
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline and not (first / "manifest.json").exists():
-        assert job.poll() is None, job.communicate()
-        time.sleep(0.05)
+    gate.wait_held(2, job=job)
+    assert (first / "manifest.json").exists()  # written before any rank began step 6
     shard = (first / "rank-00000.pt").stat().st_size
     for pid in _rank_pids(run_dir):
         resource.prlimit(pid, resource.RLIMIT_FSIZE, (shard // 2, shard // 2))
+    gate.release()
     out, err = job.communicate(timeout=120)
     assert job.returncode not in (0, 2), f"{out}\n{err}"
     assert "not written" in err and "File too large" in err
