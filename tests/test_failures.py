@@ -25,7 +25,9 @@ import pytest
 from runner.core import CommCounter, CommWatchdog, CountedComm
 from runner.core import pace as pace_module
 from runner.core.pace import Deadline, Pace
+from runner.training.supervisor import stop_signal_path
 from tests.conftest import ROOT, TIMEOUT_S, read_summary
+from tests.gates import Gate
 
 DATA4 = ["strategy=data", "grid.pr=1", "grid.pc=4", "trainer.batch_size=32",
          "trainer.eval_every=null"]
@@ -160,7 +162,10 @@ def test_a_hung_rank_ends_the_job_at_the_deadline_its_steps_set_by_default(
 def test_a_head_killed_with_its_process_group_takes_its_ranks_along(tmp_path: Path) -> None:
     """SIGKILL to the head's process group leaves mpiexec (its own session) and the ranks (a
     process group each, under MPICH's hydra) behind; here rank 1 hangs outside any collective
-    and no watchdog is set, so nothing but the head's end can stop them."""
+    and no watchdog is set, so nothing but the head's end can stop them. Killed once rank 0
+    logged step 2: every rank has then passed step 2's collectives, so rank 1 reaches its hang
+    in step 3 whether the head is gone by then or not (a stop is agreed in a step's last
+    collective, after the forward that hangs)."""
     run_dir, stderr = tmp_path / "headless", tmp_path / "head.err"
     with stderr.open("w") as err:
         job = subprocess.Popen(
@@ -171,7 +176,6 @@ def test_a_head_killed_with_its_process_group_takes_its_ranks_along(tmp_path: Pa
     try:
         wait_for_step(job, run_dir, 2)
         assert job.poll() is None, stderr.read_text()
-        time.sleep(1.0)  # rank 1 is in its hang, rank 0 waits in step 3's collective
         os.killpg(job.pid, signal.SIGKILL)
         killed = time.monotonic()
         job.wait(timeout=30)  # its output's pipes are the job's too: not read here
@@ -191,14 +195,19 @@ def test_a_head_killed_with_its_process_group_takes_its_ranks_along(tmp_path: Pa
 
 
 def test_a_second_signal_kills_the_job_at_once(tmp_path: Path) -> None:
+    """The ranks are held in step 2 (`tests.gates`, not released by the stop), so they cannot
+    finish their step before the second signal; that one is sent once the head has taken the
+    first (it wrote the signal for the ranks)."""
     run_dir = tmp_path / "killed_twice"
-    # Steps of 2 s: the ranks cannot finish theirs before the second signal.
-    job = start_cli(*DATA2, "trainer.steps=200", "debug.slow_rank=0", "debug.slow_seconds=2",
-                    f"hydra.run.dir={run_dir}")
-    wait_for_step(job, run_dir, 1)
-    assert job.poll() is None, job.communicate()
+    gate = Gate(tmp_path / "gate", hold_at=2, release_on_stop=False)
+    job = start_cli(*DATA2, "trainer.steps=200", *gate.overrides, f"hydra.run.dir={run_dir}")
+    gate.wait_held(2, job=job)
     job.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    taken = stop_signal_path(run_dir)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not taken.exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.02)
     job.send_signal(signal.SIGINT)
     second = time.monotonic()
     out, err, ended = finish(job, run_dir)
@@ -216,10 +225,9 @@ def test_a_stop_names_the_signal_the_head_got(tmp_path: Path, signum: signal.Sig
     """The head forwards SIGTERM to the job whatever it got; the ranks still name the signal
     the user sent (Ctrl-C is SIGINT), in the summary and the message."""
     run_dir = tmp_path / f"stopped_{signum.name}"
-    job = start_cli(*DATA2, "trainer.steps=200", "debug.slow_rank=0", "debug.slow_seconds=0.3",
-                    f"hydra.run.dir={run_dir}")
-    wait_for_step(job, run_dir, 1)
-    assert job.poll() is None, job.communicate()
+    gate = Gate(tmp_path / "gate", hold_at=2)  # held in step 2 until the stop reaches them
+    job = start_cli(*DATA2, "trainer.steps=200", *gate.overrides, f"hydra.run.dir={run_dir}")
+    gate.wait_held(2, job=job)
     job.send_signal(signum)
     out, err, _ = finish(job, run_dir)
     assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
@@ -234,17 +242,18 @@ def test_a_stop_names_the_signal_the_head_got(tmp_path: Path, signum: signal.Sig
 
 def test_replicas_that_meet_every_4th_step_stop_together_on_one(tmp_path: Path) -> None:
     """`sync_easgd` with τ = 4: between exchanges the replicas make no collective with each
-    other, so a stop request is held until the next exchange step, where they all stop."""
+    other, so a stop request is held until the next exchange step, where they all stop. The
+    ranks get it in step 2 (held there by `tests.gates` until it reaches them)."""
     run_dir = tmp_path / "held_stop"
+    gate = Gate(tmp_path / "gate", hold_at=2)
     job = start_cli(*DATA2, "optimizer=sync_easgd", "optimizer.period=4", "trainer.steps=200",
-                    "debug.slow_rank=0", "debug.slow_seconds=0.1", f"hydra.run.dir={run_dir}")
-    wait_for_step(job, run_dir, 1)
-    assert job.poll() is None, job.communicate()
+                    *gate.overrides, f"hydra.run.dir={run_dir}")
+    gate.wait_held(2, job=job)
     job.send_signal(signal.SIGTERM)
     out, err, _ = finish(job, run_dir)
     assert job.returncode == 130, f"exit {job.returncode}\n{out}\n{err}"
     summary = read_summary(run_dir)
-    assert summary["status"] == "interrupted" and summary["step"] % 4 == 0, summary
+    assert summary["status"] == "interrupted" and summary["step"] == 4, summary
     assert summary["checkpoint"].endswith(f"step-{summary['step']:08d}"), summary
 
 
