@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -188,8 +187,9 @@ def conserves(optimizer_cls: type[ParameterServer], grid: ProcessGrid, lr: float
 
 
 class UnlockedMSGD(AsyncMSGD):
-    """`async_msgd` without its lock, every replica at piece 0 first and slow inside: the
-    read-modify-writes of V overlap (the negative control of the invariant)."""
+    """`async_msgd` without its lock, every replica at piece 0 first, and every replica's read
+    of a piece of V made before any writes it back (a barrier between): the read-modify-writes
+    of V overlap every time (the negative control of the invariant)."""
 
     def step(self, step: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.owned]
@@ -201,7 +201,7 @@ class UnlockedMSGD(AsyncMSGD):
     def _serve(self, owner: int) -> None:
         piece = self.weights.piece(owner)
         velocity = self.velocity.read(owner, self._velocity_read[piece])
-        time.sleep(0.003)
+        WORLD.Barrier()
         velocity.mul_(self.momentum).add_(self.pushed[piece])
         self.velocity.write(owner, velocity)
         self.weights.add(owner, velocity)

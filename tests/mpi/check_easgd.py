@@ -1,7 +1,7 @@
 """The elastic averaging family on real ranks, in one launch: `mpiexec -n 4 python THIS TMPDIR`.
 
-- the one-sided vector: pieces read and added without their owner's help (an owner asleep for
-  a second delays nobody), the ticket lock excludes, the turn counter orders;
+- the one-sided vector: pieces read and added without their owner's help (an owner outside MPI
+  until the others are done), the ticket lock excludes, the turn counter orders;
 - `sync_easgd` against a two-step example worked by hand, and `easgd` against the same example
   served in rank order; with Nesterov momentum against EAMSGD (Algorithm 2) written out; ρ = 0
   is independent SGD per replica (plain, heavy-ball and Nesterov momentum as torch's);
@@ -9,14 +9,16 @@
 - `sync_easgd` is deterministic and the same mathematics under `grid` 2×2 and `domain` 2×2 (a
   replica is a model group, the centre sharded like the weights) as under `data` 1×2;
 - every method reaches 0.9 validation accuracy on digits;
-- with rank 3 sleeping in every step, the other workers run at ≥ 2.5 times its rate under
-  every asynchronous method (`async_easgd`, `hogwild_easgd`, `async_sgd`, `async_msgd`,
-  `hogwild_sgd`), while under `sync_easgd` they fall to the straggler's pace.
+- with rank 3 held before its step 2, the other workers finish their steps under every
+  asynchronous method (`async_easgd`, `hogwild_easgd`, `async_sgd`, `async_msgd`,
+  `hogwild_sgd`), while under `sync_easgd` none begins a step before a straggling rank 3 has
+  begun the one before.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from runner.core import ProcessGrid
 from runner.core.rma import OneSidedVector
 from runner.optim.easgd import RoundRobinEASGD, SyncEASGD
 from strategies.data import DataParallel
+from tests.gates import read_ahead
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -43,26 +46,35 @@ def sub_grid(pr: int, pc: int) -> ProcessGrid | None:
     return None if sub == MPI.COMM_NULL else ProcessGrid(pr, pc, sub)
 
 
-OWNER_SLEEP_S = 2.0
+OWNER_WAIT_S = 60.0  # a safety net: the others' exchanges take well under a second
 
 
 @check
 def one_sided_pieces_need_no_help_from_their_owner() -> None:
     grid = ProcessGrid(1, SIZE, WORLD)
+    done = OUT / "owner_away"  # a file per other rank once its exchanges are made
+    if RANK == 0:
+        shutil.rmtree(done, ignore_errors=True)
+        done.mkdir(parents=True)
     shared = OneSidedVector(grid.batch, torch.arange(10, dtype=torch.float64), label="t")
+    WORLD.Barrier()
     if RANK == SIZE - 1:
-        time.sleep(OWNER_SLEEP_S)  # not in MPI: its piece must still be readable and writable
+        # Not in MPI until every other rank has made its 20 exchanges with this rank's piece:
+        # had they needed its help, they could not finish.
+        deadline = time.monotonic() + OWNER_WAIT_S
+        while len(list(done.iterdir())) < SIZE - 1:
+            assert time.monotonic() < deadline, (
+                f"the others' exchanges with a piece whose owner is away did not finish within "
+                f"{OWNER_WAIT_S:.0f} s")
+            time.sleep(0.01)
     else:
-        start = time.perf_counter()
         for _ in range(20):
             shared.acquire(SIZE - 1)
             piece = shared.read(SIZE - 1, torch.empty(len(range(10)[shared.piece(SIZE - 1)]),
                                                       dtype=torch.float64))
             shared.add(SIZE - 1, torch.ones_like(piece))
             shared.release(SIZE - 1)
-        took = time.perf_counter() - start
-        # needing the owner would take the whole sleep; half leaves room for a busy machine
-        assert took < OWNER_SLEEP_S / 2, f"20 exchanges with a sleeping owner took {took:.2f} s"
+        (done / str(RANK)).touch()
     WORLD.Barrier()
     whole = shared.read_all(torch.empty(10, dtype=torch.float64))
     expected = torch.arange(10, dtype=torch.float64)
@@ -294,27 +306,38 @@ ASYNCHRONOUS = ("async_easgd", "hogwild_easgd", "async_sgd", "async_msgd", "hogw
 
 @check
 def asynchronous_methods_do_not_wait_for_a_straggler() -> None:
-    # Rank 3 sleeps 40 ms in every step, so it cannot pass 25 steps/s. A replica that waited
-    # for it, even once every few steps, would be held near its rate; one that never waits
-    # runs at its own pace, several times faster. Each rank's rate counts its steps alone (not
-    # the end, where all meet). The others' rates are summed: with four ranks on two cores a
-    # single worker's rate swings threefold with the scheduler, while the straggler's sleep
-    # bounds its rate whatever the load, so the comparison needs no unslowed run.
+    # Rank 3 is held before its step 2 until every other rank has begun its last step, which
+    # they can only if they never wait for it (each notes the step it begins: tests.gates);
+    # under sync_easgd it sleeps 40 ms in every step instead, and no other rank ever begins a
+    # step before it has begun the one before (they meet in every step).
     grid = ProcessGrid(1, SIZE, WORLD)
-    straggler = {"slow_rank": SIZE - 1, "slow_seconds": 0.04}
-    ratios = {}
+    steps, straggler = 20, SIZE - 1
+    furthest = {}
     for name in (*ASYNCHRONOUS, "sync_easgd"):  # each optimizer's default lr
-        path = train_run(config({"name": name}, steps=20, debug=straggler),
-                         OUT / f"straggler_{name}", grid)
+        progress = OUT / f"straggler_{name}_progress"
         if RANK == 0:
-            rates = summary(path)["steps_per_s_by_rank"]
-            ratios[name] = sum(rates[:SIZE - 1]) / (SIZE - 1) / rates[SIZE - 1]
+            shutil.rmtree(progress, ignore_errors=True)
+        WORLD.Barrier()
+        run = config({"name": name}, steps=steps,
+                     debug={"slow_rank": straggler, "slow_seconds": 0.04}
+                     if name == "sync_easgd" else None)
+        run["model"] = {"_target_": "tests.gates.paced_mlp", "progress": str(progress),
+                        "straggler": straggler, "hold_until": 0 if name == "sync_easgd" else steps,
+                        "hidden": [64], "activation": "relu"}
+        train_run(run, OUT / f"straggler_{name}", grid)
+        if RANK == 0:
+            furthest[name] = read_ahead(progress)
     if RANK == 0:
-        print(f"straggler: the others' mean step rate over the straggler's "
-              f"{json.dumps(ratios)}", flush=True)
+        # the furthest step another rank had begun as the straggler began its step 2; the most
+        # steps another was ahead of it under sync_easgd
+        at_two = {name: dict(furthest[name]).get(2) for name in ASYNCHRONOUS}
+        lead = max(other - mine for mine, other in furthest["sync_easgd"])
+        print(f"straggler: the others' step at its step 2 {json.dumps(at_two)}; under "
+              f"sync_easgd at most {lead} ahead", flush=True)
         for name in ASYNCHRONOUS:
-            assert ratios[name] >= 2.5, f"{name} waits for the straggler: {ratios}"
-        assert ratios["sync_easgd"] < 1.5, f"sync_easgd did not wait for the straggler: {ratios}"
+            assert at_two[name] == steps, f"{name}: {furthest[name]}"
+        assert len(furthest["sync_easgd"]) == steps and lead <= 0, (
+            f"sync_easgd did not wait for the straggler: {furthest['sync_easgd']}")
 
 
 if __name__ == "__main__":
