@@ -23,7 +23,13 @@ import pytest
 
 from runner.cli.mpijob import MPIJob
 from runner.core import CommCounter
-from runner.core.watchdog import CommProgress, CommWatchdog, absent_ranks, describe_absent
+from runner.core.watchdog import (
+    CommProgress,
+    CommWatchdog,
+    ProgressSharing,
+    absent_ranks,
+    describe_absent,
+)
 from runner.records.rundir import RunDir
 from runner.training import interrupt, rank, supervisor
 from tests.conftest import read_summary
@@ -91,9 +97,9 @@ def test_the_watchdog_publishes_progress_and_names_the_rank_that_did_not_arrive(
         return {0: CommProgress(0, 2, now - 5, None, now),
                 2: CommProgress(2, 2, now, waiting, now)}
 
+    sharing = ProgressSharing(publish=published.append, peers=peers, publish_every=0.05)
     watchdog = CommWatchdog(counter, 0.2, 1, lambda message, _: fired.append(message),
-                            interval=0.02, publish=published.append, peers=peers,
-                            publish_every=0.05)
+                            interval=0.02, sharing=sharing)
     with watchdog:
         counter.totals.calls = 2  # two operations completed
         time.sleep(0.2)

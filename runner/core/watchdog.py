@@ -17,13 +17,13 @@ device (a loss read with `.item()`), outside any collective. So what the thread 
 device has not completed (its CUDA event not reached), counted from when the host issued it.
 A collective that hangs on the GPU therefore ends the job as one that hangs on the host does.
 
-The rank that times out is the one that waited, not the one that hung. To name the latter, the
-same thread also keeps a `CommProgress` of its rank (how many operations it completed, when the
-count last moved, what it is in now) and hands it to `publish` about once a second; on timeout it
-asks `peers` for the latest progress of the other ranks of the group and names those that are not
-in the same operation (`absent_ranks`). How progress travels between ranks (files in the run
-directory, in `runner.training.rank`) is the caller's business: no MPI traffic, nothing on the hot
-path.
+The rank that times out is the one that waited, not the one that hung. To name the latter, the same
+thread also keeps a `CommProgress` of its rank (how many operations it completed, when the count
+last moved, what it is in now) and hands it to `publish` about once a second; on timeout it asks
+`peers` for the latest progress of the other ranks of the group (both: `ProgressSharing`) and names
+those that are not in the same operation (`absent_ranks`). How progress travels between ranks (files
+in the run directory, in `runner.training.rank`) is the caller's business: no MPI traffic, nothing
+on the hot path.
 
 On timeout the thread writes one line to stderr and to the rank's log, then calls `on_timeout`
 (the worker records the failure and calls MPI Abort from this thread, which ends the whole job
@@ -155,26 +155,38 @@ def describe_absent(absent: list[Absence], limit: int = NAMED_ABSENT) -> str:
     return "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class ProgressSharing:
+    """How a watchdog shares its rank's progress with the other ranks' watchdogs (how it
+    travels is the caller's business: module docstring).
+
+    With `publish`, the watchdog's thread hands this rank's `CommWatchdog.progress()` to it
+    every `publish_every` seconds (from the thread: a slow file system never delays training).
+    With `peers`, a timeout asks it for the other ranks' latest progress (`peers(in_flight)`:
+    the other ranks of that operation's group by rank, None where none is known) and waits up
+    to `settle_s` for snapshots taken after the timeout."""
+
+    publish: Callable[[CommProgress], None] | None = None
+    peers: Callable[[InFlight], Mapping[int, CommProgress | None]] | None = None
+    publish_every: float = 1.0
+    settle_s: float | None = None
+
+
 class CommWatchdog:
     """Watches `counter.watched()` from a daemon thread; `on_timeout(message, in_flight)` runs
     in that thread, once, when one operation has been in flight longer than its deadline:
     `timeout_s`, or with `paced`, the deadline `counter.pace` derives from the steps timed so
     far, at most `timeout_s` (`runner.core.pace`); the one that fired is in `deadline`.
 
-    With `publish`, the thread hands this rank's `progress()` to it every `publish_every`
-    seconds (from the thread: a slow file system never delays training). With `peers`, a
-    timeout asks it for the other ranks' latest progress (`peers(in_flight)`: the other ranks
-    of that operation's group by rank, None where none is known), waits up to `settle_s` for
-    snapshots taken after the timeout, and names the ranks that did not arrive in the message
-    and in `absent` (set before `on_timeout` runs)."""
+    With `sharing`, the thread publishes this rank's progress and, on a timeout, reads the
+    peers' (`ProgressSharing`) to name the ranks that did not arrive, in the message and in
+    `absent` (set before `on_timeout` runs)."""
 
     def __init__(self, counter: CommCounter, timeout_s: float, rank: int,
                  on_timeout: Callable[[str, InFlight], None], *,
                  setting: str = "the communication timeout",
                  interval: float | None = None,
-                 publish: Callable[[CommProgress], None] | None = None,
-                 peers: Callable[[InFlight], Mapping[int, CommProgress | None]] | None = None,
-                 publish_every: float = 1.0, settle_s: float | None = None,
+                 sharing: ProgressSharing = ProgressSharing(),
                  paced: bool = False) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -185,12 +197,13 @@ class CommWatchdog:
         self.setting = setting
         # Late by at most `interval`: a tenth of the timeout, checked at least once a second.
         self.interval = interval if interval is not None else min(1.0, timeout_s / 10)
-        self.publish = publish
-        self.peers = peers
-        self.publish_every = publish_every
+        self.publish = sharing.publish
+        self.peers = sharing.peers
+        self.publish_every = sharing.publish_every
         # Every peer that still runs its watchdog publishes within `publish_every` of a
         # timeout: a little more than that is enough to hear from all of them.
-        self.settle_s = settle_s if settle_s is not None else publish_every + 0.5
+        self.settle_s = (sharing.settle_s if sharing.settle_s is not None
+                         else sharing.publish_every + 0.5)
         self.paced = paced
         self.fired: str | None = None
         self.deadline: Deadline | None = None

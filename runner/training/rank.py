@@ -247,6 +247,7 @@ def _start_watchdog(timeout_s: float | None, grid: ProcessGrid, directory: RunDi
     if timeout_s is None or mpi_comm is None or grid.size == 1:
         return None
     from runner.core import CommWatchdog
+    from runner.core.watchdog import ProgressSharing
 
     rank = grid.rank
     mine = progress_path(directory.path, rank)
@@ -268,10 +269,10 @@ def _start_watchdog(timeout_s: float | None, grid: ProcessGrid, directory: RunDi
         time.sleep(ABORT_GRACE_S)  # let the message through the launcher's pipes first
         mpi_comm.Abort(1)  # from this thread: the main thread is blocked in the collective
 
+    sharing = ProgressSharing(publish=lambda progress: _write_progress(mine, progress),
+                              peers=peers)
     watchdog = CommWatchdog(grid.counter, timeout_s, rank, on_timeout,
-                            setting="trainer.comm_timeout_s",
-                            publish=lambda progress: _write_progress(mine, progress),
-                            peers=peers, paced=True)
+                            setting="trainer.comm_timeout_s", sharing=sharing, paced=True)
     return watchdog.start()
 
 
