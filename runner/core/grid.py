@@ -8,9 +8,9 @@ World rank = batch_index · Pr + model_index, so a model group is a block of con
 The groups are MPI Cartesian communicators; `backend` says how their collectives travel:
 "mpi" (mpi4py on those communicators) or "torch" (torch.distributed process groups over the same
 ranks, in the same order: `runner.core.torch_transport`, which needs
-`runner.core.torchdist.init_torch_distributed` first).
-Under either backend the grid keeps its MPI communicators (`CountedComm.communicator`): the
-one-sided windows of `runner.core.rma` (the EASGD family's centre) are MPI's and stay on MPI.
+`runner.core.torchdist.init_torch_distributed` first). Under either backend the grid keeps its
+MPI communicators (`CountedComm.communicator`): the one-sided windows of `runner.core.rma` (the
+EASGD family's centre) are MPI's and stay on MPI.
 
 Device tensors (`devices`, a `DevicePaths`): a transport that moves host memory only (an MPI
 without CUDA support; gloo) is wrapped in `runner.core.staging.StagedTransport`, which copies

@@ -33,8 +33,8 @@ first and names the rank that did not arrive (`process_group_timeout`).
 Backends by device: an operation goes to the backend of its tensors' device (`backend_for`):
 gloo for host tensors, NCCL for CUDA tensors when the grid asks for it (`device_types=("cpu",
 "cuda")`: every rank has a GPU of its own; NCCL refuses two ranks on one GPU, "Duplicate GPU
-detected"). Otherwise the grid stages CUDA tensors
-through host buffers into gloo (`runner.core.staging`).
+detected"). Otherwise the grid stages CUDA tensors through host buffers into gloo
+(`runner.core.staging`).
 
 The transports over these groups (`TorchTransport`, `LocalTransport`: which call each operation
 makes under NCCL and on gloo) are `runner.core.torch_transport`'s.

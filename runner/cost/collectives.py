@@ -242,10 +242,9 @@ def choose_sparse_mode(p: int, num_rows: int, row_bytes: int, counts: Sequence[f
                        costs: MachineCosts,
                        modes: Sequence[SparseMode] = SPARSE_MODES) -> SparseMode:
     """The mode with the least time for the busiest rank — communication (α–β and the calls'
-    cost) plus local work
-    (`sparse_local_time`) — given every rank's row count. A pure function of values every rank
-    holds alike, so every rank chooses the same mode (ties go to the earlier mode in
-    SPARSE_MODES: dense first)."""
+    cost) plus local work (`sparse_local_time`) — given every rank's row count. A pure function
+    of values every rank holds alike, so every rank chooses the same mode (ties go to the
+    earlier mode in SPARSE_MODES: dense first)."""
     rows = TableRows(num_rows, row_bytes, max(counts), sum(counts))
 
     def cost(mode: SparseMode) -> float:

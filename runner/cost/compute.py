@@ -4,10 +4,10 @@ them, and the wait of ranks sharing cores. What a whole layer, or an operator a 
 `forward` runs, costs at these rates is `runner.cost.layers`'s.
 
 A training step's time is compute + communication + wait; `runner.cost.collectives` prices the
-communication, this module and `runner.cost.layers` the compute. The rates (`ComputeRates`) are
-measured by `python -m runner.plan plan.calibrate=true`
-(`runner.plan.calibration.measure_compute`) and found again by
-`runner.config.machine.load_compute_rates`; until then `DEFAULT_RATES` stand in.
+communication, this module and `runner.cost.layers` the compute. The rates (`ComputeRates`)
+are measured by `python -m runner.plan plan.calibrate=true` (`runner.plan.calibration`'s
+`measure_compute`) and found again by `runner.config.machine.load_compute_rates`; until then
+`DEFAULT_RATES` stand in.
 
 The model, per operation a rank's layer issues (float32 throughout):
 
