@@ -8,6 +8,7 @@ one).
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from runner.core.watchdog import (
 from runner.records.rundir import RunDir
 from runner.training import interrupt, rank, supervisor
 from tests.conftest import read_summary
+from tests.gates import Gate
 from tests.test_failures import finish, job_processes, start_cli
 
 NOW = 1_000_000.0
@@ -268,26 +270,27 @@ def _fill(disk: Path, name: str) -> None:
 
 
 def test_a_disk_that_fills_up_during_training_is_named_by_the_head(small_disk: Path) -> None:
-    """The disk fills up just after metrics.jsonl began a new page: the line that needs the
-    next one fails on rank 0, with the disk still full, so rank 0 cannot write summary.json
-    either; the head names the rank, the file and the reason all the same (the rank told its
-    supervisor, whose record was reserved at the start), and writes the summary once the job's
-    records are gone."""
+    """The disk fills up while the ranks are held in step 2 (`tests.gates`), metrics.jsonl's
+    first page part written: the line that needs the next page fails on rank 0, with the disk
+    still full, so rank 0 cannot write summary.json either; the head names the rank, the file
+    and the reason all the same (the rank told its supervisor, whose record was reserved at the
+    start), and writes the summary once the job's records are gone."""
     run_dir = small_disk / "run"
-    metrics = run_dir / "metrics.jsonl"
-    job = start_cli(*DATA2, "trainer.steps=300", "debug.slow_rank=0", "debug.slow_seconds=0.2",
-                    f"hydra.run.dir={run_dir}")
-    deadline = time.monotonic() + 240
-    while job.poll() is None and time.monotonic() < deadline:
-        if metrics.exists() and metrics.stat().st_size > PAGE:
-            break
-        time.sleep(0.02)
-    assert job.poll() is None, job.communicate()
-    _fill(small_disk, "filler")
-    # A page a progress record frees as it is replaced may float a while: taken again.
-    for attempt in range(4):
-        time.sleep(0.3)
+    metrics, ranks = run_dir / "metrics.jsonl", run_dir / ".ranks"
+    gate = Gate(small_disk.parent / "gate", hold_at=2)  # off the small disk: it is filled
+    job = start_cli(*DATA2, "trainer.steps=300", *gate.overrides, f"hydra.run.dir={run_dir}")
+    gate.wait_held(2, job=job)
+    assert 0 < metrics.stat().st_size < PAGE
+    # The watchdogs' progress records go too: a rank removes its own as it ends, and the page
+    # that frees would take rank 0's summary. Once the disk is full with none left (nor one
+    # being written: a new record's file), none can be written again.
+    for attempt in itertools.count():
+        for record in [*ranks.glob("progress-*"), *ranks.glob(".progress-*")]:
+            record.unlink(missing_ok=True)
         _fill(small_disk, f"filler{attempt}")
+        if not [*ranks.glob("progress-*"), *ranks.glob(".progress-*")]:
+            break
+    gate.release()
     out, err, _ = finish(job, run_dir)
     assert job.returncode not in (0, 2), f"exit {job.returncode}\n{out}\n{err}"
     reason = f"cannot write {metrics}: No space left on device (ENOSPC)"
