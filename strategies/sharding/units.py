@@ -124,8 +124,15 @@ class SplitParameter:
         return max(self.rows.sizes) * self.row_elements
 
 
-def unit_parameters(model: nn.Module, paths: list[str]
-                    ) -> dict[str, list[tuple[str, list[Holder], nn.Parameter]]]:
+UnitParameters = list[tuple[str, list[Holder], nn.Parameter]]  # (name, slots, parameter)
+
+
+def trains(params: UnitParameters) -> bool:
+    """Whether any of a unit's parameters needs gradients."""
+    return any(p.requires_grad for _, _, p in params)
+
+
+def unit_parameters(model: nn.Module, paths: list[str]) -> dict[str, UnitParameters]:
     """Each unit's parameters (name, slots, parameter) in `named_parameters` order: a
     parameter goes to the innermost unit holding every module that holds it."""
     holders: dict[int, list[Holder]] = {}
@@ -135,7 +142,7 @@ def unit_parameters(model: nn.Module, paths: list[str]
             if param is not None:
                 holders.setdefault(id(param), []).append(Holder(module, pname))
                 holder_paths.setdefault(id(param), []).append(name)
-    found: dict[str, list[tuple[str, list[Holder], nn.Parameter]]] = {p: [] for p in paths}
+    found: dict[str, UnitParameters] = {p: [] for p in paths}
     ordered = sorted(paths, key=lambda p: -len(p.split(".")) if p else 0)
     for name, param in model.named_parameters():
         owners = holder_paths[id(param)]
@@ -147,6 +154,41 @@ def unit_parameters(model: nn.Module, paths: list[str]
 def within(path: str, unit: str) -> bool:
     """Whether the module at `path` is `unit`'s module or inside it."""
     return unit == ROOT or path == unit or path.startswith(unit + ".")
+
+
+@dataclass
+class ShardedParameters:
+    """A model's parameters over `ranks` ranks: each unit's split by rows (`split`, by unit
+    path), and those of fewer rows than ranks, whole on every rank (`whole`, by name)."""
+
+    split: dict[str, UnitParameters]
+    whole: list[tuple[str, nn.Parameter]]
+    ranks: int
+
+    @staticmethod
+    def of(model: nn.Module, units: str | list[str], ranks: int) -> ShardedParameters:
+        """The parameters of `model`'s units (`unit_paths`) over `ranks` ranks."""
+        split: dict[str, UnitParameters] = {}
+        whole: list[tuple[str, nn.Parameter]] = []
+        for path, params in unit_parameters(model, unit_paths(model, units)).items():
+            split[path] = [(n, h, p) for n, h, p in params if p.dim() and p.shape[0] >= ranks]
+            whole += [(n, p) for n, h, p in params if not (p.dim() and p.shape[0] >= ranks)]
+        return ShardedParameters(split, whole, ranks)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What a model's units are sharded by, the same for each: the ranks that split their
+    parameters (`comm`), the stage, the gradients' factor (None: 1/P of those ranks, the mean
+    of their losses; on a grid of Pr x Pc ranks 1/(Pr Pc)) and, on a grid of Pr > 1, the model
+    group and the ids of the parameters every rank of a model group holds whole, whose pieces'
+    gradients are summed over the model group too."""
+
+    comm: CountedComm
+    stage: int
+    scale: float | None = None
+    model_comm: CountedComm | None = None
+    summed: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -232,15 +274,12 @@ class ShardedUnit:
     model_comm: CountedComm | None = None
 
     @staticmethod
-    def split(path: str, module: nn.Module,
-              params: list[tuple[str, list[Holder], nn.Parameter]], comm: CountedComm,
-              stage: int, gather_dtype: torch.dtype | None = None, scale: float | None = None,
-              model_comm: CountedComm | None = None,
-              summed: frozenset[int] = frozenset()) -> ShardedUnit:
+    def split(path: str, module: nn.Module, params: UnitParameters, sharding: Sharding,
+              gather_dtype: torch.dtype | None = None) -> ShardedUnit:
         """Replace each parameter's slots by this rank's rows of it; `gather_dtype`: the type
         the whole parameters are gathered in (bf16 training: half the bytes, the pieces and
-        their optimizer state staying float32), None: the parameters' own. `summed`: the ids
-        of the parameters whose pieces' gradients are summed over `model_comm` too."""
+        their optimizer state staying float32), None: the parameters' own."""
+        comm, model_comm = sharding.comm, sharding.model_comm
         split = []
         for name, holders, param in params:
             rows = Partition(param.shape[0], comm.size)
@@ -250,9 +289,9 @@ class ShardedUnit:
             for holder in holders:
                 holder.module._parameters[holder.name] = piece
             split.append(SplitParameter(name, holders, param.shape, rows,
-                                        model_comm is not None and id(param) in summed))
-        return ShardedUnit(path, module, split, comm, stage, gather_dtype=gather_dtype,
-                           scale=scale, model_comm=model_comm)
+                                        model_comm is not None and id(param) in sharding.summed))
+        return ShardedUnit(path, module, split, comm, sharding.stage, gather_dtype=gather_dtype,
+                           scale=sharding.scale, model_comm=model_comm)
 
     @property
     def whole_bytes(self) -> int:
