@@ -1,5 +1,6 @@
-"""Sharded data parallelism (strategies/fsdp.py) against one process, in the launch of
-`check_plans.py` (which imports this script): `mpiexec -n 4 python check_plans.py`.
+"""Sharded data parallelism (strategies/fsdp.py, its machinery in strategies/sharding/) against
+one process, in the launch of `check_plans.py` (which imports this script):
+`mpiexec -n 4 python check_plans.py`.
 
 gridrun's MLP, ResNet (BatchNorm with one process's statistics) and GPT (tied embedding and
 head), the transformers library's Llama, in float64, under strategy=fsdp 1x2 and 1x4 at stages
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,18 +54,28 @@ def optimizer(params: list[nn.Parameter], name: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def compare(factory: Callable[[], nn.Module], sample: tuple[int, ...], stage: int,
-            shape: tuple[int, int], tokens: bool, opt: str = "sgd",
+@dataclass(frozen=True)
+class Net:
+    """A model to shard: how it is built, one sample's shape, and whether it reads token ids
+    (else features, one class per sample)."""
+
+    build: Callable[[], nn.Module]
+    sample: tuple[int, ...]
+    tokens: bool
+
+
+def compare(net: Net, stage: int, shape: tuple[int, int], opt: str = "sgd",
             units: str | list[str] = "auto", plan: dict[str, str] | None = None,
             prefetch: bool = True) -> None:
     grid: ProcessGrid | None = GRIDS[shape]
     if grid is None:
         return
-    what = (f"{factory.__name__} fsdp stage {stage} {shape[0]}x{shape[1]} {opt}"
+    sample, tokens = net.sample, net.tokens
+    what = (f"{net.build.__name__} fsdp stage {stage} {shape[0]}x{shape[1]} {opt}"
             f"{'' if prefetch else ' no prefetch'}")
     strategy = STRATEGIES.get("fsdp")(stage=stage, units=units, bucket_cap_mb=0.004,
                                       first_bucket_mb=0.001, plan=plan, prefetch=prefetch)
-    seq = built(factory, tokens)
+    seq = built(net.build, tokens)
     assert strategy.check(grid.shape, BATCH) == [], what
     assert strategy.check_model(seq, sample, grid.shape) == [], (
         what, strategy.check_model(seq, sample, grid.shape))
@@ -126,21 +138,28 @@ def llama_net() -> nn.Module:
     return plan_models.hf_llama(VOCAB, (T,))
 
 
+MLP = Net(mlp_net, (1, 4, 4), tokens=False)
+SHIFTED = Net(shifted_net, (8,), tokens=False)
+RESNET = Net(resnet_net, (3, 8, 8), tokens=False)
+GPT_NET = Net(gpt_net, (T,), tokens=True)
+LLAMA = Net(llama_net, (T,), tokens=True)
+
+
 @check
 def sharded_data_parallelism_equals_one_process_at_every_stage() -> None:
     for stage in (1, 2, 3):
-        compare(mlp_net, (1, 4, 4), stage, (1, 4), tokens=False)
-        compare(gpt_net, (T,), stage, (1, 4), tokens=True)
-    compare(mlp_net, (1, 4, 4), 3, (1, 2), tokens=False, opt="adamw")
-    compare(resnet_net, (3, 8, 8), 3, (1, 2), tokens=False)
-    compare(gpt_net, (T,), 2, (1, 2), tokens=True, opt="adamw", units=["blocks.*"])
-    compare(shifted_net, (8,), 3, (1, 2), tokens=False)  # backward's prefetch holds the most
+        compare(MLP, stage, (1, 4))
+        compare(GPT_NET, stage, (1, 4))
+    compare(MLP, 3, (1, 2), opt="adamw")
+    compare(RESNET, 3, (1, 2))
+    compare(GPT_NET, 2, (1, 2), opt="adamw", units=["blocks.*"])
+    compare(SHIFTED, 3, (1, 2))  # backward's prefetch holds the most
     # every gather when its unit starts, every regather when backward first reads it
-    compare(gpt_net, (T,), 3, (1, 2), tokens=True, prefetch=False)
-    compare(shifted_net, (8,), 1, (1, 2), tokens=False, prefetch=False)
+    compare(GPT_NET, 3, (1, 2), prefetch=False)
+    compare(SHIFTED, 1, (1, 2), prefetch=False)
     if HAVE_TRANSFORMERS:
-        compare(llama_net, (T,), 3, (1, 4), tokens=True, opt="adamw")
-        compare(llama_net, (T,), 1, (1, 2), tokens=True, units=["LlamaDecoderLayer"])
+        compare(LLAMA, 3, (1, 4), opt="adamw")
+        compare(LLAMA, 1, (1, 2), units=["LlamaDecoderLayer"])
 
 
 @check
@@ -148,12 +167,12 @@ def two_dimensional_sharding_equals_one_process() -> None:
     """grid.pr=2: GPT split by its tensor parallelism, Llama by its declared plan, the MLP and
     ResNet by a plan given; each rank's part sharded over its batch group, the pieces of what a
     model group holds whole summed over the model group too."""
-    compare(gpt_net, (T,), 3, (2, 2), tokens=True)
-    compare(gpt_net, (T,), 1, (2, 2), tokens=True, opt="adamw")
-    compare(mlp_net, (1, 4, 4), 2, (2, 2), tokens=False, plan={"1": "colwise", "3": "rowwise"})
-    compare(resnet_net, (3, 8, 8), 3, (2, 2), tokens=False, plan={"fc": "colwise"})
+    compare(GPT_NET, 3, (2, 2))
+    compare(GPT_NET, 1, (2, 2), opt="adamw")
+    compare(MLP, 2, (2, 2), plan={"1": "colwise", "3": "rowwise"})
+    compare(RESNET, 3, (2, 2), plan={"fc": "colwise"})
     if HAVE_TRANSFORMERS:
-        compare(llama_net, (T,), 2, (2, 2), tokens=True, opt="adamw")
+        compare(LLAMA, 2, (2, 2), opt="adamw")
 
 
 @check
@@ -162,20 +181,19 @@ def bf16_training_gathers_half_the_bytes_and_trains_as_one_process() -> None:
     bf16, the pieces and AdamW's state float32; the losses within bf16's rounding of one
     process's under the same autocast. At 1x2 (the MLP) and 2x2 (GPT's tensor parallelism,
     whose embedding all-reduce then moves the bf16 rows the gathered table gives)."""
-    for shape, factory, sample, tokens in (((1, 2), mlp_net, (1, 4, 4), False),
-                                           ((2, 2), gpt_net, (T,), True)):
+    for shape, net in (((1, 2), MLP), ((2, 2), GPT_NET)):
         grid: ProcessGrid | None = GRIDS[shape]
         if grid is not None:
-            train_bf16(grid, factory, sample, tokens)
+            train_bf16(grid, net)
 
 
-def train_bf16(grid: ProcessGrid, factory: Callable[[], nn.Module], sample: tuple[int, ...],
-               tokens: bool) -> None:
-    what = f"{factory.__name__} bf16 {grid.pr}x{grid.pc}"
+def train_bf16(grid: ProcessGrid, net: Net) -> None:
+    sample, tokens = net.sample, net.tokens
+    what = f"{net.build.__name__} bf16 {grid.pr}x{grid.pc}"
     half = STRATEGIES.get("fsdp")(pricing=PricingContext(compute_dtype=torch.bfloat16))
     full = STRATEGIES.get("fsdp")()
     torch.manual_seed(3)
-    seq = factory()
+    seq = net.build()
     place_whole(seq)
     ops = half.predict_ops(seq, sample, grid.shape, BATCH)
     def gathered(ops: list[CommOp]) -> int:
