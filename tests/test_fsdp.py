@@ -13,6 +13,7 @@ from torch import nn
 from runner.core import GridShape
 from runner.zoo.models import mlp
 from strategies import STRATEGIES
+from strategies.sharding.memory import HeldWhole, gathered_peak
 from strategies.sharding.units import unit_parameters, unit_paths, unmatched_patterns
 from strategies.transformer.gpt import GPT
 from tests.conftest import assert_ok, read_summary, run_cli_together, train_losses
@@ -78,6 +79,21 @@ def test_prefetch_holds_the_next_units_gather_from_its_issue() -> None:
                for p in (True, False))
     assert {k: v for k, v in on.items() if k != "gathered parameters"} == {
         k: v for k, v in off.items() if k != "gathered parameters"}
+
+
+def test_gathered_peak_replays_the_hooks_on_one_forwards_entries_and_exits() -> None:
+    """Units a, b, c run in turn (1, 10 and 100 bytes whole). Stage 3: one at a time, with
+    prefetch also the next (b and c at once); units autograd keeps add up; a recomputed
+    module's units held together in backward, more than its forward held."""
+    events = [(path, entering) for path in "abc" for entering in (True, False)]
+    sizes = {"a": 1, "b": 10, "c": 100}
+    regathered = HeldWhole(kept=set(), regathered={"a", "b", "c"}, recomputed={})
+    assert gathered_peak(events, sizes, regathered, prefetch=False) == 100
+    assert gathered_peak(events, sizes, regathered, prefetch=True) == 110
+    kept = HeldWhole(kept={"a", "b", "c"}, regathered=set(), recomputed={})
+    assert gathered_peak(events, sizes, kept, prefetch=False) == 111
+    recomputed = HeldWhole(kept=set(), regathered={"a"}, recomputed={"bc": ["b", "c"]})
+    assert gathered_peak(events, sizes, recomputed, prefetch=False) == 110
 
 
 def test_prefetch_must_be_true_or_false() -> None:
