@@ -29,10 +29,11 @@ from strategies.exchange.sparse_gradients import SparseGradientExchange
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHECKED = (sorted((ROOT / "strategies").glob("*.py"))
+CHECKED = (sorted((ROOT / "strategies").rglob("*.py"))
            + [ROOT / "runner" / "core" / name
-              for name in ("primitives.py", "halo.py", "sparse.py", "rma.py", "standin.py",
-                           "comm.py", "torchdist.py", "staging.py", "watchdog.py")]
+              for name in ("primitives.py", "halo.py", "row_sparse.py", "rma.py", "standin.py",
+                           "comm.py", "mpi_transport.py", "torchdist.py", "torch_transport.py",
+                           "staging.py", "watchdog.py")]
            + sorted((ROOT / "runner" / "optim").glob("*.py"))
            + sorted((ROOT / "runner" / "checkpoint").glob("*.py"))
            + [ROOT / "runner" / "training" / name

@@ -38,8 +38,9 @@ from runner.cost.collectives import MachineCosts
 from runner.optim.sync import SynchronousSGD
 from runner.zoo.datasets import ZipfTokens
 from runner.zoo.models import bag_classifier
-from strategies import ParallelModel, PricingContext, sparse_exchange
+from strategies import ParallelModel, PricingContext
 from strategies.data import DataParallel
+from strategies.exchange import sparse_gradients
 from strategies.exchange.sparse_gradients import SparseGradientExchange
 
 WORLD = MPI.COMM_WORLD
@@ -156,7 +157,7 @@ def every_mode_handles_a_rank_that_never_used_the_table() -> None:
 
 
 def whole_parameters(pmodel: ParallelModel) -> list[torch.Tensor]:
-    return sparse_exchange.whole_parameters(pmodel.module, pmodel.reducers)
+    return sparse_gradients.whole_parameters(pmodel.module, pmodel.reducers)
 
 
 def train_tokens(mode: str, momentum: float, weight_decay: float, steps: int = 12,
