@@ -175,9 +175,9 @@ def run_mode(mode: str, initial_table: Any, batches: list[tuple[Any, Any]], grid
 
 def whole_parameters(pmodel: Any) -> list[Any]:
     """The model's parameters as one process holds them (sharded tables gathered whole)."""
-    from strategies.exchange.sparse_gradients import whole_parameters
+    from strategies.exchange import sparse_gradients
 
-    return [w.clone() for w in whole_parameters(pmodel.module, pmodel.reducers)]
+    return [w.clone() for w in sparse_gradients.whole_parameters(pmodel.module, pmodel.reducers)]
 
 
 def worker(vocabs: list[int], densities: list[float], repeats: int, warmup: int,
