@@ -18,14 +18,16 @@ import pytest
 from runner.cli import slurm as slurm_module
 from runner.config.schema import RunConfig
 from tests.conftest import ROOT, read_metrics, read_summary, run_cli, train_losses
+from tests.gates import Gate
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 
 # Small runs: the default MLP on synthetic data, in float64 so that a resumed run's losses can
-# be compared exactly; rank 0 sleeps 10 ms a step (a straggler: the mathematics are the same), so
-# that a job can be caught mid-run; the head asks Slurm for the jobs' states five times a second.
+# be compared exactly; the head asks Slurm for the jobs' states five times a second. A job is
+# caught mid-run by holding its ranks before step HOLD_AT (`tests.gates`: the default MLP, its
+# weights the same) until the stop reaches them or the test releases them.
 COMMON = ["dataset=synthetic", "trainer.eval_every=null", "trainer.dtype=float64",
-          "trainer.steps=100", "debug.slow_rank=0", "debug.slow_seconds=0.01",
-          "launcher.slurm.poll_s=0.2"]
+          "trainer.steps=100", "launcher.slurm.poll_s=0.2"]
+HOLD_AT = 21
 WAIT_S = 120.0
 
 
@@ -41,13 +43,6 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT_S,
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}: {said()}"
         time.sleep(0.1)
-
-
-def logged_steps(run_dir: Path) -> int:
-    try:
-        return len((run_dir / "metrics.jsonl").read_text().splitlines())
-    except OSError:
-        return 0
 
 
 def job_said(slurm: SlurmCluster, run_dir: Path) -> Callable[[], str]:
@@ -67,15 +62,28 @@ def submitted_job(run_dir: Path) -> str:
     return str(json.loads(record.read_text())["job_id"])
 
 
-def preempt_from_outside(slurm: SlurmCluster, run_dir: Path) -> str:
-    """`scontrol requeue` of the run's job once it has trained 20 steps: Slurm sends SIGTERM to
-    every process of the job (measured: SIGCONT, then SIGTERM, then SIGKILL after KillWait), and
-    starts it again."""
+def ended(process: subprocess.Popen[str]) -> Callable[[], str | None]:
+    """Why a job of the head `process` can no longer reach its hold: the head ended."""
+    return lambda: None if process.poll() is None else f"the head ended ({process.returncode})"
+
+
+def preempt_from_outside(slurm: SlurmCluster, directory: Path, gate: Gate,
+                         process: subprocess.Popen[str]) -> str:
+    """Once the 1-rank job (job 0) is held before step HOLD_AT, its `scontrol requeue`: Slurm
+    sends SIGTERM to every process of the job (measured: SIGCONT, then SIGTERM, then SIGKILL
+    after KillWait), which ends the hold, and starts it again. Once that rank has written its
+    checkpoint and the other jobs are held too, they are released (the file would end job 0's
+    hold as well): each job had started before any ended."""
+    run_dir = directory / "0"
     job_id = submitted_job(run_dir)
-    wait_for(lambda: logged_steps(run_dir) >= 20, f"steps in {run_dir}",
-             said=job_said(slurm, run_dir))
+    gate.wait_held(1, ended=ended(process), timeout=WAIT_S)
     requeued = slurm.run("scontrol", "requeue", job_id)
     assert requeued.returncode == 0, requeued.stderr
+    wait_for(lambda: any((run_dir / "checkpoints").glob("step-*/manifest.json")),
+             f"the checkpoint of {run_dir}", said=job_said(slurm, run_dir))
+    for ranks in (2, 4):
+        gate.wait_held(ranks, ended=ended(process), timeout=WAIT_S)
+    gate.release()
     return job_id
 
 
@@ -84,18 +92,19 @@ def sweep_started(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[subprocess.Popen[str], Path, Future[str]]]:
     """A sweep of three sizes, 1, 2 and 4 ranks, each its own batch job, submitted at once (4
     ranks on the node's 2 CPUs: launcher.slurm.overcommit); the 1-rank job is requeued from
-    outside while it trains (the cheapest to start again). It runs beside the preemption test,
+    outside while it is held (the cheapest to start again). It runs beside the preemption test,
     whose waits for Slurm leave the CPUs idle."""
-    directory = tmp_path_factory.mktemp("slurm") / "sweep"
+    root = tmp_path_factory.mktemp("slurm")
+    directory, gate = root / "sweep", Gate(root / "sweep_gate", HOLD_AT)
     process = subprocess.Popen(
         [sys.executable, "-m", "runner", "-m", "hydra/launcher=slurm", "grid.pr=1",
-         "grid.pc=1,2,4", "launcher.slurm.overcommit=true", *COMMON,
+         "grid.pc=1,2,4", "launcher.slurm.overcommit=true", *COMMON, *gate.overrides,
          f"hydra.sweep.dir={directory}"],
         cwd=ROOT, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with ThreadPoolExecutor(1) as background:
         try:
-            yield process, directory, background.submit(preempt_from_outside, slurm,
-                                                        directory / "0")
+            yield process, directory, background.submit(preempt_from_outside, slurm, directory,
+                                                        gate, process)
         finally:
             if process.poll() is None:
                 process.kill()
@@ -134,15 +143,14 @@ def test_a_preempted_run_requeues_itself_and_resumes_exactly(
     Its next start takes over the run directory, resumes from that checkpoint and ends with the
     losses of the sweep's uninterrupted 2-rank job, its metrics appended across the requeue,
     and records that it was requeued once."""
-    run_dir = tmp_path / "run"
+    run_dir, gate = tmp_path / "run", Gate(tmp_path / "gate", HOLD_AT)
     head = subprocess.Popen(
         [sys.executable, "-m", "runner", "launcher=slurm", "grid.pr=1", "grid.pc=2", *COMMON,
-         f"hydra.run.dir={run_dir}"],
+         *gate.overrides, f"hydra.run.dir={run_dir}"],
         cwd=ROOT, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         job_id = submitted_job(run_dir)
-        wait_for(lambda: logged_steps(run_dir) >= 20, "the first start's steps",
-                 said=job_said(slurm, run_dir))
+        gate.wait_held(2, ended=ended(head), timeout=WAIT_S)  # released by the stop
         warned = slurm.run("scancel", "--batch", f"--signal={slurm_module.WARNING_SIGNAL}",
                            job_id)
         assert warned.returncode == 0, warned.stderr
@@ -158,7 +166,7 @@ def test_a_preempted_run_requeues_itself_and_resumes_exactly(
     summary = read_summary(run_dir)
     assert summary["status"] == "completed"
     assert summary["slurm"] == {"job_id": job_id, "requeued": 1}
-    assert summary["resumed_from"]["step"] >= 20
+    assert summary["resumed_from"]["step"] == HOLD_AT + 1  # the stop, agreed in the next step
     steps = [record["step"] for record in read_metrics(run_dir) if "split" not in record]
     assert steps == list(range(1, 101))  # appended across the requeue, each step once
     _, sweep_dir, _ = request.getfixturevalue("sweep")
@@ -191,8 +199,8 @@ def test_a_sweep_of_three_sizes_runs_side_by_side(
     first = train_losses(directory / "1")
     for job in (0, 2):  # float64: the same to rounding
         assert train_losses(directory / str(job)) == pytest.approx(first, rel=1e-9, abs=1e-12)
-    # submitted at once: every job had started before any ended (the requeued one's start is
-    # its last)
+    # held until every job was: each had started before any ended (the requeued one's start
+    # is its last)
     times = [job_times(slurm, job_id) for job_id in ids[1:]]
     assert max(start for start, _ in times) <= min(end for _, end in times), times
     assert re.search(r"requeued\s*┃", result.stdout), result.stdout  # the table's column
