@@ -15,12 +15,11 @@ layout by name (`strategy.layouts={fc1: 2d}`); the programme chooses the rest.
 
 A model that is not a chain (a module tree: ResNets, a user's own modules) has branches whose
 layouts would have to agree where they join; there `auto` compares the whole-model layouts of
-`model`, `grid` and `domain` over the tree (`strategies.layers.tree`), pure data parallelism and,
-for
-a model with a parallel plan by module name (declared by the model or derived from its
-structure: `strategies.plans.module_plan`), `model` and `grid` by that plan, by the same predicted
-step time, and uses the fastest; the summary and the planner say which, and every candidate's
-predicted time.
+`model`, `grid` and `domain` over the tree (`strategies.layers.tree`), pure data parallelism
+and, for a model with a parallel plan by module name (declared by the model or derived from its
+structure: `strategies.plans.module_plan`), `model` and `grid` by that plan, by the same
+predicted step time, and uses the fastest; the summary and the planner say which, and every
+candidate's predicted time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Sequence parallelism (`strategy=domain` on a GPT, `strategies.transformer.context_parallel`)
-without MPI: what it
-refuses, what it predicts, and its one-process model (tests/mpi/check_sequence.py runs it on 4
-ranks against the sequential model)."""
+without MPI: what it refuses, what it predicts, and its one-process model
+(tests/mpi/check_sequence.py runs it on 4 ranks against the sequential model)."""
 
 from __future__ import annotations
 

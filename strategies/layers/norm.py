@@ -86,8 +86,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     (the standard derivation, as `nn.SyncBatchNorm` on GPUs): the sums of dy and dy·x̂ over this
     rank's rows (the fused backward kernel's reduction), all-reduced (2C numbers), give the
     global means that the input gradient needs, which is then two fused passes; the weight's
-    and bias's gradients are this rank's sums, which the
-    strategy's gradient exchange adds up like any other."""
+    and bias's gradients are this rank's sums, which the strategy's gradient exchange adds up
+    like any other."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,

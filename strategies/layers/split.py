@@ -4,8 +4,7 @@ A `Linear` keeps only its rows of W (output features) and of the bias; a `Conv2d
 channels. Layers that act on each feature/channel alone (activations, pooling) run on the shard
 as it is; a BatchNorm keeps its channels' slice of weight, bias and running statistics and takes
 its batch statistics over the batch group (`strategies.layers.norm`: every rank of a model group
-holds
-all of its group's rows). Before any layer that needs every feature (the next Linear or
+holds all of its group's rows). Before any layer that needs every feature (the next Linear or
 Conv2d, a Flatten), the shards are all-gathered along dim 1. The last sharded output is not
 gathered but repartitioned: features-split becomes rows-split, so each rank of the model group
 ends with the logits of its own rows of the batch (and its loss counts each sample once). The

@@ -86,8 +86,8 @@ def shape_problems(styles: dict[str, PlanStyle], model: nn.Module,
                    sequence: SequenceLayout | None = None) -> list[str]:
     """Why the model's own forward cannot run on one rank's pieces (empty: it can);
     `adjusted`: (owner path, attribute, new value) the plan sets; `sequence`: the region's
-    exchanges, run as rank 0's shapes. Run on a copy, on the
-    device the model is on (the meta device for a large one), as the whole model ran there."""
+    exchanges, run as rank 0's shapes. Run on a copy, on the device the model is on (the meta
+    device for a large one), as the whole model ran there."""
     if pr == 1 or not styles:
         return []
     twin = copy.deepcopy(model)

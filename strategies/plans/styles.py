@@ -1,6 +1,5 @@
 """The styles of a parallel plan by module name (`strategies.plans.module_plan`): one class per
-style,
-holding what follows from it for one module of the user's model.
+style, holding what follows from it for one module of the user's model.
 
     colwise    output features split over the model group (a Linear's rows, a Conv1D's
                columns: the transformers library's Conv1D keeps its weight as (in, out)); the
@@ -18,8 +17,8 @@ holding what follows from it for one module of the user's model.
                piece of the sequence inside the blocks of the plan, whose colwise projections
                then gather their input along the sequence and rowwise ones reduce-scatter their
                partial sums along it (Megatron-LM's sequence parallelism:
-               `strategies.plans.sequence_parallel`); its weights whole, their gradients summed over
-               every rank
+               `strategies.plans.sequence_parallel`); its weights whole, their gradients
+               summed over every rank
     replicate  left whole: its gradient summed over every rank, as a batch-parallel layer's
 
 Under gridrun's convention (`runner.core.primitives`) a replicated tensor's gradient on each
@@ -565,9 +564,8 @@ def mixing_problem(module: nn.Module) -> str | None:
 
 class Sequence(PlanStyle):
     """A module acting token by token, run on this rank's piece of the sequence in the blocks
-    of the plan (`strategies.plans.sequence_parallel` places the region's exchanges); left whole,
-    its
-    gradient summed over every rank."""
+    of the plan (`strategies.plans.sequence_parallel` places the region's exchanges); left
+    whole, its gradient summed over every rank."""
 
     name = "sequence"
     summary = "token by token on this rank's positions, in the blocks (Megatron-LM's)"
