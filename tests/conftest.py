@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,16 @@ def run_mpi_script(script: str, ranks: int, *args: str,
     return subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable,
                            str(ROOT / "tests" / "mpi" / "start.py"), str(ROOT / script), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    """Until `condition()` is true, polled every 10 ms: for a test that waits on another thread
+    or process, rather than sleeping for a time it trusts to be enough. `timeout` is a safety
+    net against a hang."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.01)
 
 
 def train_losses(run_dir: Path) -> list[float]:

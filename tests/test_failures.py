@@ -26,7 +26,7 @@ from runner.core import CommCounter, CommWatchdog, CountedComm
 from runner.core import pace as pace_module
 from runner.core.pace import Deadline, Pace
 from runner.training.supervisor import stop_signal_path
-from tests.conftest import ROOT, TIMEOUT_S, read_summary
+from tests.conftest import ROOT, TIMEOUT_S, read_summary, wait_until
 from tests.gates import Gate
 
 DATA4 = ["strategy=data", "grid.pr=1", "grid.pc=4", "trainer.batch_size=32",
@@ -301,7 +301,7 @@ def test_the_watchdog_fires_once_on_an_operation_past_its_timeout() -> None:
         time.sleep(0.3)
         assert not fired
         counter.in_flight = ("allreduce", "world", 4, "loss", time.perf_counter())
-        time.sleep(0.5)
+        wait_until(lambda: fired, "the watchdog's timeout")
     assert fired == ["rank 3: allreduce 'loss' on group world (4 ranks) did not complete "
                      "within 0.2 s (the communication timeout); a peer may have hung or died"]
 
@@ -373,7 +373,7 @@ def test_a_paced_watchdog_fires_at_the_derived_deadline(monkeypatch: pytest.Monk
                             interval=0.02, setting="trainer.comm_timeout_s", paced=True)
     with watchdog:
         counter.in_flight = ("allreduce", "world", 4, "loss", time.perf_counter())
-        time.sleep(0.6)
+        wait_until(lambda: fired, "the watchdog's timeout")
     assert watchdog.deadline is not None and watchdog.deadline.seconds == 0.2
     assert fired == ["rank 3: allreduce 'loss' on group world (4 ranks) in step 5 did not "
                      "complete within 0.2 s (the 0.2 s floor, above 5 × the slowest step so far "

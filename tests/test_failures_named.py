@@ -33,7 +33,7 @@ from runner.core.watchdog import (
 )
 from runner.records.rundir import RunDir
 from runner.training import interrupt, rank, supervisor
-from tests.conftest import read_summary
+from tests.conftest import read_summary, wait_until
 from tests.gates import Gate
 from tests.test_failures import finish, job_processes, start_cli
 
@@ -103,17 +103,21 @@ def test_the_watchdog_publishes_progress_and_names_the_rank_that_did_not_arrive(
     watchdog = CommWatchdog(counter, 0.2, 1, lambda message, _: fired.append(message),
                             interval=0.02, sharing=sharing)
     with watchdog:
+        wait_until(lambda: published, "the first record")  # before any operation completed
         counter.totals.calls = 2  # two operations completed
-        time.sleep(0.2)
+        wait_until(lambda: published[-1].completed == 2, "a record of two operations")
         counter.in_flight = ("allreduce", "world", 3, "loss", time.perf_counter())
-        time.sleep(0.6)
+        wait_until(lambda: fired, "the watchdog's timeout")
     assert [a.rank for a in watchdog.absent] == [0]
     assert fired == [
         "rank 1: allreduce 'loss' on group world (3 ranks) did not complete within 0.2 s (the "
         "communication timeout); a peer may have hung or died; rank 0 did not arrive: its last "
         "collective was #2, 5.0 s ago; it is not in a collective"]
-    # about every publish_every, and what the rank was doing each time
-    assert 4 <= len(published) <= 30, len(published)
+    # every publish_every, no sooner (the last one, at the timeout, is made at once), and what
+    # the rank was doing each time
+    regular = [p.written for p in published[:-1]]
+    assert len(published) >= 3, published
+    assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(regular)), published
     assert published[0].completed == 0 and published[-1].completed == 2
     assert published[-1].in_flight is not None and published[-1].in_flight[3] == "loss"
     assert all(p.rank == 1 for p in published)
