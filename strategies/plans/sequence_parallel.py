@@ -1,8 +1,7 @@
 """The `sequence` style of a parallel plan by module name (`strategies.plans.module_plan`):
-Megatron-LM's
-sequence parallelism. Modules acting token by token (norms, dropout with p=0) run on this rank's
-piece of the sequence, the activation's dim -2 (`Partition(T, Pr)`, even pieces only: a length
-that does not divide is refused by name).
+Megatron-LM's sequence parallelism. Modules acting token by token (norms, dropout with p=0) run
+on this rank's piece of the sequence, the activation's dim -2 (`Partition(T, Pr)`, even pieces
+only: a length that does not divide is refused by name).
 
 The region. The transformers library's models compute the causal mask, position ids and rotary
 tables from the embedding output's length in the base model's own forward, so the sequence is
@@ -362,7 +361,20 @@ def _block(block: _Call, styles: dict[str, PlanStyle], layout: SequenceLayout) -
     """The gathers and scatters of one block's call, or why its modules cannot run in the
     region."""
     leaves = list(block.leaves())
-    stretches: list[list[_Call]] = []  # each: its opening projections, then the closing one
+    stretches, unclosed = _stretches(leaves, styles)
+    whole, split_features, problems = _place_stretches(block, leaves, stretches, layout)
+    problems += _leaf_problems(block, leaves, styles, layout, whole, split_features)
+    if unclosed:
+        problems.append(f"{', '.join(c.path for c in unclosed)}: split features leave the "
+                        f"block {block.path} of the sequence region unsummed")
+    return problems
+
+
+def _stretches(leaves: list[_Call], styles: dict[str, PlanStyle]
+               ) -> tuple[list[list[_Call]], list[_Call]]:
+    """The block's colwise/rowwise stretches, each its opening projections then the closing
+    one, and the opening projections no rowwise one closes."""
+    stretches: list[list[_Call]] = []
     opened: list[_Call] = []
     for leaf in leaves:
         name = styles[leaf.path].name if leaf.path in styles else None
@@ -371,10 +383,18 @@ def _block(block: _Call, styles: dict[str, PlanStyle], layout: SequenceLayout) -
         elif name == CLOSING and opened:
             stretches.append([*opened, leaf])
             opened = []
+    return stretches, opened
+
+
+def _place_stretches(block: _Call, leaves: list[_Call], stretches: list[list[_Call]],
+                     layout: SequenceLayout) -> tuple[set[int], set[int], list[str]]:
+    """Where each stretch gathers the sequence (at its owner's entry, or at its opening
+    projections) and reduce-scatters it: the leaves that then run on the whole sequence, those
+    between a stretch's ends (on split features), by id, and why a stretch cannot."""
     owners = [_common_owner([c.path for c in s]) for s in stretches]
     shared = {o for o in owners if owners.count(o) > 1}
-    whole: set[int] = set()  # the leaves that run on the whole sequence
-    split_features: set[int] = set()  # the leaves between a stretch's ends
+    whole: set[int] = set()
+    split_features: set[int] = set()
     problems = []
     inputs: list[Any] = []  # the distinct tensors a block gathers at its projections
     for stretch, owner in zip(stretches, owners, strict=True):
@@ -400,6 +420,16 @@ def _block(block: _Call, styles: dict[str, PlanStyle], layout: SequenceLayout) -
                 inputs.append(opener.stream)
                 layout.gathered_elements.append(opener.stream.numel())
         whole.update(id(c) for c in stretch)
+    return whole, split_features, problems
+
+
+def _leaf_problems(block: _Call, leaves: list[_Call], styles: dict[str, PlanStyle],
+                   layout: SequenceLayout, whole: set[int], split_features: set[int]
+                   ) -> list[str]:
+    """The block's other leaves run on this rank's piece of the sequence: a `sequence` one is
+    sharded, one that mixes positions or has parameters unmarked is refused, as is a `sequence`
+    one on split features."""
+    problems = []
     for leaf in leaves:
         if id(leaf) in split_features:
             if _covered(leaf.path, styles):
@@ -418,9 +448,6 @@ def _block(block: _Call, styles: dict[str, PlanStyle], layout: SequenceLayout) -
                    "mark it sequence if it acts token by token, or plan it")
         if why is not None:
             problems.append(f"{_name(leaf.path, leaf.module)} in {block.path}: {why}")
-    if opened:
-        problems.append(f"{', '.join(c.path for c in opened)}: split features leave the block "
-                        f"{block.path} of the sequence region unsummed")
     return problems
 
 
