@@ -12,18 +12,16 @@ layout, and the fully-connected layers are split as in `strategy=grid`.
 Weights of the spatial layers are replicated and all-reduced over all P ranks; this is what lets
 training scale past the batch size, since one sample is worked on by `Pr` ranks.
 
-A GPT's domain is its sequence: for a `strategies.transformer.gpt.GPT` each sequence is split over
-the model group instead (sequence parallelism, `strategies.transformer.context_parallel`;
-`kv_exchange` chooses how
-attention's keys and values travel).
+A GPT's domain is its sequence: for a `strategies.transformer.gpt.GPT` each sequence is split
+over the model group instead (sequence parallelism, `strategies.transformer.context_parallel`;
+`kv_exchange` chooses how attention's keys and values travel).
 
 Any other model's sequence, by a parallel plan by module name (`strategy.plan`, styles
-`sequence` and `replicate` only: `strategies.plans.module_plan.domain_plan`): each sample's sequence
-split over the model group in the blocks holding `sequence` modules, which run on this rank's
-positions; the blocks' other modules (the attention) run on the gathered sequence, whole on
-every rank (`strategies.plans.sequence_parallel.domain_layout`). Every weight whole, its gradient
-summed
-over every rank.
+`sequence` and `replicate` only: `strategies.plans.module_plan.domain_plan`): each sample's
+sequence split over the model group in the blocks holding `sequence` modules, which run on this
+rank's positions; the blocks' other modules (the attention) run on the gathered sequence, whole
+on every rank (`strategies.plans.sequence_parallel.domain_layout`). Every weight whole, its
+gradient summed over every rank.
 """
 
 from __future__ import annotations
@@ -72,12 +70,12 @@ from strategies.layers.split import (
     whole_norm_problems,
     whole_param_items,
 )
-from strategies.layers.tree import (
+from strategies.layers.tree import tree_problems
+from strategies.layers.tree_model import (
     build_tree_model,
     predict_tree_ops,
     tree_activation_bytes,
     tree_param_bytes,
-    tree_problems,
 )
 from strategies.plans.costs import PlannedModule, plan_compute_seconds, plan_module_bytes
 from strategies.plans.module_plan import (
@@ -245,7 +243,7 @@ class DomainParallel(Strategy):
                                            self.first_bucket_bytes)
         if not isinstance(model, nn.Sequential):
             return build_tree_model(model, sample_shape, grid, "domain", sync_replica_gradients,
-                                    self.bucket_cap_bytes, self.first_bucket_bytes, self.overlap)
+                                    self.bucket_caps, self.overlap)
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
@@ -284,9 +282,7 @@ class DomainParallel(Strategy):
                                 self.bucket_caps)
         if not isinstance(model, nn.Sequential):
             return predict_tree_ops(model, sample_shape, grid, global_batch, "domain",
-                                    self.bucket_caps,
-                                    activation_itemsize([model], self.pricing.compute_dtype),
-                                    activation_itemsize([model]))
+                                    self.bucket_caps, self.pricing.compute_dtype)
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)
@@ -348,7 +344,7 @@ class DomainParallel(Strategy):
                 [model], self.pricing.compute_dtype)
         if not isinstance(model, nn.Sequential):
             return tree_activation_bytes(model, sample_shape, grid, global_batch, "domain",
-                                         activation_itemsize([model], self.pricing.compute_dtype))
+                                         self.pricing.compute_dtype)
         layers = list(model)
         end = spatial_end(layers)
         shapes = output_shapes(layers, sample_shape)

@@ -51,13 +51,12 @@ from strategies.layers.split import (
     whole_norm_problems,
     whole_param_items,
 )
-from strategies.layers.tree import (
-    Mode,
+from strategies.layers.tree import Mode, tree_problems
+from strategies.layers.tree_model import (
     build_tree_model,
     predict_tree_ops,
     tree_activation_bytes,
     tree_param_bytes,
-    tree_problems,
 )
 from strategies.plans.costs import PlannedModule, plan_compute_seconds, plan_module_bytes
 from strategies.plans.module_plan import (
@@ -259,8 +258,7 @@ class GridParallel(Strategy):
                 sync_replica_gradients, self.bucket_cap_bytes, self.first_bucket_bytes)
         if not isinstance(model, nn.Sequential):
             return build_tree_model(model, sample_shape, grid, self.tree_mode,
-                                    sync_replica_gradients, self.bucket_cap_bytes,
-                                    self.first_bucket_bytes)
+                                    sync_replica_gradients, self.bucket_caps)
         return build_grid_model(model, grid, self.split(model), sync_replica_gradients,
                                 self.bucket_cap_bytes, self.first_bucket_bytes)
 
@@ -275,9 +273,7 @@ class GridParallel(Strategy):
                                   self.bucket_caps, self.pricing.compute_dtype)
         if not isinstance(model, nn.Sequential):
             return predict_tree_ops(model, sample_shape, grid, global_batch,
-                                    self.tree_mode, self.bucket_caps,
-                                    activation_itemsize([model], self.pricing.compute_dtype),
-                                    activation_itemsize([model]))
+                                    self.tree_mode, self.bucket_caps, self.pricing.compute_dtype)
         return predict_grid_ops(model, self.split(model), sample_shape, grid, global_batch,
                                 self.bucket_caps, self.pricing.compute_dtype)
 
@@ -303,8 +299,7 @@ class GridParallel(Strategy):
                                        activation_itemsize([gpt], self.pricing.compute_dtype))
         if not isinstance(model, nn.Sequential):
             return tree_activation_bytes(model, sample_shape, grid, global_batch,
-                                         self.tree_mode,
-                                         activation_itemsize([model], self.pricing.compute_dtype))
+                                         self.tree_mode, self.pricing.compute_dtype)
         layers, split = list(model), self.split(model)
         rows = Partition(global_batch, grid.pc).sizes[0]
         prefix_sizes = feature_sizes(layers[:split], sample_shape) if split else []
