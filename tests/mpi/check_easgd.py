@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's `tests`
+
 import check_async_sgd  # noqa: F401
 import torch
 import torch.nn.functional as F
