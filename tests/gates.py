@@ -102,7 +102,8 @@ def _rank_and_size() -> tuple[int, int]:
 
 def _wait_for_release(release: Path, limit_s: float, on_stop: bool) -> None:
     """Until `release` exists or (`on_stop`) this process receives a stop signal, seen through
-    a wakeup fd: the signal's Python handler has run by the time the wait returns."""
+    a wakeup fd: the rank's own handler for it runs in the main thread (at once, or at its next
+    bytecode), so it has noted the stop before the rank's next step begins."""
     reader, writer = os.pipe()
     os.set_blocking(writer, False)
     try:
@@ -168,7 +169,7 @@ def gated_mlp(input_shape: Sequence[int], num_classes: int, gate: str, hold_at: 
     they are."""
     if hold_at < 2:
         raise ValueError(f"model.hold_at={hold_at}: the first hold is before step 2")
-    model = mlp(input_shape, num_classes, hidden, activation)
+    model: nn.Sequential = mlp(input_shape, num_classes, hidden, activation)
     hold = _Hold(Path(gate), hold_at, release_on_stop)
     model[0].register_forward_pre_hook(hold.before)
     model[2].register_forward_hook(hold.count)
@@ -238,7 +239,7 @@ def paced_mlp(input_shape: Sequence[int], num_classes: int, progress: str, strag
     `straggler` how far ahead the others were at each of its steps (`read_ahead`); with
     `hold_until`, the straggler is held before its step 2 until every other rank has begun
     step `hold_until`, which they can only if they never wait for it."""
-    model = mlp(input_shape, num_classes, hidden, activation)
+    model: nn.Sequential = mlp(input_shape, num_classes, hidden, activation)
     Path(progress).mkdir(parents=True, exist_ok=True)
     pace = _Pace(Path(progress), straggler, hold_until)
     model[0].register_forward_pre_hook(pace.before)

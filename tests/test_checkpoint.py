@@ -160,12 +160,14 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp: Path) -> None:
     job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     first = run_dir / "checkpoints" / "step-00000005"
-    gate.wait_held(2, job=job)
-    assert (first / "manifest.json").exists()  # written before any rank began step 6
-    shard = (first / "rank-00000.pt").stat().st_size
-    for pid in _rank_pids(run_dir):
-        resource.prlimit(pid, resource.RLIMIT_FSIZE, (shard // 2, shard // 2))
-    gate.release()
+    try:
+        gate.wait_held(2, job=job)
+        assert (first / "manifest.json").exists()  # written before any rank began step 6
+        shard = (first / "rank-00000.pt").stat().st_size
+        for pid in _rank_pids(run_dir):
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (shard // 2, shard // 2))
+    finally:
+        gate.release()
     out, err = job.communicate(timeout=120)
     assert job.returncode not in (0, 2), f"{out}\n{err}"
     assert "not written" in err and "File too large" in err
