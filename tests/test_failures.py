@@ -204,10 +204,9 @@ def test_a_second_signal_kills_the_job_at_once(tmp_path: Path) -> None:
     gate.wait_held(2, job=job)
     job.send_signal(signal.SIGINT)
     taken = stop_signal_path(run_dir)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not taken.exists():
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-        time.sleep(0.02)
+    wait_until(lambda: taken.exists() or job.poll() is not None, "the head's note of the stop",
+               timeout=TIMEOUT_S)
+    assert job.poll() is None, job.communicate()
     job.send_signal(signal.SIGINT)
     second = time.monotonic()
     out, err, ended = finish(job, run_dir)
