@@ -352,11 +352,14 @@ def test_a_resnet_checkpoint_resumes_on_other_grids_and_strategies(session_tmp: 
                       "grid.pc=2", "trainer.checkpoint_every=10", f"hydra.run.dir={first}"))
     checkpoint = first / "checkpoints" / "step-00000010"
     whole = read_metrics(first)
-    for strategy, pr, pc in (("model", 4, 1), ("data", 1, 4)):
-        resumed = session_tmp / f"resnet_{strategy}_{pr}x{pc}_resumed"
-        assert_ok(run_cli(*RESNET, "trainer.batch_size=32", f"strategy={strategy}",
-                          f"grid.pr={pr}", f"grid.pc={pc}", f"trainer.resume={checkpoint}",
-                          f"hydra.run.dir={resumed}"))
+    grids = (("model", 4, 1), ("data", 1, 4))
+    dirs = [session_tmp / f"resnet_{strategy}_{pr}x{pc}_resumed" for strategy, pr, pc in grids]
+    for result in run_cli_together(*[
+            [*RESNET, "trainer.batch_size=32", f"strategy={strategy}", f"grid.pr={pr}",
+             f"grid.pc={pc}", f"trainer.resume={checkpoint}", f"hydra.run.dir={resumed}"]
+            for (strategy, pr, pc), resumed in zip(grids, dirs, strict=True)]):
+        assert_ok(result)
+    for resumed in dirs:
         later = [m for m in read_metrics(resumed) if "split" not in m]
         assert [m["step"] for m in later] == list(range(11, 21))
         before = {m["step"]: m["loss"] for m in whole if "split" not in m}
