@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -201,15 +202,22 @@ def test_plan_multirun_runs_one_plan_per_job_without_mpi(tmp_path: Path) -> None
 
 
 def test_plan_multirun_bad_input_is_one_line(tmp_path: Path) -> None:
-    for args in (["-m", "plan.world=2,abc"], ["-m", "plan.world=2", "model=nope,cnn"],
-                 ["-m", "plan.world=[2"]):
-        result = plan(*args, cwd=tmp_path, tmp_path=tmp_path)
+    bad = (["-m", "plan.world=2,abc"], ["-m", "plan.world=2", "model=nope,cnn"],
+           ["-m", "plan.world=[2"])
+    failing_job = ["-m", "plan.world=0,2", "plan.alpha=1e-5", "plan.beta=1e-9"]
+    commands = [*bad, failing_job]
+    works = [tmp_path / f"work{i}" for i in range(len(commands))]  # a sweep directory each
+    for work in works:
+        work.mkdir()
+    with ThreadPoolExecutor(len(commands)) as pool:  # the planners side by side
+        results = list(pool.map(lambda args, work: plan(*args, cwd=work, tmp_path=tmp_path),
+                                commands, works))
+    for args, result in zip(bad, results, strict=False):
         assert result.returncode == 2, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
     # a job that fails while planning is named; the sweep goes on and exits 2
-    result = plan("-m", "plan.world=0,2", "plan.alpha=1e-5", "plan.beta=1e-9", cwd=tmp_path,
-                  tmp_path=tmp_path)
+    result = results[-1]
     assert result.returncode == 2
     assert "error: job 0 (plan.world=0 " in result.stderr and "must be >= 1" in result.stderr
     assert "plan: 2 ranks" in result.stdout
