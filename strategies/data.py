@@ -1,9 +1,10 @@
 """`strategy=data`: the model replicated on every rank, the global batch split over all P.
 
 Gradients are averaged by bucketed all-reduces started from gradient hooks while backward still
-runs (see `buckets.py`). Needs `Pr = 1`: every rank is a batch replica. Embedding tables with
-sparse gradients are exchanged as `strategy.sparse` says (`sparse_exchange.py`); with
-`sparse=dense` they join the buckets like any other parameter.
+runs (see `exchange/buckets.py`). Needs `Pr = 1`: every rank is a batch replica. Embedding
+tables with sparse gradients are exchanged as `strategy.sparse` says
+(`exchange/sparse_gradients.py`); with `sparse=dense` they join the buckets like any other
+parameter.
 """
 
 from __future__ import annotations

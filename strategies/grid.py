@@ -1,7 +1,8 @@
 """`strategy=grid`: integrated model and batch parallelism on a `Pr × Pc` grid.
 
 Fully-connected layers (and any layer after the first one) are split over the `Pr` ranks of a
-model group — rows of W, see `sharded.py` — while the batch is split over the `Pc` model groups.
+model group — rows of W, see `layers/split.py` — while the batch is split over the `Pc` model
+groups.
 Layers before the first fully-connected one (the convolutions) are batch-parallel over all P
 ranks: each rank runs them on its own sub-shard of its group's rows, and an all-gather over the
 model group (adjoint: reduce-scatter) moves the result into the fully-connected layout.
@@ -14,7 +15,7 @@ A GPT (`strategies.transformer.gpt.GPT`) is split Megatron-style instead (`tenso
 vocabulary, heads and MLP features over the model group, in the layout `strategy.tp_layout`.
 
 A model with a parallel plan by module name (`strategy.plan`, or the model's own declared plan:
-`module_plan.py`) is split by it instead of all of the above.
+`plans/module_plan.py`) is split by it instead of all of the above.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def as_gpt(model: nn.Module) -> GPT | None:
 
 @register_strategy("grid")
 class GridParallel(Strategy):
-    """A Sequential by the layer plan of `sharded.py`; any other module tree by the rules of
+    """A Sequential by the layer plan of `layers/split.py`; any other module tree by the rules of
     `strategies.layers.tree` (torch.fx), which keep grid's layout: batch-parallel before the first
     Linear, split from it on; a model with a parallel plan by module name by that plan."""
 

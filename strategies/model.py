@@ -1,6 +1,6 @@
 """`strategy=model`: pure model parallelism (`Pc = 1`), every layer split over all P ranks.
 
-Fully-connected layers are split by rows of W, convolutions by output channel (`sharded.py`);
+Fully-connected layers are split by rows of W, convolutions by output channel (`layers/split.py`);
 every rank sees the whole batch. This is the grid strategy with one model group and no
 batch-parallel layers; a GPT is split Megatron-style over all P ranks (`tensor_parallel.py`,
 `strategy.tp_layout`).

@@ -4,7 +4,7 @@ model's output projection of style `vocab` (`strategies.plans.module_plan`).
 
 Every rank of a model group holds rows [start, start + rows) of the head, and outputs that piece
 of the logits for every row of its group. The per-token cross-entropy and the arg-max come from
-the pieces (`tensor_parallel_ops.vocab_cross_entropy`, `vocab_argmax`), the same on every rank
+the pieces (`vocab_ops.vocab_cross_entropy`, `vocab_argmax`), the same on every rank
 of the group; each rank scores its own sub-shard of the rows (`Partition(rows, Pr)`), so every
 target is scored on exactly one rank (the row contract of `strategies.base`). What moves per
 token is two numbers gathered and one gradient summed, where a gathered head moves every logit
@@ -29,7 +29,7 @@ from strategies.base import ParallelModel, Score
 from strategies.layers.vocab_ops import vocab_argmax, vocab_cross_entropy
 from strategies.probe import logits_of, probe
 
-# The loss computes in float32 at least (`tensor_parallel_ops.loss_dtype`).
+# The loss computes in float32 at least (`vocab_ops.loss_dtype`).
 MIN_LOSS_ITEMSIZE = torch.float32.itemsize
 
 

@@ -5,7 +5,7 @@ The model group (`Pr` ranks) shares its batch group's rows (b_g, T); the batch g
 replicas. On every rank of a model group:
 
 - the token table is split by vocabulary rows: a rank looks up the ids it holds, an all-sum over
-  the group gives every row (`tensor_parallel_ops.vocab_embedding_sum`); the position table and
+  the group gives every row (`vocab_ops.vocab_embedding_sum`); the position table and
   the LayerNorms are replicated;
 - attention: the heads are split (`Partition(heads, Pr)`; qkv's rows are head-major, so a rank's
   heads are a contiguous range of rows), the plain `CausalSelfAttention.forward` runs on them;
@@ -20,7 +20,7 @@ replicas. On every rank of a model group:
   gathers its input's features first and its output after (adjoint: reduce-scatter);
 - the head is split by vocabulary rows (tied: the embedding's very shard) and its logits
   (b_g, T, V/Pr) are never gathered: the cross-entropy is computed from the shards
-  (`tensor_parallel_ops.vocab_cross_entropy`), and each rank scores its own sub-shard of the
+  (`vocab_ops.vocab_cross_entropy`), and each rank scores its own sub-shard of the
   group's rows (`Partition(b_g, Pr)`), so every target is scored on exactly one rank.
 
 Split parameters record their rows (`place_rows`) or block (`place_block`: a row-parallel
