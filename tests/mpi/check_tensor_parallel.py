@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from harness import check, make_grids, run_checks
 from mpi4py import MPI
+from plan_harness import assert_pieces_tile
 
 from runner.core import Partition, ProcessGrid
 from runner.core.placement import Placement, place_whole, placement_of
@@ -133,18 +134,6 @@ def assert_pieces_are_blocks(what: str, pmodel: ParallelModel,
         if values:
             close(param.detach(), block_of(whole, whole.detach(), place),
                   f"{what} {place.name}", tol)
-
-
-def assert_pieces_tile(what: str, pmodel: ParallelModel, seq_params: Mapping[str, torch.Tensor],
-                       grid: ProcessGrid) -> None:
-    """The pieces of every parameter over all ranks tile it (what a checkpoint needs to load on
-    any grid)."""
-    places = {placement_of(p) for p in pmodel.parameters()}
-    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
-    for name, param in seq_params.items():
-        blocks = [p for p in every if p is not None and p.name == name]
-        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
-        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
 
 
 def assert_argmax_counts(what: str, pmodel: ParallelModel, seq: GPT, grid: ProcessGrid,

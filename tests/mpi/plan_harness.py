@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,18 @@ from runner.cost.collectives import CommOp
 from strategies.probe import logits_of, reads_tokens
 
 TOLERANCE = 1e-9  # relative, in float64
+
+
+def assert_pieces_tile(what: str, pmodel: nn.Module, seq_params: Mapping[str, torch.Tensor],
+                       grid: ProcessGrid) -> None:
+    """The pieces of every parameter over all ranks tile it (what a checkpoint needs to load on
+    any grid)."""
+    places = {placement_of(p) for p in pmodel.parameters()}
+    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
+    for name, param in seq_params.items():
+        blocks = [p for p in every if p is not None and p.name == name]
+        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
+        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
 
 
 def built(factory: Callable[[], nn.Module], tokens: bool = True) -> nn.Module:
@@ -98,12 +110,7 @@ def train_as_one_process(seq: nn.Module, pmodel: nn.Module, grid: ProcessGrid,
         par_opt.step()
     grid.counter.keep_records = False
     assert_pieces_equal(seq, pmodel, what)
-    places = {placement_of(p) for p in pmodel.parameters()}
-    every = {p for ranks in grid.world.allgather_object(places) for p in ranks}
-    for name, param in seq.named_parameters():
-        blocks = [p for p in every if p is not None and p.name == name]
-        rows, cols = param.shape[0], (param.shape[1] if param.dim() > 1 else 1)
-        assert sum(b.area for b in blocks) == rows * cols, (what, name, blocks)
+    assert_pieces_tile(what, pmodel, dict(seq.named_parameters()), grid)
     if grid.rank == 0:
         print(f"{what}: {sum(n * c for (_, _, _, n), c in predicted.items())} bytes a step, "
               f"as predicted", flush=True)
