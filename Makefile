@@ -36,15 +36,10 @@ compile: $(STAMP)
 run: compile
 	$(PY) -m runner $(ARGS)
 
-# The suite's files run on TEST_WORKERS pytest workers (pytest-xdist), a file's tests together
-# on one worker (its module fixtures built once): about half of a test's time is spent waiting
-# (a process starting, a watchdog's deadline), which the other worker fills. TEST_WORKERS=0
-# runs them in this process, one after another.
-TEST_WORKERS ?= 2
 test: compile
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Every strategy's equivalence checks under both communication backends (make test runs
 # check_model_grid, with check_domain and check_layouts, under mpi only, for its time).
