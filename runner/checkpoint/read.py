@@ -92,6 +92,31 @@ def _read_regular(path: Path, size: int | None = None) -> bytes:
     return data
 
 
+def _hash_regular(path: Path, size: int | None) -> tuple[tuple[int, int, int], str]:
+    """The sha256 of the regular file `path` (opened as `_read_regular` opens it), read in
+    pieces of 16 MiB, and its inode, size and time as it was hashed."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise _Refused("missing") from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise _Refused("a symbolic link: refused (only regular files inside the "
+                           "checkpoint directory are read)") from None
+        raise _Refused(f"cannot be opened ({exc.strerror})") from None
+    digest = hashlib.sha256()
+    with open(fd, "rb", closefd=True) as file:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise _Refused(_not_regular(status.st_mode))
+        if size is not None and status.st_size != size:
+            how = "truncated: " if status.st_size < size else ""
+            raise _Refused(f"{how}{status.st_size} of {size} bytes")
+        while piece := file.read(16 << 20):
+            digest.update(piece)
+    return (status.st_ino, status.st_size, status.st_mtime_ns), digest.hexdigest()
+
+
 def _load_problem(exc: Exception) -> str:
     """torch.load's multi-paragraph errors as the one reason that matters."""
     text = str(exc)
@@ -197,6 +222,33 @@ class Checkpoint:
             payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises anything from pickle, zip and its own checks
             raise self._damaged(name, _load_problem(exc)) from None
+        problem = self._payload_problem(name, payload)
+        if problem is not None:
+            raise self._damaged(name, problem)
+        return cast("dict[str, torch.Tensor]", payload)
+
+    def map_shard(self, name: str) -> dict[str, torch.Tensor]:
+        """One shard, verified as `read_shard` verifies it, but mapped rather than read: its
+        bytes hashed in pieces, its tensors then mapped from the file (`mmap`), so that a tool
+        reading a few tensors of a large checkpoint holds only those (export). A file changed
+        between the hash and the mapping (another inode, size or time) is refused."""
+        if name not in self.files:
+            raise self._damaged(name, "not a shard of this checkpoint")
+        record = self.records.get(name)
+        try:
+            before, digest = _hash_regular(self.path / name, record.size if record else None)
+        except _Refused as exc:
+            raise self._damaged(name, str(exc)) from None
+        if record is not None and digest != record.sha256:
+            raise self._damaged(name, "sha256 mismatch (damaged or altered since written)")
+        try:
+            payload = torch.load(self.path / name, map_location="cpu", weights_only=True,
+                                 mmap=True)
+        except Exception as exc:  # torch raises anything from pickle, zip and its own checks
+            raise self._damaged(name, _load_problem(exc)) from None
+        after = os.lstat(self.path / name)
+        if (after.st_ino, after.st_size, after.st_mtime_ns) != before:
+            raise self._damaged(name, "changed while it was read")
         problem = self._payload_problem(name, payload)
         if problem is not None:
             raise self._damaged(name, problem)

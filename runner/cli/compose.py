@@ -40,6 +40,7 @@ SCHEMA_NAME = "gridrun_schema"
 # The groups whose `target` option takes a user's class or function by `_target_`.
 TARGET_GROUPS = ("model", "dataset", "optimizer")
 TARGET_OPTION = "target"
+PRETRAINED_OPTION = "pretrained"  # model=pretrained: the model a weights directory describes
 
 _registered = False
 
@@ -70,19 +71,29 @@ def register_configs() -> None:
         # Hydra's appended ones (+model.width=64).
         node = OmegaConf.create({"_target_": MISSING}, flags={"struct": False})
         store.store(group=group, name=TARGET_OPTION, node=node)
+    # model=pretrained: the architecture and fields of a transformers directory's config.json
+    # (model.weights=DIR), the user's keys on top (model.dropout=0.1).
+    store.store(group="model", name=PRETRAINED_OPTION,
+                node=OmegaConf.create({"name": PRETRAINED_OPTION, "weights": MISSING},
+                                      flags={"struct": False}))
     _registered = True
 
 
 def with_target_groups(args: list[str]) -> list[str]:
     """`args` with `GROUP=target` added where a `GROUP._target_=...` names a user's class and
     no `GROUP=` chooses the group's option: the default option's own keys (mlp's `hidden`)
-    must not reach the user's constructor."""
+    must not reach the user's constructor. Likewise `model=pretrained` where `model.weights=`
+    names weights and nothing else chooses the model: the weights' directory then says which
+    model it is."""
     added = []
     for group in TARGET_GROUPS:
         names_target = any(a.lstrip("+~").startswith(f"{group}._target_=") for a in args)
         chooses = any(a.lstrip("+~").split("=")[0] == group for a in args)
         if names_target and not chooses:
             added.append(f"{group}={TARGET_OPTION}")
+        elif (group == "model" and not names_target and not chooses
+              and any(a.lstrip("+~").startswith("model.weights=") for a in args)):
+            added.append(f"model={PRETRAINED_OPTION}")
     return [*args, *added]
 
 

@@ -270,6 +270,10 @@ def validate_parts(cfg: DictConfig | Mapping[str, Any], world_size: int | None =
     parts = check_parts(run)
     problems += parts.problems
     problems += _cross_part_problems(run, parts, grid_ok=run.grid.pr >= 1 and run.grid.pc >= 1)
+    if run.model.weights is not None and parts.model is not None:
+        from runner.weights.load import weights_problems
+
+        problems += weights_problems(run.model.weights, parts.model)
     if problems:
         raise ConfigError(problems)
     return run, parts

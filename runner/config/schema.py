@@ -330,11 +330,13 @@ class ConfigSchema:
 @dataclass(frozen=True)
 class Plugin:
     """A config group selection: the registered `name` (or the dotted path of a user's class
-    or function, `target`) and the plugin's keyword options."""
+    or function, `target`) and the plugin's keyword options; for the model, the file or
+    directory of weights it starts from (`model.weights`, not an option of its constructor)."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
     target: Optional[str] = None  # noqa: UP045
+    weights: Optional[str] = None  # noqa: UP045
 
     def shown(self, group: str) -> str:
         """How the user chose it: `model=cnn`, or `model._target_=my_pkg.nets.MyNet`."""
@@ -417,7 +419,18 @@ def _hints(schema: type[Any]) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
 
 
+WEIGHTS_KEY = "weights"  # model.weights: what the model starts from (runner.weights)
+
+
 def _plugin(key: str, node: Any, problems: list[str]) -> Plugin:
+    if key == "model" and isinstance(node, Mapping) and WEIGHTS_KEY in node:
+        node = dict(node)
+        weights = node.pop(WEIGHTS_KEY)
+        if weights is not None and (not isinstance(weights, str) or not weights.strip()):
+            problems.append(f"model.weights={weights!r}: must be the path of a file or "
+                            f"directory of weights")
+            weights = None
+        return dataclasses.replace(_plugin(key, node, problems), weights=weights)
     if isinstance(node, Mapping) and node.get(TARGET_KEY) is not None:
         target = node[TARGET_KEY]
         if key == "strategy" or "name" in node:

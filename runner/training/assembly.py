@@ -16,6 +16,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -39,6 +40,12 @@ from runner.optim.sync import ReplicaOptimizer
 from runner.training.precision import HALF_TYPES
 from runner.zoo.datasets import DatasetSpec
 from runner.zoo.models import built_from_config, configured_model
+from runner.zoo.pretrained import (
+    CONFIG_FILE,
+    PretrainedConfigError,
+    architecture,
+    pretrained_model,
+)
 from runner.zoo.userdata import TargetDataset
 from strategies import STRATEGIES, Strategy
 from strategies.base import DEFAULT_PRICING, PricingContext
@@ -71,10 +78,22 @@ def dataset_arguments(factory: Callable[..., nn.Module], spec: DatasetSpec) -> d
         raise ValueError("the model embeds token ids; choose a token dataset (dataset=tokens)")
     if not embeds:
         return {}
+    if TOKEN_INPUTS in getattr(factory, "fixed_inputs", ()):
+        _fits_pretrained(accepted, spec)
+        return {}
     extra: dict[str, Any] = {TOKEN_INPUTS: spec.vocab_size}
     if spec.padding_id is not None and "padding_idx" in accepted:
         extra["padding_idx"] = spec.padding_id
     return extra
+
+
+def _fits_pretrained(accepted: Mapping[str, inspect.Parameter], spec: DatasetSpec) -> None:
+    """A dataset whose token ids or classes a pretrained model's fixed vocabulary and labels
+    cannot take: ValueError naming both."""
+    vocab = accepted[TOKEN_INPUTS].default
+    if spec.vocab_size is not None and isinstance(vocab, int) and spec.vocab_size > vocab:
+        raise ValueError(f"the dataset has {spec.vocab_size} token ids and the weights' "
+                         f"vocabulary {vocab} (dataset.vocab_size={vocab} fits it)")
 
 
 def import_plugins(run: RunConfig) -> None:
@@ -95,6 +114,7 @@ def dataset_factory(plugin: Plugin) -> Callable[..., Any]:
 
 
 OBJECTIVES = ("classify", "next_token")
+PRETRAINED = "pretrained"  # model=pretrained: the model of a weights directory's config.json
 
 
 def objective_of(model: Plugin) -> str:
@@ -125,11 +145,19 @@ def build_dataset(plugin: Plugin, objective: str = "classify") -> Any:
 
 def model_factory(plugin: Plugin) -> Callable[..., nn.Module]:
     """The registered model, or the user's class or function (`_target_`); a class built from
-    a configuration object (the transformers library's) as a factory of its fields."""
+    a configuration object (the transformers library's) as a factory of its fields, those of
+    the weights' config.json where `model.weights` is a transformers directory; `model=
+    pretrained`: the class that config.json names."""
+    if plugin.target is None and plugin.name == PRETRAINED:
+        if plugin.weights is None:
+            raise PretrainedConfigError("give the weights' directory: model.weights=DIR")
+        return pretrained_model(architecture(plugin.weights), plugin.weights)
     factory = resolve(MODELS, plugin.name, plugin.target)
     if not callable(factory):
         raise UserCodeError(f"{plugin.target} is not callable")
     if isinstance(factory, type) and built_from_config(factory):
+        if plugin.weights is not None and (Path(plugin.weights) / CONFIG_FILE).is_file():
+            return pretrained_model(factory, plugin.weights)
         return configured_model(factory)
     return cast(Callable[..., nn.Module], factory)
 
@@ -144,7 +172,9 @@ def build_model(plugin: Plugin, input_shape: Sequence[int], num_classes: int,
     factory = model_factory(plugin)
     accepted = _accepted(factory)
     inputs = {"input_shape": tuple(input_shape), "num_classes": num_classes, **extra}
-    given = {k: v for k, v in inputs.items() if k in accepted and k not in plugin.options}
+    fixed = getattr(factory, "fixed_inputs", ())  # pretrained: the weights' vocabulary, labels
+    given = {k: v for k, v in inputs.items()
+             if k in accepted and k not in plugin.options and k not in fixed}
     with torch.device(device) if device else contextlib.nullcontext():
         model = factory(**given, **plugin.options)
     if not isinstance(model, nn.Module):
@@ -290,7 +320,7 @@ def check_parts(run: RunConfig) -> CheckedParts:
     def lookup(key: str, find: Callable[[Plugin], Any], plugin: Plugin) -> Any:
         try:
             return find(plugin)
-        except (UnknownPluginError, UserCodeError) as exc:
+        except (UnknownPluginError, UserCodeError, PretrainedConfigError) as exc:
             problems.append(f"{plugin.shown(key)}: {exc}")
         return None
 

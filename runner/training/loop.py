@@ -15,11 +15,13 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 
 from runner.checkpoint.layout import CheckpointError
 from runner.checkpoint.write import TrainingProgress, save_checkpoint
@@ -52,6 +54,14 @@ from runner.training.step import (
     train_step,
 )
 from runner.training.summary import completed_summary, interrupted_summary, sparse_line
+from runner.weights.load import load_weights, open_bound
+from runner.weights.model_card import (
+    MODEL_CONFIG,
+    STATE_NAMES,
+    kept_tensors,
+    transformers_config,
+)
+from runner.weights.safetensors_file import WeightsFileError
 from runner.zoo.datasets import ClassificationData
 from strategies import ParallelModel
 from strategies.base import StepPrediction, accumulated_ops, predict_step
@@ -311,12 +321,16 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     data = load_data(run, parts, device, precision)
     parts.model.to(device)  # initialised on the host: the same values on every device
     place_whole(parts.model)  # every shard a strategy makes knows where it sits (checkpoints)
+    model_config = transformers_config(parts.model)
+    state_names = list(kept_tensors(parts.model).tensors)
+    starting_weights = _starting_weights(run, parts.model)  # bound before the strategy splits
     predicted, predicted_step, predicted_memory = _predictions(run, parts, grid, precision)
     model = _parallel_model(run, parts, grid)
     optimizer, start = start_or_resume(
         run.trainer.resume, run.trainer.steps, run_dir, grid, model, parts.optimizer_cls,
         lambda: parts.optimizer_cls(model, grid=grid, total_steps=run.trainer.steps,
-                                    **run.optimizer.options))
+                                    **run.optimizer.options),
+        None if starting_weights is None else lambda: starting_weights(model))
     sampler = EpochSampler(parts.spec.train_size, run.trainer.batch_size, run.seed)
     if start.sampler_state is not None:
         sampler.load_state(start.sampler_state)
@@ -334,7 +348,33 @@ def build_training(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
         state=TrainingState(step=start.step, last_checkpoint=start.checkpoint_path),
         predicted_memory=predicted_memory, meter=SavedTensorMeter(model.parameters()))
     _attach_records(training)
+    # what `python -m runner.export` writes: the tensors a state_dict keeps, a config.json
+    training.run_info[STATE_NAMES] = state_names
+    if model_config is not None:
+        training.run_info[MODEL_CONFIG] = model_config
     return training
+
+
+def _starting_weights(run: RunConfig, plain: nn.Module) -> Callable[[nn.Module], None] | None:
+    """How the split model takes `model.weights` (None: it starts from its seed), bound to the
+    plain model's names now, before the strategy rebuilds it; a problem is raised when the
+    weights are loaded, on a fresh start (a resumed run reads its checkpoint instead)."""
+    weights = run.model.weights
+    if weights is None:
+        return None
+    try:
+        source, binding = open_bound(weights, plain)
+    except WeightsFileError as exc:
+        problem = str(exc)
+
+        def refuse(model: nn.Module) -> None:
+            raise WeightsFileError(problem)
+        return refuse
+
+    def load(model: nn.Module) -> None:
+        read = load_weights(source, binding, model)
+        get_logger().info("model.weights: %.1f MiB read from %s", read / (1 << 20), weights)
+    return load
 
 
 def _set_up_rank(run: RunConfig, grid: ProcessGrid) -> None:

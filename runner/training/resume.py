@@ -37,25 +37,28 @@ from runner.records.logs import get_logger
 from runner.records.rundir import RunDir
 from runner.training.state import Start
 from runner.training.step import StepFailure
+from runner.weights.safetensors_file import WeightsFileError
 from strategies import ParallelModel
 
 T = TypeVar("T")
 
 
-def _on_every_rank(grid: ProcessGrid, action: Callable[[], T]) -> T:
+def _on_every_rank(grid: ProcessGrid, action: Callable[[], T], what: str = "cannot resume"
+                   ) -> T:
     """Collective over the world: `action`'s result on this rank; when it raised
-    `CheckpointError` on any rank, `StepFailure` with that rank's one line on every rank."""
+    `CheckpointError` (or `WeightsFileError`) on any rank, `StepFailure` with that rank's one
+    line on every rank."""
     results: list[T] = []
     error = None
     try:
         results.append(action())
-    except CheckpointError as exc:
+    except (CheckpointError, WeightsFileError) as exc:
         error = str(exc)
     errors = grid.world.allgather_object(error)
     failed = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
     if failed is not None:
         where = f"rank {failed[0]}: " if grid.size > 1 else ""
-        raise StepFailure(f"cannot resume: {where}{failed[1]}")
+        raise StepFailure(f"{what}: {where}{failed[1]}")
     return results[0]
 
 
@@ -89,12 +92,16 @@ def _open_checkpoint(path: Path, grid: ProcessGrid, model: ParallelModel,
 
 def start_or_resume(resume: str | None, total_steps: int, run_dir: RunDir, grid: ProcessGrid,
                     model: ParallelModel, optimizer_cls: type[ReplicaOptimizer],
-                    make_optimizer: Callable[[], ReplicaOptimizer]
+                    make_optimizer: Callable[[], ReplicaOptimizer],
+                    load_weights: Callable[[], object] | None = None
                     ) -> tuple[ReplicaOptimizer, Start]:
     """The replica optimizer (built by `make_optimizer` at the right moment) and where training
-    starts. Raises `StepFailure` when the checkpoint already has every step."""
+    starts; a fresh start first loads `load_weights` (`model.weights`: a resumed run has its
+    checkpoint's). Raises `StepFailure` when the checkpoint already has every step."""
     path = _find_checkpoint(resume, run_dir, grid)
     if path is None:
+        if load_weights is not None:  # before the optimizer: EASGD's centre is the weights
+            _on_every_rank(grid, load_weights, "cannot load model.weights")
         return make_optimizer(), Start()
     checkpoint, plan = _on_every_rank(
         grid, lambda: _open_checkpoint(path, grid, model, optimizer_cls))
