@@ -21,7 +21,7 @@ FLOORS: list[tuple[str, set[str]]] = [
     ("the tools that start runs or read them", {"runner.replay", "runner.plan"}),
     ("the head", {"runner.cli"}),
     ("a rank, and the reports of runs", {"runner.training", "runner.report"}),
-    ("checkpoints", {"runner.checkpoint"}),
+    ("checkpoints", {"runner.checkpoint", "runner.weights"}),
     ("plugins", {"runner.optim", "runner.zoo"}),
     ("config and strategies", {"runner.config", "strategies"}),
     ("the cost model", {"runner.cost"}),
