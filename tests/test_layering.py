@@ -18,7 +18,7 @@ FOLDERS = ("runner", "strategies", "hydra_plugins")
 # Top to bottom: a floor's rooms.
 FLOORS: list[tuple[str, set[str]]] = [
     ("the commands", {"runner.__main__", "runner.reproduce", "hydra_plugins.gridrun_launcher"}),
-    ("the tools that start runs or read them", {"runner.replay", "runner.plan"}),
+    ("the tools that start runs or read them", {"runner.replay", "runner.plan", "runner.export"}),
     ("the head", {"runner.cli"}),
     ("a rank, and the reports of runs", {"runner.training", "runner.report"}),
     ("checkpoints", {"runner.checkpoint", "runner.weights"}),

@@ -37,8 +37,9 @@ SCRIPTS: dict[str, dict[str, tuple[int, ...]]] = {
     # parallel plans by module name: the transformers library's models, a user's block; with
     # check_plan_vocab (a head split by vocabulary, scored split), check_plan_resume
     # (planned runs resumed on other grids and strategies; vision transformers by plan),
-    # check_fsdp (sharded data parallelism at every stage) and check_corpus (the conformance
-    # corpus: every model under every strategy, or refused)
+    # check_fsdp (sharded data parallelism at every stage), check_corpus (the conformance
+    # corpus: every model under every strategy, or refused) and check_weights (pretrained
+    # weights loaded per rank under every layout, exported, fine-tuned as one process)
     "tests/mpi/check_plans.py": {"mpi": (4,)},
 }
 CASES = [(script, ranks, backend) for script, backends in SCRIPTS.items()

@@ -126,6 +126,10 @@ class TrainerConfig:
     """Validate on the first N samples of the validation set (null: all of it)."""
     checkpoint_every: Optional[int] = at_least(1, None)  # noqa: UP045
     """A sharded checkpoint every N steps, and at the end (null: none)."""
+    export: bool = False
+    """At the end, the trained model as safetensors in RUN_DIR/export (a transformers
+    directory for a transformers model), as `python -m runner.export` writes it; a checkpoint
+    is written at the end for it."""
     keep_checkpoints: Optional[int] = at_least(1, 3)  # noqa: UP045
     """The newest complete checkpoints kept (null: all)."""
     resume: Optional[str] = None  # noqa: UP045

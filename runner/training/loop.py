@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ from runner.training.step import (
     train_step,
 )
 from runner.training.summary import completed_summary, interrupted_summary, sparse_line
+from runner.weights.export import ExportError, ExportRequest, export_checkpoint
 from runner.weights.load import load_weights, open_bound
 from runner.weights.model_card import (
     MODEL_CONFIG,
@@ -294,6 +296,9 @@ def _parallel_model(run: RunConfig, parts: RunParts, grid: ProcessGrid) -> Paral
     return model
 
 
+EXPORT_DIR = "export"  # trainer.export's folder in the run directory
+
+
 def _attach_records(training: Training) -> None:
     """What records the run: the activation meter's hooks, rank 0's metrics.jsonl (and
     TensorBoard), and what each checkpoint records of the run."""
@@ -448,6 +453,18 @@ def _evaluate_when_due(t: Training, step: int, progress: ProgressReporter) -> No
         t.evaluate(step, at_end, progress)
 
 
+def _export(checkpoint: Path, run_dir: RunDir) -> Path:
+    """`trainer.export`: the final checkpoint's model written to RUN_DIR/export (rank 0)."""
+    out = run_dir.path / EXPORT_DIR
+    try:
+        exported = export_checkpoint(ExportRequest(checkpoint, out, force=True))
+    except (ExportError, WeightsFileError, OSError) as exc:
+        raise StepFailure(f"trainer.export: {exc}") from None
+    get_logger().info("exported %d tensors (%.1f MiB) to %s", exported.tensors,
+                      exported.total_bytes / (1 << 20), out)
+    return out
+
+
 def _completed(t: Training, started: float) -> dict[str, Any]:
     """The summary of a run that trained every step (collective: every rank's rates and
     devices); rank 0 writes it and prints its table."""
@@ -455,6 +472,8 @@ def _completed(t: Training, started: float) -> dict[str, Any]:
     rates = world.allgather_object(len(state.history.seconds) / state.history.total_s)
     devices = world.allgather_object(describe_device(t.device))
     summary = completed_summary(t, state, rates, devices, time.perf_counter() - started)
+    if t.grid.rank == 0 and t.run.trainer.export and state.last_checkpoint is not None:
+        summary["export"] = str(_export(state.last_checkpoint, t.run_dir))
     if t.grid.rank == 0:
         write_json(t.run_dir.summary, summary)
         make_console().print(summary_table(summary))
@@ -483,7 +502,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                 stopped_by = stop.signal_name or "a signal to another rank"
                 break
             _evaluate_when_due(t, step, progress)
-        if stopped_by is not None or run.trainer.checkpoint_every:
+        if stopped_by is not None or run.trainer.checkpoint_every or run.trainer.export:
             pace.begin("a checkpoint", state.step)
             t.checkpoint(state.step)
     pace.begin("the end of training", state.step)

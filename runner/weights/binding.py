@@ -3,7 +3,9 @@ starts: every parameter and every buffer a `state_dict` keeps present with its s
 it can be cast from, and no stored tensor left over.
 
 A model's tensors are named as in its `state_dict` (what checkpoints key them by,
-`runner.core.placement`); stored names match exactly, or across the base model's prefix of a
+`runner.core.placement`); a stored name, once renamed as the transformers library renames its
+files' names (`runner.weights.library_names`), matches exactly, or across the base model's
+prefix of a
 transformers class (`model.` of a `LlamaForCausalLM` against a `LlamaModel`'s weights), or by
 another name of a tied parameter (`lm_head.weight` for `model.embed_tokens.weight`). Stored
 tensors the model's class says to ignore (`_keys_to_ignore_on_load_unexpected`: a causal mask
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runner.weights.library_names import from_stored
 from runner.weights.model_card import kept_tensors
 from runner.weights.sources import WeightsSource
 
@@ -63,12 +66,14 @@ def bind_weights(source: WeightsSource, model: nn.Module) -> tuple[WeightsBindin
     kept = kept_tensors(model)
     wanted, aliases, transient = kept.tensors, kept.aliases, kept.transient
     prefix = str(getattr(model, "base_model_prefix", "") or "")
+    rename = from_stored(model)
+    stored_as = {rename(name): name for name in source.tensors}  # by the modules' names
     names: dict[str, str] = {}
     problems: list[str] = []
     missing = []
     for name, tensor in wanted.items():
         candidates = aliases[name] + _prefixed(aliases[name], prefix)
-        found = next((c for c in candidates if c in source.tensors), None)
+        found = next((stored_as[c] for c in candidates if c in stored_as), None)
         if found is None:
             missing.append(name)
             continue
@@ -89,8 +94,8 @@ def bind_weights(source: WeightsSource, model: nn.Module) -> tuple[WeightsBindin
     known = transient | set(_prefixed(sorted(transient), prefix))
     for names_of in aliases.values():
         known.update(names_of)
-    unexpected = [name for name in source.tensors if name not in used and name not in known
-                  and not any(p.search(name) for p in ignored)]
+    unexpected = [name for name in source.tensors if name not in used
+                  and rename(name) not in known and not any(p.search(name) for p in ignored)]
     if unexpected:
         problems.append(f"unexpected in the weights: {_some(sorted(unexpected))} (no such "
                         f"tensor in the model's {type(model).__name__})")

@@ -28,6 +28,7 @@ from runner.checkpoint.format import BUFFERS, Entry
 from runner.checkpoint.layout import CheckpointError, latest_checkpoint, step_dir
 from runner.checkpoint.read import Checkpoint
 from runner.core.placement import Placement
+from runner.weights.library_names import model_from_config, to_stored
 from runner.weights.model_card import MODEL_CONFIG, STATE_NAMES
 from runner.weights.safetensors_file import SafetensorsWriter, read_block, read_header
 from runner.weights.sources import SAFETENSORS_FILE, SAFETENSORS_INDEX
@@ -45,7 +46,7 @@ class ExportError(RuntimeError):
 class ExportedTensor:
     """A tensor of the exported model: where its blocks are, and how it is written."""
 
-    name: str
+    name: str  # as the file names it (save_pretrained's name)
     shape: tuple[int, ...]
     stored_dtype: torch.dtype
     dtype: torch.dtype
@@ -115,13 +116,17 @@ def _tensors(checkpoint: Checkpoint, mapped: dict[str, dict[str, torch.Tensor]],
     missing = [name for name in order if name not in blocks]
     if missing:
         raise ExportError(f"{checkpoint.path}: no {kind} of {missing[0]} (a damaged manifest?)")
+    config = checkpoint.manifest.get(MODEL_CONFIG)
+    model = model_from_config(config) if isinstance(config, dict) else None
+    stored_name = to_stored(model) if model is not None else (lambda name: name)
     tensors = []
     for name in order:
         found = blocks[name]
         file, entry = found[0]
         stored = mapped[file][entry.key].dtype
         cast_to = dtype if dtype is not None and stored.is_floating_point else stored
-        tensors.append(ExportedTensor(name, entry.shape, stored, cast_to, tuple(found)))
+        tensors.append(ExportedTensor(stored_name(name), entry.shape, stored, cast_to,
+                                      tuple(found)))
     return tensors
 
 
@@ -138,7 +143,8 @@ def _assembled(tensor: ExportedTensor, mapped: dict[str, dict[str, torch.Tensor]
     """The whole tensor, put together from its stored blocks (which tile it: the manifest's
     checks), cast to the dtype it is written in."""
     whole = torch.empty(tensor.shape, dtype=tensor.stored_dtype)
-    place = Placement(tensor.name, tensor.shape, 0, tensor.shape[0] if tensor.shape else 1)
+    model_name = tensor.blocks[0][1].name
+    place = Placement(model_name, tensor.shape, 0, tensor.shape[0] if tensor.shape else 1)
     for file, entry in tensor.blocks:
         shared = entry.place.intersection(place)
         if shared is not None:

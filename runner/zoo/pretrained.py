@@ -56,7 +56,7 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return data
 
 
-def architecture(directory: str | Path) -> type[nn.Module]:
+def architecture(directory: str | Path) -> type:
     """The transformers class `directory`'s config.json names first in `architectures`."""
     data = read_config(directory)
     names = data.get("architectures")
@@ -73,7 +73,7 @@ def architecture(directory: str | Path) -> type[nn.Module]:
     if not isinstance(found, type) or not built_from_config(found):
         raise PretrainedConfigError(f"{where}: architecture {names[0]!r} is not a model class "
                                     f"of the transformers library {transformers.__version__}")
-    return cast(type[nn.Module], found)
+    return found
 
 
 @functools.cache

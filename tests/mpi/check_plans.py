@@ -1,8 +1,9 @@
 """Parallel plans by module name (strategies/plans/module_plan.py) against one process, in one
 launch:
 `mpiexec -n 4 python THIS [OUT]` (with the checks of `check_plan_vocab.py`,
-`check_plan_resume.py`, `check_fsdp.py` (sharded data parallelism) and `check_corpus.py` (the
-conformance corpus), which it imports: the ranks import torch and the transformers library once).
+`check_plan_resume.py`, `check_fsdp.py` (sharded data parallelism), `check_corpus.py` (the
+conformance corpus) and `check_weights.py` (pretrained weights in, trained weights out), which
+it imports: the ranks import torch and the transformers library once).
 
 The transformers library's Llama (its declared plan), GPT-2 and BERT (plans given) and a user's
 attention block (a plan given, and one derived from its structure under model and auto; the
@@ -29,6 +30,7 @@ import check_corpus  # noqa: E402, F401
 import check_fsdp  # noqa: E402, F401
 import check_plan_resume  # noqa: E402, F401
 import check_plan_vocab  # noqa: E402, F401
+import check_weights  # noqa: E402, F401
 import torch  # noqa: E402
 from harness import check, make_grids, run_checks  # noqa: E402
 from mpi4py import MPI  # noqa: E402
