@@ -35,7 +35,12 @@ import torch
 # What a head imports before it validates a run (what every head would import again).
 PRELOAD = ["torch", "hydra", "runner.cli.app", "runner.cli.launch", "runner.cli.validation",
            "runner.cli.preflight", "runner.training.assembly", "runner.training.loop",
-           "runner.training.rank", "strategies"]
+           "runner.training.rank", "strategies",
+           # the transformers library and the models the suite's heads build (~3.5 s of
+           # imports a head each; a module that is not installed is skipped)
+           "transformers", "transformers.conversion_mapping",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.vit.modeling_vit", "transformers.models.bert.modeling_bert"]
 
 # GRIDRUN_TEST_SUBPROCESS_HEADS=1: every head a fresh interpreter, as a user's shell starts it.
 SUBPROCESS_HEADS = os.environ.get("GRIDRUN_TEST_SUBPROCESS_HEADS") == "1"

@@ -378,7 +378,8 @@ def _starting_weights(run: RunConfig, plain: nn.Module) -> Callable[[nn.Module],
 
     def load(model: nn.Module) -> None:
         read = load_weights(source, binding, model)
-        get_logger().info("model.weights: %.1f MiB read from %s", read / (1 << 20), weights)
+        get_logger().info("model.weights: %d bytes (%.1f MiB) read from %s", read,
+                          read / (1 << 20), weights)
     return load
 
 

@@ -35,12 +35,15 @@ class PretrainedConfigError(ValueError):
 def read_config(directory: str | Path) -> dict[str, Any]:
     """`directory`'s config.json as a mapping of fields: a regular file of JSON, an object."""
     path = Path(directory) / CONFIG_FILE
+    shown = f"model.weights={directory}"
+    if not Path(directory).exists():
+        raise PretrainedConfigError(f"{shown}: no such file or directory")
     try:
         status = os.stat(path)
     except FileNotFoundError:
-        raise PretrainedConfigError(f"{directory} has no {CONFIG_FILE}, which says which "
-                                    f"model the weights are of (or choose the model: "
-                                    f"model=NAME or model._target_=...)") from None
+        raise PretrainedConfigError(f"{shown}: no {CONFIG_FILE}, which says which model the "
+                                    f"weights are of (or choose the model: model=NAME or "
+                                    f"model._target_=...)") from None
     except OSError as exc:
         raise PretrainedConfigError(f"{path}: cannot be read ({exc.strerror})") from None
     if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_CONFIG_BYTES:
