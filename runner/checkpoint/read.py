@@ -92,7 +92,10 @@ def _read_regular(path: Path, size: int | None = None) -> bytes:
     return data
 
 
-def _hash_regular(path: Path, size: int | None) -> tuple[tuple[int, int, int], str]:
+ShardIdentity = tuple[int, int, int]  # a file's inode, size and modification time (ns)
+
+
+def _hash_regular(path: Path, size: int | None) -> tuple[ShardIdentity, str]:
     """The sha256 of the regular file `path` (opened as `_read_regular` opens it), read in
     pieces of 16 MiB, and its inode, size and time as it was hashed."""
     try:
@@ -227,28 +230,34 @@ class Checkpoint:
             raise self._damaged(name, problem)
         return cast("dict[str, torch.Tensor]", payload)
 
-    def map_shard(self, name: str) -> dict[str, torch.Tensor]:
-        """One shard, verified as `read_shard` verifies it, but mapped rather than read: its
-        bytes hashed in pieces, its tensors then mapped from the file (`mmap`), so that a tool
-        reading a few tensors of a large checkpoint holds only those (export). A file changed
-        between the hash and the mapping (another inode, size or time) is refused."""
+    def verify_shard(self, name: str) -> ShardIdentity:
+        """One shard's bytes hashed against the manifest in pieces of 16 MiB (never held
+        whole), for a tool that then maps the tensors it needs (`map_verified`): export.
+        Raises `DamagedCheckpoint`."""
         if name not in self.files:
             raise self._damaged(name, "not a shard of this checkpoint")
         record = self.records.get(name)
         try:
-            before, digest = _hash_regular(self.path / name, record.size if record else None)
+            identity, digest = _hash_regular(self.path / name, record.size if record else None)
         except _Refused as exc:
             raise self._damaged(name, str(exc)) from None
         if record is not None and digest != record.sha256:
             raise self._damaged(name, "sha256 mismatch (damaged or altered since written)")
+        return identity
+
+    def map_verified(self, name: str, identity: ShardIdentity) -> dict[str, torch.Tensor]:
+        """The tensors of a shard `verify_shard` checked, mapped from the file (`mmap`:
+        pages are read as a tensor is touched, and given back when the mapping is dropped),
+        `weights_only`; a file changed since it was hashed (another inode, size or time) is
+        refused."""
         try:
             payload = torch.load(self.path / name, map_location="cpu", weights_only=True,
                                  mmap=True)
         except Exception as exc:  # torch raises anything from pickle, zip and its own checks
             raise self._damaged(name, _load_problem(exc)) from None
         after = os.lstat(self.path / name)
-        if (after.st_ino, after.st_size, after.st_mtime_ns) != before:
-            raise self._damaged(name, "changed while it was read")
+        if (after.st_ino, after.st_size, after.st_mtime_ns) != identity:
+            raise self._damaged(name, "changed since it was verified")
         problem = self._payload_problem(name, payload)
         if problem is not None:
             raise self._damaged(name, problem)

@@ -98,7 +98,7 @@ def _model_kind(checkpoint: Checkpoint) -> tuple[str, int | None]:
     return "model", None
 
 
-def _tensors(checkpoint: Checkpoint, mapped: dict[str, dict[str, torch.Tensor]],
+def _tensors(checkpoint: Checkpoint, dtypes: dict[str, torch.dtype],
              dtype: torch.dtype | None) -> list[ExportedTensor]:
     """The tensors the model's `state_dict` keeps, in its order, with their blocks."""
     kind, replica = _model_kind(checkpoint)
@@ -123,7 +123,7 @@ def _tensors(checkpoint: Checkpoint, mapped: dict[str, dict[str, torch.Tensor]],
     for name in order:
         found = blocks[name]
         file, entry = found[0]
-        stored = mapped[file][entry.key].dtype
+        stored = dtypes[entry.key]
         cast_to = dtype if dtype is not None and stored.is_floating_point else stored
         tensors.append(ExportedTensor(stored_name(name), entry.shape, stored, cast_to,
                                       tuple(found)))
@@ -138,17 +138,22 @@ def _added_by_strategy(name: str) -> bool:
     return is_hot_row_tensor(name)
 
 
-def _assembled(tensor: ExportedTensor, mapped: dict[str, dict[str, torch.Tensor]]
-               ) -> torch.Tensor:
+def _assembled(tensor: ExportedTensor, shards: _Shards) -> torch.Tensor:
     """The whole tensor, put together from its stored blocks (which tile it: the manifest's
     checks), cast to the dtype it is written in."""
     whole = torch.empty(tensor.shape, dtype=tensor.stored_dtype)
     model_name = tensor.blocks[0][1].name
     place = Placement(model_name, tensor.shape, 0, tensor.shape[0] if tensor.shape else 1)
+    by_file: dict[str, list[Entry]] = {}
     for file, entry in tensor.blocks:
-        shared = entry.place.intersection(place)
-        if shared is not None:
-            place.view(whole, shared).copy_(entry.place.view(mapped[file][entry.key], shared))
+        by_file.setdefault(file, []).append(entry)
+    for file, entries in by_file.items():
+        mapped = shards.mapped(file)
+        for entry in entries:
+            shared = entry.place.intersection(place)
+            if shared is not None:
+                place.view(whole, shared).copy_(entry.place.view(mapped[entry.key], shared))
+        del mapped  # the mapping goes, and its pages with it
     return whole if tensor.dtype == tensor.stored_dtype else whole.to(tensor.dtype)
 
 
@@ -174,19 +179,20 @@ def _file_names(count: int, single: str) -> list[str]:
 
 
 def _tensor_hash(tensor: torch.Tensor) -> str:
+    """The sha256 of a tensor's bytes, read in place (no copy of a contiguous tensor)."""
     flat = tensor.contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
 def _write_files(folder: Path, groups: list[list[ExportedTensor]], names: list[str],
-                 mapped: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:
+                 shards: _Shards) -> dict[str, str]:
     """Each group's file, tensor by tensor; the hash of every tensor's bytes as written."""
     hashes = {}
     for group, file in zip(groups, names, strict=True):
         layout = [(t.name, t.dtype, t.shape) for t in group]
         with SafetensorsWriter(folder / file, layout, METADATA) as writer:
             for tensor in group:
-                whole = _assembled(tensor, mapped)
+                whole = _assembled(tensor, shards)
                 hashes[tensor.name] = _tensor_hash(whole)
                 writer.write(tensor.name, whole)
                 del whole
@@ -248,11 +254,30 @@ class ExportRequest:
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
 
 
-def _mapped_shards(checkpoint: Checkpoint) -> dict[str, dict[str, torch.Tensor]]:
-    try:
-        return {name: checkpoint.map_shard(name) for name in checkpoint.files}
-    except CheckpointError as exc:
-        raise ExportError(str(exc)) from None
+class _Shards:
+    """The checkpoint's shards, each hashed once, then mapped while a tensor is put together
+    and dropped after it: the pages of a mapping count in the exporter's memory while it
+    lasts, so at most one tensor's blocks are ever mapped in."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        try:
+            self.identities = {name: checkpoint.verify_shard(name) for name in checkpoint.files}
+        except CheckpointError as exc:
+            raise ExportError(str(exc)) from None
+
+    def mapped(self, name: str) -> dict[str, torch.Tensor]:
+        try:
+            return self.checkpoint.map_verified(name, self.identities[name])
+        except CheckpointError as exc:
+            raise ExportError(str(exc)) from None
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Every stored tensor's dtype, by its key (mapped, nothing read)."""
+        found = {}
+        for name in self.identities:
+            found.update({key: tensor.dtype for key, tensor in self.mapped(name).items()})
+        return found
 
 
 def export_checkpoint(request: ExportRequest) -> Exported:
@@ -265,15 +290,15 @@ def export_checkpoint(request: ExportRequest) -> Exported:
         checkpoint = Checkpoint(request.checkpoint)
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
-    mapped = _mapped_shards(checkpoint)
-    tensors = _tensors(checkpoint, mapped, request.dtype)
+    shards = _Shards(checkpoint)
+    tensors = _tensors(checkpoint, shards.dtypes(), request.dtype)
     config = _config_json(checkpoint, request.dtype, tensors)
     single_file = config is None and out.suffix == ".safetensors"
     groups = _shard_groups(tensors, request.max_shard_bytes) if not single_file else [tensors]
     names = _file_names(len(groups), out.name if single_file else SAFETENSORS_FILE)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _staging(out) as folder:
-        hashes = _write_files(folder, groups, names, mapped)
+        hashes = _write_files(folder, groups, names, shards)
         _verify_written(folder, names, hashes)
         if len(names) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
