@@ -24,6 +24,7 @@ from runner.weights.safetensors_file import (
     dtype_name,
     read_block,
     read_header,
+    read_rows_into,
     write_file,
 )
 
@@ -349,3 +350,22 @@ def test_an_incomplete_or_failed_writer_leaves_no_file(tmp_path: Path) -> None:
         SafetensorsWriter(path, [("z", torch.complex64, (2,))])
     with pytest.raises(ValueError, match="metadata must map strings to strings"):
         SafetensorsWriter(path, LAYOUT, metadata={"step": 3})
+
+
+def test_rows_are_read_straight_into_a_tensor_of_their_dtype_and_shape(tmp_path: Path) -> None:
+    """A rank's rows land in its parameter's own memory; another dtype, a strided tensor or
+    another shape is declined (the caller reads a block and copies it)."""
+    weight = torch.randn(6, 5, dtype=torch.bfloat16)
+    write_file(tmp_path / "w.safetensors", {"w": weight, "s": torch.tensor(3.0)})
+    header = read_header(tmp_path / "w.safetensors")
+    out = torch.empty(2, 5, dtype=torch.bfloat16)
+    assert read_rows_into(header, "w", (2, 4), out)
+    assert torch.equal(out, weight[2:4])
+    scalar = torch.empty((), dtype=torch.float32)
+    assert read_rows_into(header, "s", None, scalar) and scalar.item() == 3.0
+    declined = [torch.zeros(2, 5),  # float32: a cast is the caller's
+                torch.zeros(5, 2, dtype=torch.bfloat16).t(),  # not contiguous
+                torch.zeros(3, 5, dtype=torch.bfloat16)]  # another shape
+    for tensor in declined:
+        assert not read_rows_into(header, "w", (2, 4), tensor)
+        assert not tensor.any()  # untouched

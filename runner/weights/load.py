@@ -56,7 +56,11 @@ def load_weights(source: WeightsSource, binding: WeightsBinding, model: nn.Modul
             if place is None or id(tensor) in seen or place.name not in binding.names:
                 continue
             seen.add(id(tensor))
-            block = source.read(binding.names[place.name], place)
+            stored = binding.names[place.name]
+            if source.read_into(stored, place, tensor.data):  # into the parameter itself
+                read += tensor.numel() * tensor.element_size()
+                continue
+            block = source.read(stored, place)
             read += block.numel() * block.element_size()
             tensor.copy_(block.reshape(tensor.shape))
     return read

@@ -379,6 +379,26 @@ def read_block(header: SafetensorsHeader, name: str, rows: tuple[int, int] | Non
     return block[:, col_first:col_last].contiguous()
 
 
+def read_rows_into(header: SafetensorsHeader, name: str, rows: tuple[int, int] | None,
+                   out: torch.Tensor) -> bool:
+    """Rows [r0, r1) of the tensor `name` (None: a 0-d tensor, whole) read straight into
+    `out`'s memory, one copy from the file, no buffer between: where `out` is a contiguous
+    CPU tensor of the stored dtype and the block's shape. False (nothing read) otherwise: the
+    caller reads a block and copies it (`read_block`)."""
+    tensor = header.tensors.get(name)
+    if (tensor is None or out.device.type != "cpu" or not out.is_contiguous()
+            or out.dtype != tensor.dtype or (rows is None) != (not tensor.shape)):
+        return False
+    first, last = (0, 1) if rows is None else rows
+    if (tuple(out.shape) != ((last - first, *tensor.shape[1:]) if tensor.shape else ())
+            or not 0 <= first <= last <= tensor.row_count):
+        return False
+    flat = out.detach().reshape(-1).view(torch.uint8) if out.numel() else None
+    if flat is not None:
+        _read_into(header, tensor, flat, tensor.begin + first * tensor.row_bytes)
+    return True
+
+
 # -- writing ---------------------------------------------------------------------------------
 
 Layout = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]

@@ -28,6 +28,7 @@ from runner.weights.safetensors_file import (
     WeightsFileError,
     read_block,
     read_header,
+    read_rows_into,
 )
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -60,6 +61,15 @@ class WeightsSource:
     @property
     def files(self) -> list[Path]:
         return sorted({stored.file for stored in self.tensors.values()})
+
+    def read_into(self, name: str, place: Placement, out: torch.Tensor) -> bool:
+        """Block `place` of the stored tensor `name` read straight into `out` (a contiguous
+        CPU tensor of the stored dtype, rows only); False where it cannot be (`read`)."""
+        stored = self.tensors[name]
+        if self._state is not None or place.splits_columns:
+            return False
+        rows = (place.start, place.stop) if stored.shape else None
+        return read_rows_into(self._headers[stored.file], name, rows, out)
 
     def read(self, name: str, place: Placement) -> torch.Tensor:
         """Block `place` (its rows and columns) of the stored tensor `name`, read alone."""
