@@ -4,9 +4,11 @@
 - Round trip: the transformers library's Llama, GPT-2 and ViT, made from small configs with
   random weights and written by `save_pretrained`, are started from (`model.weights=DIR`, the
   model from the directory's config.json) under `data` 1x2, `grid` 2x2 (Llama's declared plan,
-  the others' given), `fsdp` 1x4 (stage 3) and `model` 2x1 by plan, each rank reading only its
-  blocks; a checkpoint of step 0 is exported (`runner.weights.export`) and `from_pretrained`
-  loads it, no name missing or left over, every tensor bit-identical to the original's.
+  the others' given), `fsdp` 1x4 (stage 3) and `model` 2x1 by plan, Llama also under `domain`
+  2x1 and `auto` 2x2, each rank reading only its blocks; a checkpoint of step 0 is exported
+  (`runner.weights.export`) and `from_pretrained` loads it, no name missing or left over, every
+  tensor bit-identical to the original's. Llama's weights saved in bf16 load into float32
+  parameters and export as bf16 to the same bits.
 - Fine-tune: GPT-2 from its weights, 20 float64 steps under `grid` 2x2 and `fsdp` 2x2 (plans),
   gives the losses of one process started from the same weights to 1e-9 with the predicted
   bytes; the 2x2 `fsdp` run exports at its end (`trainer.export`), and the exported model's
@@ -52,6 +54,11 @@ VIT_PLAN = plan_vit_models.HF_VIT_PLAN
 # (strategy, pr, pc, needs the model's plan): the layouts a round trip goes through
 LAYOUTS = [("data", 1, 2, False), ("grid", 2, 2, True), ("fsdp", 1, 4, False),
            ("model", 2, 1, True)]
+# Llama's also: strategy=domain (its norms and MLPs on a rank's positions, weights whole) and
+# strategy=auto (a layout per layer)
+LLAMA_LAYOUTS = [*LAYOUTS, ("domain", 2, 1, True), ("auto", 2, 2, False)]
+LLAMA_DOMAIN_PLAN = {"model.layers.*.*_layernorm": "sequence",
+                     "model.layers.*.mlp": "sequence", "model.norm": "sequence"}
 
 
 @functools.cache
@@ -66,13 +73,15 @@ def saved_models() -> dict[str, Path]:
         ViTForImageClassification,
     )
 
-    dirs = {name: OUT / "pretrained" / name for name in ("llama", "gpt2", "vit")}
+    dirs = {name: OUT / "pretrained" / name for name in ("llama", "llama_bf16", "gpt2", "vit")}
     if WORLD.Get_rank() == 0:
         torch.manual_seed(5)
-        LlamaForCausalLM(LlamaConfig(
+        llama = LlamaForCausalLM(LlamaConfig(
             vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, intermediate_size=32, max_position_embeddings=16,
-            bos_token_id=0, eos_token_id=0)).save_pretrained(dirs["llama"])
+            bos_token_id=0, eos_token_id=0))
+        llama.save_pretrained(dirs["llama"])
+        llama.to(torch.bfloat16).save_pretrained(dirs["llama_bf16"])
         GPT2LMHeadModel(GPT2Config(
             vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=4, bos_token_id=0,
             eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -139,20 +148,24 @@ def assert_same_model(original: Path, exported: Path, what: str) -> None:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (what, name)
 
 
-def round_trip(name: str, weights: Path, plan: dict[str, str] | None,
-               dataset: dict[str, Any]) -> None:
+def round_trip(name: str, weights: Path, plans: dict[str, dict[str, str] | None],
+               dataset: dict[str, Any], layouts: list[tuple[str, int, int, bool]] = LAYOUTS,
+               dtype: torch.dtype | None = None) -> None:
+    """Each layout loads the weights and exports step 0 (as `dtype`: None, as held), which
+    must be the original. `plans`: the plan each strategy that needs one is given."""
     from runner.weights.export import ExportRequest, export_checkpoint
 
-    for strategy, pr, pc, planned in LAYOUTS:
+    for strategy, pr, pc, planned in layouts:
         grid = GRIDS[pr, pc]
         if grid is None:
             continue
         what = f"{name} {strategy} {pr}x{pc}"
-        config = run_config(weights, strategy, pr, pc, plan if planned else None, dataset)
+        config = run_config(weights, strategy, pr, pc, plans.get(strategy) if planned else None,
+                            dataset)
         checkpoint = checkpoint_at_start(config, OUT / f"{name}_{strategy}", grid)
         if grid.rank == 0:
             out = OUT / f"{name}_{strategy}_export"
-            export_checkpoint(ExportRequest(checkpoint, out, max_shard_bytes=20_000))
+            export_checkpoint(ExportRequest(checkpoint, out, dtype, max_shard_bytes=8_000))
             assert len(list(out.glob("*.safetensors"))) > 1, what  # sharded, with an index
             assert_same_model(weights, out, what)
     wait_politely()
@@ -163,9 +176,11 @@ def weights_round_trip_under_every_layout() -> None:
     if not HAVE_TRANSFORMERS:
         return
     dirs = saved_models()
-    round_trip("llama", dirs["llama"], None, TOKENS)
-    round_trip("gpt2", dirs["gpt2"], GPT2_PLAN, TOKENS)
-    round_trip("vit", dirs["vit"], VIT_PLAN, DIGITS)
+    round_trip("llama", dirs["llama"], {"domain": LLAMA_DOMAIN_PLAN}, TOKENS, LLAMA_LAYOUTS)
+    round_trip("gpt2", dirs["gpt2"], {"grid": GPT2_PLAN, "model": GPT2_PLAN}, TOKENS)
+    round_trip("vit", dirs["vit"], {"grid": VIT_PLAN, "model": VIT_PLAN}, DIGITS)
+    # bf16 weights into float32 parameters, exactly; exported as bf16, the original bits
+    round_trip("llama_bf16", dirs["llama_bf16"], {}, TOKENS, LAYOUTS[:1], torch.bfloat16)
 
 
 def exported_val_loss(exported: Path) -> float:
