@@ -32,6 +32,7 @@ from runner.weights.library_names import model_from_config, to_stored
 from runner.weights.model_card import MODEL_CONFIG, STATE_NAMES
 from runner.weights.safetensors_file import SafetensorsWriter, read_block, read_header
 from runner.weights.sources import SAFETENSORS_FILE, SAFETENSORS_INDEX
+from strategies.exchange.sparse_gradients import is_hot_row_tensor
 
 CONFIG_FILE = "config.json"
 DEFAULT_SHARD_BYTES = 5 * 10**9  # save_pretrained's default largest file
@@ -91,22 +92,22 @@ def find_checkpoint(source: Path, step: int | None) -> Path:
 
 
 def _model_kind(checkpoint: Checkpoint) -> tuple[str, int | None]:
-    """The weights every replica agrees on: the centre of a checkpoint of replicas that differ,
-    else the model."""
-    if checkpoint.manifest["per_replica"] and checkpoint.has("centre"):
-        return "centre", None
-    return "model", None
+    """The weights every replica agrees on: the centre of a checkpoint of replicas that differ
+    (replica 0's own where it has none), else the model."""
+    if not checkpoint.manifest["per_replica"]:
+        return "model", None
+    return ("centre", None) if checkpoint.has("centre") else ("model", 0)
 
 
 def _tensors(checkpoint: Checkpoint, dtypes: dict[str, torch.dtype],
              dtype: torch.dtype | None) -> list[ExportedTensor]:
     """The tensors the model's `state_dict` keeps, in its order, with their blocks."""
     kind, replica = _model_kind(checkpoint)
-    buffers_replica = None if not checkpoint.manifest["per_replica"] else 0
-    wanted = {(kind, replica), (BUFFERS, buffers_replica if kind == "model" else 0)}
+    buffers_replica = 0 if checkpoint.manifest["per_replica"] else None  # as a resume reads
+    wanted = {(kind, replica), (BUFFERS, buffers_replica)}
     blocks: dict[str, list[tuple[str, Entry]]] = {}
-    for file, entry in checkpoint.entries:
-        if (entry.kind, entry.replica) in wanted and not _added_by_strategy(entry.name):
+    for file, entry in checkpoint.entries:  # a strategy's own tensors (hot rows) left out
+        if (entry.kind, entry.replica) in wanted and not is_hot_row_tensor(entry.name):
             blocks.setdefault(entry.name, []).append((file, entry))
     kept = checkpoint.manifest.get(STATE_NAMES)
     if isinstance(kept, list) and all(isinstance(name, str) for name in kept):
@@ -128,14 +129,6 @@ def _tensors(checkpoint: Checkpoint, dtypes: dict[str, torch.dtype],
         tensors.append(ExportedTensor(stored_name(name), entry.shape, stored, cast_to,
                                       tuple(found)))
     return tensors
-
-
-def _added_by_strategy(name: str) -> bool:
-    """A tensor a strategy adds to the model it splits (a sparse table's hot rows): not the
-    model's."""
-    from strategies.exchange.sparse_gradients import is_hot_row_tensor
-
-    return is_hot_row_tensor(name)
 
 
 def _assembled(tensor: ExportedTensor, shards: _Shards) -> torch.Tensor:

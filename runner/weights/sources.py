@@ -18,7 +18,6 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -198,7 +197,3 @@ def open_weights(path: str | Path) -> WeightsSource:
         return _from_headers(path, [path])
     return _torch_file(path)
 
-
-def describe(value: Any) -> str:
-    """A tensor's dtype as a user reads it (`bfloat16`)."""
-    return str(value).removeprefix("torch.")
