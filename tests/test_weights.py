@@ -166,3 +166,26 @@ def test_bad_weights_are_one_line_each_before_any_rank_starts(llama: Path,
         assert words in line and f"model.weights={path}" in line, (name, line)
         assert not (tmp_path / f"run_{name}" / "logs").exists(), name  # no rank started
     assert not (tmp_path / "ran").exists()  # the pickle's command never ran
+
+
+def test_an_elastic_averaging_checkpoint_exports_its_centre_as_one_file(tmp_path: Path) -> None:
+    """A model of gridrun's own zoo (no transformers configuration): one safetensors file, the
+    centre variable the replicas agree on, tensor for tensor as the checkpoint holds it."""
+    run = tmp_path / "run"
+    result = run_cli("model=mlp", "dataset=digits", "optimizer=sync_easgd", "grid.pr=1",
+                     "grid.pc=2", "trainer.steps=2", "trainer.checkpoint_every=2",
+                     f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "mlp.safetensors"
+    exported = run_module("runner.export", str(run), "--to", str(out))
+    assert exported.returncode == 0, exported.stderr
+    tensors = safetensors_torch.load_file(out)
+    shard = torch.load(run / "checkpoints" / "step-00000002" / "rank-00000.pt",
+                       weights_only=True)
+    centre = {key.split("/")[2]: value for key, value in shard.items()
+              if key.startswith("centre/")}
+    assert tensors.keys() == centre.keys() and len(tensors) == 6
+    assert all(torch.equal(tensors[name], centre[name]) for name in tensors)
+    own = {key.split("/")[2]: value for key, value in shard.items()
+           if key.startswith("model/0/")}
+    assert any(not torch.equal(own[name], centre[name]) for name in centre)  # not a replica's
