@@ -128,17 +128,19 @@ def memory_problem(run: RunConfig, parts: CheckedParts, inside_mpi_job: bool) ->
 
 def checkpoint_space_needed(run: RunConfig, parts: CheckedParts) -> tuple[int, str]:
     """Bytes the run directory needs, and what for."""
-    if not run.trainer.checkpoint_every:
+    if not run.checkpoints_at_end:
         return MIN_FREE_BYTES, "the run's logs"
     _, model, _, optimizer = _built(parts)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     one = checkpoint_bytes(param_bytes, run.grid.pc, optimizer.per_replica,
                            optimizer.has_centre, optimizer.state_copies(run.optimizer.options))
-    kept = (run.trainer.keep_checkpoints or max(1, run.trainer.steps
-                                                // run.trainer.checkpoint_every)) + 1
-    # the ones kept, and the next one being written
-    return (MIN_FREE_BYTES + one * kept,
-            f"{kept} checkpoints of {one / (1 << 20):,.1f} MiB and the logs")
+    every = run.trainer.checkpoint_every
+    # the ones kept, and the next one being written (only the one at the end without `every`)
+    kept = (run.trainer.keep_checkpoints or max(1, run.trainer.steps // every)) + 1 if every else 1
+    exported = param_bytes if run.trainer.export else 0  # the model once more, as safetensors
+    what = f"{kept} checkpoint{'s' if kept > 1 else ''} of {one / (1 << 20):,.1f} MiB"
+    return (MIN_FREE_BYTES + one * kept + exported,
+            what + (", the exported model" if exported else "") + " and the logs")
 
 
 def resume_problems(run: RunConfig, run_dir: Path, model: nn.Module,

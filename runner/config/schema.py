@@ -125,7 +125,8 @@ class TrainerConfig:
     eval_samples: Optional[int] = at_least(1, None)  # noqa: UP045
     """Validate on the first N samples of the validation set (null: all of it)."""
     checkpoint_every: Optional[int] = at_least(1, None)  # noqa: UP045
-    """A sharded checkpoint every N steps, and at the end (null: none)."""
+    """A sharded checkpoint every N steps, and at the end (null: none, but the one at the end
+    of a run started from model.weights or with trainer.export)."""
     export: bool = False
     """At the end, the trained model as safetensors in RUN_DIR/export (a transformers
     directory for a transformers model), as `python -m runner.export` writes it; a checkpoint
@@ -364,6 +365,14 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     plugins: tuple[str, ...] = ()
     objective: str = "val_loss"
+
+    @property
+    def checkpoints_at_end(self) -> bool:
+        """Whether a completed run writes a checkpoint at its end: with
+        `trainer.checkpoint_every`, for `trainer.export`, and for a run started from
+        `model.weights` (the trained weights are what a fine-tune is for: export reads them)."""
+        trainer = self.trainer
+        return bool(trainer.checkpoint_every or trainer.export or self.model.weights is not None)
 
 
 def _section(key: str, schema: type[Any], value: Any, problems: list[str]) -> Any:

@@ -503,7 +503,7 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
                 stopped_by = stop.signal_name or "a signal to another rank"
                 break
             _evaluate_when_due(t, step, progress)
-        if stopped_by is not None or run.trainer.checkpoint_every or run.trainer.export:
+        if stopped_by is not None or run.checkpoints_at_end:
             pace.begin("a checkpoint", state.step)
             t.checkpoint(state.step)
     pace.begin("the end of training", state.step)
