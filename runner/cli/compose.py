@@ -94,6 +94,9 @@ def with_target_groups(args: list[str]) -> list[str]:
         elif (group == "model" and not names_target and not chooses
               and any(a.lstrip("+~").startswith("model.weights=") for a in args)):
             added.append(f"model={PRETRAINED_OPTION}")
+    # every model takes `weights`, which a model's own YAML (model=mlp) does not list: added
+    # or overridden alike (Hydra's `++`)
+    args = [f"++{a}" if a.startswith("model.weights=") else a for a in args]
     return [*args, *added]
 
 

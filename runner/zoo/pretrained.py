@@ -38,6 +38,9 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     shown = f"model.weights={directory}"
     if not Path(directory).exists():
         raise PretrainedConfigError(f"{shown}: no such file or directory")
+    if not Path(directory).is_dir():
+        raise PretrainedConfigError(f"{shown}: a file of weights does not say which model it "
+                                    f"is of: choose it (model=NAME or model._target_=...)")
     try:
         status = os.stat(path)
     except FileNotFoundError:
