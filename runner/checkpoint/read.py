@@ -20,7 +20,7 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -63,9 +63,9 @@ def _not_regular(mode: int) -> str:
     return f"not a regular file ({kind}): refused"
 
 
-def _read_regular(path: Path, size: int | None = None) -> bytes:
-    """The bytes of the regular file `path`, opened without following a symlink and without
-    waiting (a FIFO or a device in its place is refused at once, never read). `size`: the size
+def _open_regular(path: Path, size: int | None) -> tuple[BinaryIO, os.stat_result]:
+    """The regular file `path`, opened without following a symlink and without waiting (a FIFO
+    or a device in its place is refused at once, never read), and its status. `size`: the size
     the manifest records (a file of another size is refused before it is read)."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -78,7 +78,8 @@ def _read_regular(path: Path, size: int | None = None) -> bytes:
         if exc.errno == errno.ENXIO:
             raise _Refused("not a regular file (a socket): refused") from None
         raise _Refused(f"cannot be opened ({exc.strerror})") from None
-    with open(fd, "rb", closefd=True) as file:
+    file = open(fd, "rb", closefd=True)  # noqa: SIM115 (the caller's `with` closes it)
+    try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):
             raise _Refused(_not_regular(status.st_mode))
@@ -86,6 +87,16 @@ def _read_regular(path: Path, size: int | None = None) -> bytes:
             raise _Refused(f"truncated: {status.st_size} of {size} bytes")
         if size is not None and status.st_size > size:
             raise _Refused(f"{status.st_size} bytes where {size} were written: altered")
+    except BaseException:
+        file.close()
+        raise
+    return file, status
+
+
+def _read_regular(path: Path, size: int | None = None) -> bytes:
+    """The bytes of the regular file `path` (`_open_regular`), read whole."""
+    file, _ = _open_regular(path, size)
+    with file:
         data = file.read() if size is None else file.read(size + 1)
     if size is not None and len(data) != size:
         raise _Refused(f"{len(data)} bytes read where {size} were written: changed while read")
@@ -96,25 +107,11 @@ ShardIdentity = tuple[int, int, int]  # a file's inode, size and modification ti
 
 
 def _hash_regular(path: Path, size: int | None) -> tuple[ShardIdentity, str]:
-    """The sha256 of the regular file `path` (opened as `_read_regular` opens it), read in
-    pieces of 16 MiB, and its inode, size and time as it was hashed."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
-        raise _Refused("missing") from None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):
-            raise _Refused("a symbolic link: refused (only regular files inside the "
-                           "checkpoint directory are read)") from None
-        raise _Refused(f"cannot be opened ({exc.strerror})") from None
+    """The sha256 of the regular file `path` (`_open_regular`), read in pieces of 16 MiB, and
+    its inode, size and time as it was hashed."""
     digest = hashlib.sha256()
-    with open(fd, "rb", closefd=True) as file:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise _Refused(_not_regular(status.st_mode))
-        if size is not None and status.st_size != size:
-            how = "truncated: " if status.st_size < size else ""
-            raise _Refused(f"{how}{status.st_size} of {size} bytes")
+    file, status = _open_regular(path, size)
+    with file:
         while piece := file.read(16 << 20):
             digest.update(piece)
     return (status.st_ino, status.st_size, status.st_mtime_ns), digest.hexdigest()

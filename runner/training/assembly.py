@@ -88,8 +88,8 @@ def dataset_arguments(factory: Callable[..., nn.Module], spec: DatasetSpec) -> d
 
 
 def _fits_pretrained(accepted: Mapping[str, inspect.Parameter], spec: DatasetSpec) -> None:
-    """A dataset whose token ids or classes a pretrained model's fixed vocabulary and labels
-    cannot take: ValueError naming both."""
+    """A dataset with more token ids than a pretrained model's fixed vocabulary: ValueError
+    naming both (other classes than its labels: the model's output check names them)."""
     vocab = accepted[TOKEN_INPUTS].default
     if spec.vocab_size is not None and isinstance(vocab, int) and spec.vocab_size > vocab:
         raise ValueError(f"the dataset has {spec.vocab_size} token ids and the weights' "
