@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_ranks
 from tests.heads import run_heads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def run_cli(*args: str, mpi_ranks: int | None = None, timeout: float = TIMEOUT_S
     `mpiexec -n N python -m runner ARGS` (N real interpreters: each is a rank)."""
     if mpi_ranks is None:
         return run_module("runner", *args, timeout=timeout, env=env)
-    command = [MPIEXEC, "-n", str(mpi_ranks), sys.executable, "-m", "runner", *args]
+    command = [MPIEXEC, "-n", str(mpi_ranks), warm_ranks.python(), "-m", "runner", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
@@ -68,7 +69,7 @@ def run_mpi_script(script: str, ranks: int, *args: str,
                    timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """`mpiexec -n RANKS python SCRIPT ARGS`, through tests/mpi/start.py (start-up without
     the collector's repeated walks, as a gridrun rank's)."""
-    return subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable,
+    return subprocess.run([MPIEXEC, "-n", str(ranks), warm_ranks.python(),
                            str(ROOT / "tests" / "mpi" / "start.py"), str(ROOT / script), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
@@ -97,6 +98,14 @@ def read_summary(run_dir: Path) -> dict:
 
 def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `fresh_ranks` (one of the process tree itself: who is killed when, what
+    is left behind) starts its ranks as a launcher does without the suite: fresh interpreters,
+    its module's fixtures too (set up with its first test, after this)."""
+    warm_ranks.use_fresh_ranks(item.get_closest_marker("fresh_ranks") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from tests import warm_ranks
+
 # What a head imports before it validates a run (what every head would import again).
 PRELOAD = ["torch", "hydra", "runner.cli.app", "runner.cli.launch", "runner.cli.validation",
            "runner.cli.preflight", "runner.training.assembly", "runner.training.loop",
@@ -72,11 +74,13 @@ def _server() -> ForkServerContext:
 
 
 def _head(module: str, args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
-          threads: int) -> None:
+          threads: int, python: str) -> None:
     """In the forked child: `python -m MODULE ARGS` from `cwd` with `env`, to its exit code
-    (what the interpreter would print for an uncaught exception or a `sys.exit` message, too)."""
+    (what the interpreter would print for an uncaught exception or a `sys.exit` message, too).
+    `python`: the interpreter the head starts its ranks with (`tests.warm_ranks`)."""
     from runner.records.process import exit_code
 
+    sys.executable = python
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -107,6 +111,7 @@ def _started(module: str, jobs: list[list[str]], cwd: Path, env: dict[str, str] 
     """A forked head per job, each with its output files; any still running at the end is
     stopped (SIGTERM: the head forwards it to its ranks)."""
     context = _server()
+    python = warm_ranks.python()
     environment = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="gridrun-head-") as folder:
         started = []
@@ -114,7 +119,8 @@ def _started(module: str, jobs: list[list[str]], cwd: Path, env: dict[str, str] 
             for index, args in enumerate(jobs):
                 out, err = Path(folder) / f"{index}.out", Path(folder) / f"{index}.err"
                 process = context.Process(target=_head, args=(
-                    module, args, str(cwd), environment, str(out), str(err), FRESH_THREADS))
+                    module, args, str(cwd), environment, str(out), str(err), FRESH_THREADS,
+                    python))
                 process.start()
                 started.append((process, out, err))
             yield started

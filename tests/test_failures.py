@@ -29,6 +29,10 @@ from runner.training.supervisor import stop_signal_path
 from tests.conftest import ROOT, TIMEOUT_S, read_summary, wait_until
 from tests.gates import Gate
 
+# The process tree itself (who is killed when, what is left behind): fresh interpreters
+# as ranks, as a launcher starts them without the suite (tests.warm_ranks).
+pytestmark = pytest.mark.fresh_ranks
+
 DATA4 = ["strategy=data", "grid.pr=1", "grid.pc=4", "trainer.batch_size=32",
          "trainer.eval_every=null"]
 DATA2 = ["strategy=data", "grid.pr=1", "grid.pc=2", "trainer.batch_size=32",

@@ -37,6 +37,10 @@ from tests.conftest import read_summary, wait_until
 from tests.gates import Gate
 from tests.test_failures import finish, job_processes, start_cli
 
+# The process tree itself (who is killed when, what is left behind): fresh interpreters
+# as ranks, as a launcher starts them without the suite (tests.warm_ranks).
+pytestmark = pytest.mark.fresh_ranks
+
 NOW = 1_000_000.0
 LOSS = ("allreduce", "world", 4, "loss", NOW - 40.0)
 

@@ -28,6 +28,10 @@ from runner.records.rundir import held_by_live_run
 from tests.conftest import read_summary, run_cli_together
 from tests.test_failures import job_processes
 
+# The process tree itself (who is killed when, what is left behind): fresh interpreters
+# as ranks, as a launcher starts them without the suite (tests.warm_ranks).
+pytestmark = pytest.mark.fresh_ranks
+
 COMM_TIMEOUT_S = 8
 BOUND_S = 60.0  # from the command's start to the job's end, start-up included
 SMALL = ["strategy=data", "grid.pr=1", "trainer.batch_size=16", "trainer.eval_every=null",

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from runner.replay import compare, kept_override, main, replay_config, uncompared
+from tests import warm_ranks
 from tests.conftest import (
     MPIEXEC,
     assert_ok,
@@ -67,8 +68,11 @@ def edit_config(run_dir: Path, **sections: Any) -> None:
 
 
 def default_launch(run_dir: Path, ranks: int) -> str:
-    return "launcher: " + shlex.join([MPIEXEC, "-n", str(ranks), sys.executable, "-m",
-                                      "runner.cli.worker", str(run_dir)])
+    """The launch a head shows: its own interpreter (`tests.warm_ranks`) and the mpiexec
+    beside it."""
+    python = warm_ranks.python()
+    return "launcher: " + shlex.join([str(Path(python).parent / "mpiexec"), "-n", str(ranks),
+                                      python, "-m", "runner.cli.worker", str(run_dir)])
 
 
 def test_a_run_replays_to_the_same_losses(original: Path, tmp_path: Path) -> None:
@@ -176,7 +180,7 @@ def test_an_explicit_launcher_is_used(original_2_ranks: Path, tmp_path: Path) ->
     result = replay(str(source), "--run-dir", str(again), "--launcher-command", command)
     assert_ok(result)
     assert marker.exists()
-    assert f"launcher: {command} -n 2 {shlex.quote(sys.executable)} -m runner.cli.worker " \
+    assert f"launcher: {command} -n 2 {shlex.quote(warm_ranks.python())} -m runner.cli.worker " \
            f"{again}\n" in result.stdout
     assert "identical: the 4 training losses" in result.stdout
     assert "not used" not in result.stderr  # the run's launcher was the default one
