@@ -22,11 +22,13 @@ import json, os, sys
 import torch
 from mpi4py import MPI
 umask = os.umask(0)
-print(json.dumps({"rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
+rank = MPI.COMM_WORLD.Get_rank()
+with open(f"{sys.argv[2]}-{rank}.json", "w") as file:
+    json.dump({"rank": rank, "size": MPI.COMM_WORLD.Get_size(),
                   "threads": torch.get_num_threads(), "cwd": os.getcwd(), "argv": sys.argv,
                   "path0": sys.path[0], "umask": umask, "env": os.environ.get("WARM_PROBE"),
                   "main": __name__, "affinity": sorted(os.sched_getaffinity(0)),
-                  "session_leader": os.getsid(0) == os.getpid()}), flush=True)
+                  "session_leader": os.getsid(0) == os.getpid()}, file)
 sys.exit(int(sys.argv[1]))
 """
 
@@ -45,13 +47,20 @@ def _both(command: list[str], cwd: Path,
 def test_a_warm_rank_has_a_fresh_ones_standing_and_exit(tmp_path: Path) -> None:
     script = tmp_path / "show.py"
     script.write_text(SHOW)
-    warm, fresh = _both([MPIEXEC, "-n", "2", "{python}", str(script), "3"], tmp_path,
-                        {"WARM_PROBE": "here"})
-    assert warm.returncode == fresh.returncode != 0, (warm, fresh)
-    shown = [sorted(json.loads(line).items()) for line in warm.stdout.splitlines()]
-    assert sorted(shown) == sorted(sorted(json.loads(line).items())
-                                   for line in fresh.stdout.splitlines())
-    assert {dict(items)["rank"] for items in shown} == {0, 1}
+    shown, codes = [], []
+    for python in (warm_ranks.python(), sys.executable):
+        out = tmp_path / ("warm" if python != sys.executable else "fresh")
+        result = subprocess.run([MPIEXEC, "-n", "2", python, str(script), "3", str(out)],
+                                cwd=tmp_path, env={**os.environ, "WARM_PROBE": "here"},
+                                capture_output=True, text=True, timeout=120)
+        codes.append(result.returncode)
+        shown.append([json.loads(Path(f"{out}-{rank}.json").read_text()) for rank in (0, 1)])
+    warm, fresh = shown
+    assert codes[0] == codes[1] == 3  # both ranks exited with 3
+    for rank in (0, 1):
+        assert warm[rank]["argv"][-1].endswith("warm")
+        warm[rank]["argv"][-1] = fresh[rank]["argv"][-1]
+    assert warm == fresh
 
 
 def test_a_module_runs_as_with_dash_m(tmp_path: Path) -> None:
