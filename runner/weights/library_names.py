@@ -34,7 +34,7 @@ def _renamings(model: nn.Module, saving: bool) -> list[Any]:
     except ImportError:  # a version before the renamings: names are the modules'
         return []
     try:
-        conversions = list(get_model_conversion_mapping(model, add_legacy=not saving))  # type: ignore[arg-type]
+        conversions = list(get_model_conversion_mapping(model, add_legacy=not saving))
     except Exception:  # not one of the library's models, or an API that moved: no renaming
         return []
     if saving:  # as save_pretrained reverts a model made from a config, not from files
