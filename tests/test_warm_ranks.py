@@ -44,6 +44,11 @@ def _both(command: list[str], cwd: Path,
     return results
 
 
+def test_the_suite_s_ranks_are_warm() -> None:
+    """The server started (the comparisons below would otherwise be of fresh with fresh)."""
+    assert warm_ranks.python() != sys.executable, "the warm rank server did not start"
+
+
 def test_a_warm_rank_has_a_fresh_ones_standing_and_exit(tmp_path: Path) -> None:
     script = tmp_path / "show.py"
     script.write_text(SHOW)

@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import gc
 import importlib
+import io
 import json
 import os
 import resource
@@ -60,6 +61,7 @@ PRELOAD = ["torch", "mpi4py", "numpy", "runner.records.process", "runner.trainin
            "transformers.models.vit.modeling_vit", "transformers.models.bert.modeling_bert"]
 _started: tuple[subprocess.Popen[bytes], str] | None = None
 _fresh_default = False
+_unavailable = False  # the server could not start: every rank fresh
 
 
 def use_fresh_ranks(fresh: bool) -> None:
@@ -71,17 +73,26 @@ def use_fresh_ranks(fresh: bool) -> None:
 def python() -> str:
     """The interpreter the suite's ranks are started with: the stub, the server started on
     first use; the real one under GRIDRUN_TEST_FRESH_RANKS=1 or in a `fresh_ranks` test."""
-    global _started
-    if FRESH_RANKS or _fresh_default:
+    global _started, _unavailable
+    if FRESH_RANKS or _fresh_default or _unavailable:
         return sys.executable
     if _started is None:
         _started = _start_server()
+        if _started is None:
+            _unavailable = True
+            return sys.executable
     return _started[1]
 
 
-def _start_server() -> tuple[subprocess.Popen[bytes], str]:
-    folder = Path(tempfile.mkdtemp(prefix="gridrun-warm-"))
-    sock = folder / "server.sock"
+def _start_server() -> tuple[subprocess.Popen[bytes], str] | None:
+    """The server and its stub; None, said on standard error, where it cannot be (a path a
+    shebang or a socket cannot hold, a server that did not start): ranks are then fresh."""
+    if any(c.isspace() for c in sys.executable) or len(sys.executable) > 200:
+        sys.stderr.write(f"warm ranks: {sys.executable!r} cannot be a shebang's interpreter; "
+                         f"every rank is a fresh interpreter\n")
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="gridrun-warm-", dir="/tmp"))  # a socket's path is
+    sock = folder / "server.sock"  # at most 107 bytes
     stub = folder / "python"
     source = STUB_SOURCE.read_text()
     source = source.replace('REAL = "/usr/bin/python3"', f"REAL = {sys.executable!r}", 1)
@@ -102,7 +113,12 @@ def _start_server() -> tuple[subprocess.Popen[bytes], str]:
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert server.stdout is not None
     line = server.stdout.readline()
-    assert line.strip() == b"ready", f"the warm rank server did not start: {line!r}"
+    if line.strip() != b"ready":
+        sys.stderr.write(f"warm ranks: the server did not start ({line!r}); every rank is a "
+                         f"fresh interpreter\n")
+        server.kill()
+        server.wait()
+        return None
 
     def stop() -> None:
         assert server.stdin is not None
@@ -207,8 +223,8 @@ def _become(request: dict[str, Any], fds: list[int], threads: int) -> None:
     from runner.records.process import end_process, exit_code
 
     torch.set_num_threads(_fresh_threads(threads))
-    if os.environ.get("PYTHONUNBUFFERED"):
-        sys.stdout.reconfigure(write_through=True)
+    if os.environ.get("PYTHONUNBUFFERED") and isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(write_through=True)  # as -u: every write passed on
     sys.executable = request["executable"]
     argv = request["argv"]
     code = 0

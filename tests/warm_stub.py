@@ -20,6 +20,7 @@ import signal
 import socket
 import struct
 import sys
+from typing import NoReturn
 
 REAL = "/usr/bin/python3"  # replaced in the generated copy
 SOCKET = ""  # replaced in the generated copy
@@ -30,7 +31,7 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, sign
 MAX_FDS = 250  # what one message can carry (SCM_MAX_FD is 253)
 
 
-def fallback() -> None:
+def fallback() -> NoReturn:
     os.execv(REAL, [REAL, *sys.argv[1:]])
 
 
