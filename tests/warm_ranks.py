@@ -30,7 +30,6 @@ import importlib
 import io
 import json
 import os
-import resource
 import runpy
 import selectors
 import signal
@@ -42,6 +41,8 @@ import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
+
+from tests.warm_stub import kept_standing
 
 FRESH_RANKS = os.environ.get("GRIDRUN_TEST_FRESH_RANKS") == "1"
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,21 +160,6 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return json.loads(body), fds
 
 
-def _own_standing() -> dict[str, Any]:
-    """What a forked process keeps of the server, compared with the stub's."""
-    namespaces = {}
-    for kind in ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup"):
-        try:
-            namespaces[kind] = os.readlink(f"/proc/self/ns/{kind}")
-        except OSError:
-            namespaces[kind] = ""
-    limits = {name: list(resource.getrlimit(getattr(resource, name)))
-              for name in dir(resource) if name.startswith("RLIMIT_")}
-    return {"namespaces": namespaces, "cgroup": Path("/proc/self/cgroup").read_text(),
-            "limits": limits, "ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(),
-                                      sorted(os.getgroups())]}
-
-
 def _refusal(request: dict[str, Any], own: dict[str, Any]) -> str | None:
     for key in ("namespaces", "cgroup", "limits", "ids"):
         if request.get(key) != own[key]:
@@ -254,7 +240,7 @@ def children_by_parent() -> dict[int, list[int]]:
 class _Server:
     def __init__(self, path: str, threads: int) -> None:
         self.threads = threads
-        self.own = _own_standing()
+        self.own = kept_standing()  # the stub's own must equal it
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         os.chmod(path, 0o600)

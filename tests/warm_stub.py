@@ -55,27 +55,33 @@ def standing(conn: socket.socket) -> tuple[dict, list[int]]:
             fds.append(fd)
     with open("/proc/self/status") as file:
         status = file.read()
-    with open("/proc/self/cgroup") as file:
-        cgroup = file.read()
     ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+    umask = os.umask(0)
+    os.umask(umask)
+    request = {"argv": sys.argv[1:], "executable": os.path.abspath(sys.argv[0]),
+               "cwd": os.getcwd(), "env": dict(os.environ), "fds": sorted(fds),
+               "umask": umask, "ignored": ignored, "affinity": sorted(os.sched_getaffinity(0)),
+               **kept_standing()}
+    return request, sorted(fds)
+
+
+def kept_standing() -> dict:
+    """What a process forked by the server keeps of the server's rather than takes from the
+    request (its namespaces, cgroup, limits and ids): the server forks only where the stub's
+    are the same (`tests.warm_ranks` calls this for its own)."""
     namespaces = {}
     for kind in ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup"):
         try:
             namespaces[kind] = os.readlink(f"/proc/self/ns/{kind}")
         except OSError:
             namespaces[kind] = ""
+    with open("/proc/self/cgroup") as file:
+        cgroup = file.read()
     limits = {name: list(resource.getrlimit(getattr(resource, name)))
               for name in dir(resource) if name.startswith("RLIMIT_")}
-    umask = os.umask(0)
-    os.umask(umask)
-    request = {"argv": sys.argv[1:], "executable": os.path.abspath(sys.argv[0]),
-               "cwd": os.getcwd(), "env": dict(os.environ), "fds": sorted(fds),
-               "umask": umask, "ignored": ignored, "namespaces": namespaces,
-               "cgroup": cgroup, "limits": limits,
-               "ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(),
-                       sorted(os.getgroups())],
-               "affinity": sorted(os.sched_getaffinity(0))}
-    return request, sorted(fds)
+    return {"namespaces": namespaces, "cgroup": cgroup, "limits": limits,
+            "ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(),
+                    sorted(os.getgroups())]}
 
 
 def read_message(conn: socket.socket) -> dict | None:
