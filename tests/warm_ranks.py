@@ -42,6 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from runner.records.process import adopt_orphans, children_by_parent, end_process, exit_code
 from tests.warm_stub import kept_standing
 
 FRESH_RANKS = os.environ.get("GRIDRUN_TEST_FRESH_RANKS") == "1"
@@ -206,8 +207,6 @@ def _become(request: dict[str, Any], fds: list[int], threads: int) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     import torch
 
-    from runner.records.process import end_process, exit_code
-
     torch.set_num_threads(_fresh_threads(threads))
     if os.environ.get("PYTHONUNBUFFERED") and isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(write_through=True)  # as -u: every write passed on
@@ -229,12 +228,6 @@ def _become(request: dict[str, Any], fds: list[int], threads: int) -> None:
         traceback.print_exc()
         code = 1
     end_process(code)  # as the interpreter's exit: atexit, MPI finalised, C's exit
-
-
-def children_by_parent() -> dict[int, list[int]]:
-    from runner.records.process import children_by_parent as walk
-
-    return walk()
 
 
 class _Server:
@@ -362,8 +355,6 @@ def _serve(path: str, threads: int) -> None:
     assert "mpi4py.MPI" not in sys.modules, "a preloaded module imports mpi4py.MPI"
     gc.collect()
     gc.freeze()  # what the imports made stays out of the forked processes' collections
-    from runner.records.process import adopt_orphans
-
     adopt_orphans()
     server = _Server(path, threads)
     sys.stdout.write("ready\n")
