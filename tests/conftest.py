@@ -30,7 +30,7 @@ def run_module(module: str, *args: str, timeout: float = TIMEOUT_S,
 def run_cli(*args: str, mpi_ranks: int | None = None, timeout: float = TIMEOUT_S,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m runner ARGS` (a head forked with its imports done, `tests.heads`), or
-    `mpiexec -n N python -m runner ARGS` (N real interpreters: each is a rank)."""
+    `mpiexec -n N python -m runner ARGS` (N ranks, forked warm: `tests.warm_ranks`)."""
     if mpi_ranks is None:
         return run_module("runner", *args, timeout=timeout, env=env)
     command = [MPIEXEC, "-n", str(mpi_ranks), warm_ranks.python(), "-m", "runner", *args]

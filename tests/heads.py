@@ -6,8 +6,9 @@ heads, minutes. Here a head is forked from a server that imported those modules 
 (multiprocessing's forkserver, which forks a fresh child per run from a process that has never
 run anything), and then runs `python -m runner`'s own code as that command would: `runner`'s
 `__main__` with the arguments in `sys.argv`, from the given directory, with the given
-environment, its standard output and error in files, its exit code the process's. Its ranks are
-the real command's (mpiexec starts them as it would).
+environment, its standard output and error in files, its exit code the process's. mpiexec starts
+its ranks as it would, with the suite's warm interpreter as the head's `sys.executable`
+(`tests.warm_ranks`).
 
 A fork must not copy a thread pool: torch's import starts OpenMP's, so the server imports with
 OMP_NUM_THREADS=1 and a head sets torch's threads to what a fresh process has (`FRESH_THREADS`,
