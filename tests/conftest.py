@@ -20,6 +20,20 @@ MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 # Generous: 4 ranks on 2 cores; a hang must still end the test rather than the CI job.
 TIMEOUT_S = 240
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist gives its workers COLUMNS=80 and LINES=24, which the runs the tests start
+    # would take for a terminal's width (a shell exports neither): their tables and lines are
+    # checked as a run writes them to a file or pipe.
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
+# The suite's slowest files (seconds on 2 cores, one file at a time), started first: with a
+# file to a worker (`make test`), the workers then finish together rather than one waiting on
+# the last long file.
+SLOWEST_FIRST = ("test_mpi_checks.py", "test_cli_runs.py", "test_failures.py",
+                 "test_bad_values.py", "test_hangs.py", "test_checkpoint.py", "test_slurm.py",
+                 "test_user_code.py")
+
 
 def run_module(module: str, *args: str, timeout: float = TIMEOUT_S,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -98,6 +112,15 @@ def read_summary(run_dir: Path) -> dict:
 
 def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first (`SLOWEST_FIRST`), each file's tests in their own order."""
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep the order they were collected in
 
 
 @pytest.hookimpl(tryfirst=True)
