@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-EXTRAS := bundled-mpi,dev,text,tensorboard,sweep,transformers
+EXTRAS := bundled-mpi,dev,text,data,tensorboard,sweep,transformers
 
 .PHONY: setup compile run test test-backends lint bench reproduce dist clean gpu-checks
 

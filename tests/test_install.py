@@ -257,7 +257,7 @@ def test_setup_on_a_cpu_machine_pins_the_cpu_wheel(tmp_path: Path) -> None:
         f"{venv}/bin/python -m pip install --quiet --upgrade pip",
         f'{venv}/bin/python -m pip install --quiet "torch==2.13.0"',
         f"{venv}/bin/python -m pip install --quiet --config-settings editable_mode=compat "
-        f'-e ".[bundled-mpi,dev,text,tensorboard,sweep,transformers]"',
+        f'-e ".[bundled-mpi,dev,text,data,tensorboard,sweep,transformers]"',
         f"touch {venv}/.installed"]
 
 
@@ -274,4 +274,4 @@ def test_setup_on_a_gpu_machine_keeps_its_cuda_torch(tmp_path: Path) -> None:
     assert commands[2] == (f'{venv}/bin/python -c "import torch; assert '
                            f'torch.cuda.is_available()" 2>/dev/null || {venv}/bin/python -m pip '
                            f'install --quiet "torch==2.13.0"')
-    assert commands[3].endswith('-e ".[bundled-mpi,dev,text,tensorboard,sweep,transformers]"')
+    assert commands[3].endswith('-e ".[bundled-mpi,dev,text,data,tensorboard,sweep,transformers]"')

@@ -23,6 +23,7 @@ register_dataset = DATASETS.register
 register_optimizer = OPTIMIZERS.register
 
 _BUILTIN_MODULES = ("runner.zoo.models", "runner.zoo.datasets", "runner.zoo.corpus",
+                    "runner.data.token_file", "runner.data.text", "runner.data.image_folder",
                     "runner.optim.sync", "runner.optim.easgd", "runner.optim.parameter_server",
                     "strategies")
 

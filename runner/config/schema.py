@@ -242,6 +242,17 @@ class CommConfig:
 
 
 @dataclass
+class DataConfig:
+    """How a rank reads its rows of each batch."""
+
+    workers: int = at_least(0, 1)
+    """Threads that read the next steps' rows while a step computes (0: each step reads its
+    own rows when it starts)."""
+    prefetch: int = at_least(1, 2)
+    """Steps read ahead: what a rank holds of the data beyond the step it computes."""
+
+
+@dataclass
 class LoggerConfig:
     """Where metrics go besides metrics.jsonl."""
 
@@ -324,6 +335,7 @@ class ConfigSchema:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     model: dict[str, Any] = field(default_factory=dict)
@@ -363,6 +375,7 @@ class RunConfig:
     debug: DebugConfig
     logger: str = "none"
     comm: CommConfig = field(default_factory=CommConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     plugins: tuple[str, ...] = ()
     objective: str = "val_loss"
 
@@ -499,8 +512,8 @@ def parse_with_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[RunConfig,
     plugins = {key: _plugin(key, values.get(key), problems) for key in PLUGIN_GROUPS}
     run = RunConfig(seed=schema.seed, grid=GridShape(schema.grid.pr, schema.grid.pc),
                     trainer=schema.trainer, launcher=schema.launcher, debug=schema.debug,
-                    logger=schema.logger.name, comm=schema.comm, plugins=tuple(schema.plugins),
-                    objective=schema.objective, **plugins)
+                    logger=schema.logger.name, comm=schema.comm, data=schema.data,
+                    plugins=tuple(schema.plugins), objective=schema.objective, **plugins)
     return run, problems
 
 

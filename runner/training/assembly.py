@@ -138,7 +138,8 @@ def build_dataset(plugin: Plugin, objective: str = "classify") -> Any:
         form = getattr(dataset, "next_token", None)
         if form is None:
             raise ValueError("it has no next-token form, which a language model trains on: "
-                             "choose a token dataset (dataset=kjv or dataset=tokens)")
+                             "choose a token dataset (dataset=token_file, dataset=text, "
+                             "dataset=kjv or dataset=tokens)")
         return form()
     return dataset
 

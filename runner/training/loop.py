@@ -40,6 +40,7 @@ from runner.records.rundir import MetricsWriter, RunDir, git_commit, write_json
 from runner.training.assembly import RunParts, assemble, dtype_of
 from runner.training.devices import describe_device
 from runner.training.evaluation import validation
+from runner.training.feeding import BatchFeeder
 from runner.training.interrupt import StopRequest
 from runner.training.memory import SavedTensorMeter
 from runner.training.precision import Precision
@@ -83,6 +84,7 @@ class Training(RunSetup):
     sinks: list[Any] = field(default_factory=list)  # metrics.jsonl, TensorBoard (rank 0)
     meter: SavedTensorMeter = field(default_factory=SavedTensorMeter)  # activation memory
     run_info: dict[str, Any] = field(default_factory=dict)  # what each checkpoint records
+    feeder: BatchFeeder | None = None  # made on the first step, from where the sampler stands
 
     @property
     def time_s(self) -> float:
@@ -91,22 +93,15 @@ class Training(RunSetup):
 
     def batch(self) -> list[Feed]:
         """This rank's rows of the next global batch, micro-batch by micro-batch
-        (`trainer.accumulate_steps`): its inputs and its outputs' targets."""
-        rows, trainer = self.sampler.next_batch(), self.run.trainer
-        held = self.data.train_x
-        if isinstance(held, torch.Tensor) and held.device.type == "cuda":
-            # A host index into device data is copied with a blocking copy, which waits for the
-            # device: page-locked and non-blocking instead, once per step.
-            rows = rows.pin_memory().to(held.device, non_blocking=True)
-        feeds = []
-        for micro in self.model.micro_batches(trainer.batch_size, trainer.accumulate_steps):
-            x = self.data.train_x[rows[micro.inputs]]
-            y = self.data.train_y[rows[micro.outputs]]
-            # A no-op for a dataset already on the device; a user's lazily read one comes per
-            # batch.
-            feeds.append(Feed(x.to(self.device, non_blocking=True),
-                              y.to(self.device, non_blocking=True), micro))
-        return feeds
+        (`trainer.accumulate_steps`): its inputs and its outputs' targets, read ahead
+        (`runner.training.feeding`)."""
+        trainer = self.run.trainer
+        micro = self.model.micro_batches(trainer.batch_size, trainer.accumulate_steps)
+        if self.feeder is None:  # the sampler stands where this start resumes it
+            self.feeder = BatchFeeder(self.data, self.sampler, micro, self.device,
+                                      self.run.data.workers, self.run.data.prefetch,
+                                      steps=trainer.steps - self.start.step)
+        return self.feeder.next(micro)
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -213,6 +208,8 @@ class Training(RunSetup):
             self.write({"step": step, "split": "val", "time_s": self.time_s, **result})
 
     def close(self) -> None:
+        if self.feeder is not None:
+            self.feeder.close()
         for sink in self.sinks:
             sink.close()
         self.model.refresh_copies()
