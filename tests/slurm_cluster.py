@@ -135,7 +135,10 @@ def _write_conf(directory: Path, cpus: int) -> None:
         f"AuthInfo=cred_expire={CRED_EXPIRE_S}",
         "SchedulerParameters=sched_interval=1,bf_interval=1",
         "MinJobAge=3600",
-        "KillWait=5",
+        # the time a stopped job's ranks have, from SIGTERM to SIGKILL, to finish their step
+        # and checkpoint: a job stops as soon as they have, so a long one costs nothing, and a
+        # loaded machine (the suite's files run two at once) took more than 5 s
+        "KillWait=30",
         f"NodeName=localhost CPUs={cpus} State=UNKNOWN",
         f"PartitionName={PARTITION} Nodes=localhost Default=YES MaxTime=INFINITE State=UP "
         "OverSubscribe=FORCE:4",

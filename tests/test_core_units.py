@@ -93,7 +93,7 @@ def test_the_schema_names_every_unknown_key_and_wrong_type() -> None:
                "debug": {"isolate_comm": "yes"}, "optimizer": None, "colour": "red"})
     assert refused.value.problems == [
         "unknown key(s) colour; valid: seed, plugins, objective, grid, trainer, launcher, logger, "
-        "comm, debug, plan, model, dataset, strategy, optimizer",
+        "comm, data, debug, plan, model, dataset, strategy, optimizer",
         "grid.pc=x: must be an integer",
         "trainer: unknown key(s) trainer.stepz; valid: steps, batch_size, log_every, eval_every, "
         "eval_samples, checkpoint_every, export, keep_checkpoints, resume, comm_timeout_s, "

@@ -102,6 +102,15 @@ def test_the_held_out_tail_and_the_tokenizer_s_vocabulary(tmp_path: Path) -> Non
     assert torch.equal(val.windows(torch.tensor([0]))[0],
                        torch.arange(900, 911) % 50)  # the tail's first window
     assert spec.target_shape == (10,) and spec.vocab_size == 50
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    words = {f"w{i}": i for i in range(70)}
+    tokenizer = tmp_path / "tokenizer.json"
+    Tokenizer(WordLevel(words, unk_token="w0")).save(str(tokenizer))
+    assert TokenFile(path=str(path), tokenizer=str(tokenizer)).vocab_size == 70
+    with pytest.raises(ValueError, match=r"dataset\.tokenizer: .*no such tokenizer file"):
+        TokenFile(path=str(path), tokenizer=str(tmp_path / "none.json"))
 
 
 def test_a_token_file_trains_as_the_same_tokens_held_as_tensors_under_every_strategy(

@@ -126,11 +126,16 @@ def main() -> None:
         conn.close()
         fallback()
     request, fds = standing(conn)
+    # held until the forked process's pid is known: a signal sent once it runs (it may run
+    # before the reply arrives) is forwarded, not taken by this process's default action
+    forwarded = [s for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN]
+    signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
     body = json.dumps(request).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body)) + body], fds)
     reply = read_message(conn)
     if reply is None or "pid" not in reply:
         conn.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)  # exec keeps a blocked mask
         fallback()
     pid = reply["pid"]
 
@@ -141,9 +146,9 @@ def main() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)  # before it made its group
 
-    for signum in FORWARDED:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, forward)
+    for signum in forwarded:
+        signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
     ended = read_message(conn)
     if ended is None:
         sys.stderr.write("warm rank server: gone before the process it forked ended\n")

@@ -148,21 +148,13 @@ def _paths(value: str | Sequence[str] | None) -> list[Path]:
 
 
 def _vocabulary_of(tokenizer: str) -> int:
-    """The vocabulary size of a local `tokenizer.json` (the tokenizers library)."""
+    """The vocabulary size of a local `tokenizer.json` (its largest id + 1)."""
+    from runner.data.tokenize import TokenizeError, load_tokenizer
+
     try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError("dataset.tokenizer needs the tokenizers library: pip install "
-                         "tokenizers (or give dataset.vocab_size)") from None
-    path = Path(tokenizer).expanduser()
-    if not path.is_file():
-        raise ValueError(f"dataset.tokenizer={tokenizer}: no such file")
-    try:
-        return int(Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))
-    except Exception as exc:  # the library's parse error: one line
-        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise ValueError(f"dataset.tokenizer={tokenizer}: not a tokenizers file ({first})"
-                         ) from None
+        return load_tokenizer(tokenizer, eos=False, dtype="uint32").vocab_size
+    except TokenizeError as exc:
+        raise ValueError(f"dataset.tokenizer: {exc}") from None
 
 
 @register_dataset("token_file")
