@@ -81,6 +81,7 @@ from strategies.sharding.units import (
     ShardedUnit,
     Sharding,
     UnitParameters,
+    container_units,
     trains,
     unit_parameters,
     unit_paths,
@@ -218,6 +219,9 @@ class ShardedDataParallel(Strategy):
                     f"give it strategy.plan, or use grid.pr=1"]
         problems = [f"strategy.units: {pattern} matches no module (by path or class name)"
                     for pattern in unmatched_patterns(view.host, self.units)]
+        problems += [f"strategy.units: {name} is a {type(view.host.get_submodule(name)).__name__}"
+                     f", which is never called (its members are): name its members ({name}.*)"
+                     for name in container_units(view.host, self.units)]
         if grid.size == 1:
             return problems
         if grid.pr == 1:

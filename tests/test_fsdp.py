@@ -14,7 +14,12 @@ from runner.core import GridShape
 from runner.zoo.models import mlp
 from strategies import STRATEGIES
 from strategies.sharding.memory import HeldWhole, gathered_peak
-from strategies.sharding.units import unit_parameters, unit_paths, unmatched_patterns
+from strategies.sharding.units import (
+    container_units,
+    unit_parameters,
+    unit_paths,
+    unmatched_patterns,
+)
 from strategies.transformer.gpt import GPT
 from tests.conftest import assert_ok, read_summary, run_cli_together, train_losses
 
@@ -29,6 +34,18 @@ def test_auto_units_are_the_blocks_of_the_largest_stack_and_the_model_holds_the_
     assert all(name.startswith("blocks.1.") for name, _, _ in found["blocks.1"])
     tied = next(holders for name, holders, _ in found[""] if name == "tok_emb.weight")
     assert {type(h.module).__name__ for h in tied} == {"Embedding", "Linear"}
+
+
+def test_a_stack_of_one_block_gives_its_block_never_the_list_that_holds_it() -> None:
+    """A ModuleList is never called (its members are), so it cannot gather before a forward:
+    a one-block GPT's unit is the block; a pattern naming the list is refused by name."""
+    gpt = GPT(32, 8, width=16, layers=1, heads=2)
+    assert unit_paths(gpt, "auto") == ["", "tok_emb", "pos_emb", "blocks.0", "ln_f", "head"]
+    assert container_units(gpt, "auto") == []
+    assert container_units(gpt, ["blocks"]) == ["blocks"]
+    problems = STRATEGIES.get("fsdp")(units=["blocks"]).check_model(gpt, (8,), GridShape(1, 2))
+    assert problems == ["strategy.units: blocks is a ModuleList, which is never called (its "
+                        "members are): name its members (blocks.*)"], problems
 
 
 def test_units_by_path_or_class_and_a_pattern_that_matches_nothing() -> None:

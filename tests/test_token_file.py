@@ -27,7 +27,7 @@ from tests.conftest import (
 )
 
 VOCAB, SEQ = 64, 8
-GPT = ["model=gpt", "model.width=16", "model.layers=2", "model.heads=2",
+GPT = ["model=gpt", "model.width=16", "model.layers=1", "model.heads=2",
        "trainer.dtype=float64", "trainer.batch_size=16", "trainer.eval_every=null"]
 # dataset=tokens' own documents of SEQ + 1 ids (its train and val split) as the held tensors
 TENSORS = ["dataset=tokens", f"dataset.vocab_size={VOCAB}", f"dataset.seq_len={SEQ}",

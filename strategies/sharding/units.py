@@ -50,6 +50,11 @@ from runner.core.primitives import (
 ROOT = ""  # the path of the whole model's unit
 
 
+# Modules that hold others but are never called (their members are): a unit's gather runs
+# before its module's forward, so one of these can never be a unit.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
 def _matches(path: str, module: nn.Module, pattern: str) -> bool:
     return fnmatch.fnmatchcase(path, pattern) or type(module).__name__ == pattern
 
@@ -71,8 +76,12 @@ def unit_paths(model: nn.Module, units: str | list[str]) -> list[str]:
             paths += [f"{prefix}{child}" for child, module in stack.named_children()
                       if any(True for _ in module.parameters())]
         else:
-            paths += [child for child, module in model.named_children()
-                      if any(True for _ in module.parameters())]
+            for child, module in model.named_children():
+                if isinstance(module, CONTAINERS):  # its forward never runs: its members
+                    paths += [f"{child}.{name}" for name, member in module.named_children()
+                              if any(True for _ in member.parameters())]
+                elif any(True for _ in module.parameters()):
+                    paths.append(child)
         return paths
     patterns = [units] if isinstance(units, str) else list(units)
     matched = [name for name, module in model.named_modules()
@@ -81,6 +90,12 @@ def unit_paths(model: nn.Module, units: str | list[str]) -> list[str]:
     # block, not each of its parts too)
     return paths + [name for name in matched
                     if not any(within(name, other) for other in matched if other != name)]
+
+
+def container_units(model: nn.Module, units: str | list[str]) -> list[str]:
+    """The modules `units` names that are containers (`CONTAINERS`), which never run."""
+    return [name for name in unit_paths(model, units)
+            if name and isinstance(model.get_submodule(name), CONTAINERS)]
 
 
 def unmatched_patterns(model: nn.Module, units: str | list[str]) -> list[str]:
