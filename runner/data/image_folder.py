@@ -100,17 +100,34 @@ class ImageRows:
         return self.root / self.names[index]
 
     def read(self, indices: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import numpy as np
+
         rows = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         size = self.transform.size
-        inputs = torch.empty((len(rows), 3, size, size), dtype=torch.float32)
+        # the batch's crops as bytes, then one conversion and normalisation for all of them:
+        # per image, only decoding and a copy (the Python a reader thread holds the GIL for is
+        # what the step's own thread waits on)
+        pixels = np.empty((len(rows), size, size, 3), dtype=np.uint8)
         for i, index in enumerate(rows.tolist()):
             if not 0 <= index < len(self):
                 raise IndexError(f"row {index} of an image set of {len(self)} rows")
-            inputs[i] = self.image(index, epoch)
-        return inputs, self.labels[rows]
+            pixels[i] = self.crop(index, epoch)
+        return self._normalised(pixels), self.labels[rows]
 
     def image(self, index: int, epoch: int) -> torch.Tensor:
         """Row `index` as drawn in `epoch`: (3, size, size) float32, normalised."""
+        import numpy as np
+
+        return self._normalised(np.array(self.crop(index, epoch)[None]))[0]  # a writable copy
+
+    def _normalised(self, pixels: np.ndarray) -> torch.Tensor:
+        x = torch.from_numpy(pixels).permute(0, 3, 1, 2).to(torch.float32)
+        return x.div_(255.0).sub_(self._mean).div_(self._std).contiguous()
+
+    def crop(self, index: int, epoch: int) -> np.ndarray:
+        """Row `index` as drawn in `epoch`, cropped (and flipped): (size, size, 3) uint8. The
+        crop's offsets and the flip are bits of the sample's augmentation seed (a hash of the
+        seed, the epoch and the index: no generator state)."""
         path, t = self.path(index), self.transform
         pixels = decode(path, t.resize)
         height, width = pixels.shape[:2]
@@ -119,18 +136,14 @@ class ImageRows:
                                 f"{t.size} (give dataset.resize to scale images up)")
         top, left, flip = (height - t.size) // 2, (width - t.size) // 2, False
         if self.augment and (t.random_crop or t.flip):
-            generator = torch.Generator().manual_seed(augmentation_seed(self.seed, epoch, index))
-            if t.random_crop:
-                top = int(torch.randint(height - t.size + 1, (1,), generator=generator))
-                left = int(torch.randint(width - t.size + 1, (1,), generator=generator))
+            bits = augmentation_seed(self.seed, epoch, index)
+            if t.random_crop:  # 20 bits each: a bias below 1e-4 for any image under 100 px
+                top = (bits & 0xFFFFF) % (height - t.size + 1)
+                left = ((bits >> 20) & 0xFFFFF) % (width - t.size + 1)
             if t.flip:
-                flip = bool(torch.rand(1, generator=generator) < 0.5)
+                flip = bool((bits >> 40) & 1)
         crop = pixels[top:top + t.size, left:left + t.size]
-        if flip:
-            crop = crop[:, ::-1]
-        # a copy: PIL's array is read-only, and a flip's view runs backwards
-        x = torch.from_numpy(crop.copy()).permute(2, 0, 1).to(torch.float32)
-        return x.div_(255.0).sub_(self._mean).div_(self._std)
+        return crop[:, ::-1] if flip else crop
 
 
 def decode(path: Path, resize: int | None) -> np.ndarray:
