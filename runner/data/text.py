@@ -31,7 +31,7 @@ from pathlib import Path
 from runner.config.machine import cache_dir as user_cache_dir
 from runner.config.registry import register_dataset
 from runner.data.rows import DataFileError
-from runner.data.token_file import TokenFile
+from runner.data.token_file import TokenFile, listed_paths
 from runner.data.tokenize import (
     Encoder,
     InputFile,
@@ -56,13 +56,6 @@ def token_cache_dir(cache_dir: str | None = None) -> Path:
     if explicit:
         return Path(explicit).expanduser() / "tokens"
     return user_cache_dir() / "tokens"
-
-
-def _listed_paths(value: str | Sequence[str] | None) -> list[Path]:
-    if value is None:
-        return []
-    items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
-    return [Path(str(item)).expanduser() for item in items]
 
 
 def _input_stat(path: Path, key: str) -> os.stat_result:
@@ -102,7 +95,7 @@ class TextFiles:
                  val_path: str | Sequence[str] | None = None, val_fraction: float = 0.01,
                  eos: bool = True, cache_dir: str | None = None) -> None:
         problems = []
-        self.paths, self.val_paths = _listed_paths(path), _listed_paths(val_path)
+        self.paths, self.val_paths = listed_paths(path), listed_paths(val_path)
         if not self.paths:
             problems.append("dataset.path is required: a JSON-lines, Parquet or .txt file (or "
                             "a list of them)")

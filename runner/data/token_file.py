@@ -140,7 +140,8 @@ class TokenWindows(RowSource):
         return block[:, :-1], block[:, 1:]
 
 
-def _paths(value: str | Sequence[str] | None) -> list[Path]:
+def listed_paths(value: str | Sequence[str] | None) -> list[Path]:
+    """A dataset's `path`-like option (one path or a list of them) as paths."""
     if value is None:
         return []
     items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
@@ -166,7 +167,7 @@ class TokenFile:
                  seq_len: int = 256, stride: int | None = None, vocab_size: int | None = None,
                  tokenizer: str | None = None, val_fraction: float = 0.01) -> None:
         problems = []
-        self.paths, self.val_paths = _paths(path), _paths(val_path)
+        self.paths, self.val_paths = listed_paths(path), listed_paths(val_path)
         if not self.paths:
             problems.append("dataset.path is required: a file of token ids (or a list of "
                             "them), as `python -m runner.data tokenize` writes it")
