@@ -46,10 +46,15 @@ def test_step_sums_and_log() -> None:
     assert [log2_ceil(p) for p in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
 
 
-def test_fit_recovers_a_line() -> None:
-    xs = [8.0, 64.0, 512.0, 4096.0]
-    alpha, beta = fit(xs, [3e-6 + 2e-10 * x for x in xs])
+def test_fit_recovers_a_line_and_one_stalled_sample_does_not_tip_it() -> None:
+    xs = [float(8 << k) for k in range(0, 20, 2)]  # the sweep's sizes
+    line = [3e-6 + 2e-10 * x for x in xs]
+    alpha, beta = fit(xs, line)
     assert alpha == pytest.approx(3e-6) and beta == pytest.approx(2e-10)
+    # a small message that waited 4 ms for a descheduled peer (least squares: beta < 0)
+    stalled = [y + (4e-3 if i == 1 else 0.0) for i, y in enumerate(line)]
+    alpha, beta = fit(xs, stalled)
+    assert alpha == pytest.approx(3e-6, rel=0.01) and beta == pytest.approx(2e-10, rel=0.01)
 
 
 def test_activation_memory_by_hand() -> None:

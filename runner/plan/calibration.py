@@ -83,11 +83,14 @@ def calibration_ranks(cores: int) -> int:
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope of y = a + b x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    return my - b * mx, b
+    """Intercept and slope of y = a + b x by Theil and Sen: the median of the slopes between
+    every two points, the median of y - b x. One sample taken while the process was
+    descheduled (a busy machine) cannot tip it, where least squares gave a small message's
+    stall a negative per-byte cost."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs))
+              for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
+    b = statistics.median(slopes)
+    return statistics.median(y - b * x for x, y in zip(xs, ys, strict=True)), b
 
 
 def _call_worker(repeats: int) -> None:
@@ -825,6 +828,11 @@ def measure(repeats: int = 20, collective_ranks: int | None = None,
     p = collective_ranks
     # t = 2α⌈log p⌉ + 2β(p−1)/p n: fit intercept and slope, then undo the factors
     a, b = fit([float(n) for n in sweep["sizes"]], sweep["seconds"])
+    if beta_p2p <= 0 or b <= 0:
+        raise CalibrationRefused(
+            "the measured times did not grow with the message size (a per-byte cost <= 0): "
+            "most samples were taken while this machine was busy; calibrate again when it is "
+            "idle, or with more plan.calibrate_repeats")
     # twice the cores: the scheduler's share of a synchronisation, priced only for runs that
     # put more ranks than cores on a node
     sync = _run(["oversubscribed"], 2 * cores, max(3, repeats // 4))["oversubscribed"]["sync"]
