@@ -39,12 +39,15 @@ run: compile
 # The suite's files run on TEST_WORKERS workers at once (pytest-xdist, a file to a worker):
 # most of its time is ranks that wait on each other or on a deadline, and one file's waits are
 # another's CPU (2 workers on 2 cores: 12:12 -> 9:59). TEST_WORKERS=0 runs them one by one.
+# Tests marked `alone` (a real Slurm's requeue and its signals) run after, with nothing beside
+# them (exit 5: none selected by PYTEST_ARGS).
 TEST_WORKERS ?= 2
 
 test: compile
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # Every strategy's equivalence checks under both communication backends (make test runs
 # check_model_grid, with check_domain and check_layouts, under mpi only, for its time).

@@ -21,6 +21,10 @@ from tests.conftest import ROOT, read_metrics, read_summary, run_cli, train_loss
 from tests.gates import Gate
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 
+# A requeue's signals reach a job's ranks, which must finish their step and checkpoint while
+# Slurm waits: run with no other test's ranks beside them (`make test`, marker `alone`).
+pytestmark = pytest.mark.alone
+
 # Small runs: the default MLP on synthetic data, in float64 so that a resumed run's losses can
 # be compared exactly; the head asks Slurm for the jobs' states five times a second. A job is
 # caught mid-run by holding its ranks before step HOLD_AT (`tests.gates`: the default MLP, its
