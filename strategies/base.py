@@ -151,6 +151,8 @@ class ParallelModel(nn.Module):
         # trainer.activation_checkpointing: the modules recomputed, and those a strategy
         # rebuilt (None: nothing asked for)
         self.recomputed: dict[str, list[str]] | None = None
+        # trainer.compile: what runs compiled, and what eagerly (None: nothing asked for)
+        self.compiled: Any = None
 
     @property
     def loss_comm(self) -> CountedComm:
@@ -223,6 +225,12 @@ class ParallelModel(nn.Module):
         that prepares a module around its forward (gathers its parameters) moves that inside,
         so that the recomputation prepares it again."""
         return module.forward
+
+    def unit_names(self) -> list[str] | None:
+        """The plain model's modules this model handles as units, by name (fsdp's sharded
+        units): what `trainer.compile=blocks` compiles. None: it has none of its own (the
+        model's repeated blocks are compiled)."""
+        return None
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         # Gradients may be views into communication buckets: zero them, never drop them. A

@@ -30,7 +30,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The suite's slowest files (seconds on 2 cores, one file at a time), started first: with a
 # file to a worker (`make test`), the workers then finish together rather than one waiting on
 # the last long file.
-SLOWEST_FIRST = ("test_mpi_checks.py", "test_cli_runs.py", "test_failures.py",
+SLOWEST_FIRST = ("test_mpi_checks.py", "test_cli_runs.py", "test_compile.py", "test_failures.py",
                  "test_bad_values.py", "test_hangs.py", "test_checkpoint.py",
                  "test_token_file.py", "test_user_code.py", "test_image_folder.py")
 

@@ -38,7 +38,7 @@ ORDER: dict[str, list[set[str]]] = {
         {"data", "grid", "domain"},
         {"layouts", "plans", "transformer", "sharding"},
         {"layers"},
-        {"registry", "recompute"},
+        {"registry", "compiled", "recompute"},
         {"base"},
         {"exchange", "probe"},
     ],

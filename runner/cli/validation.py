@@ -137,6 +137,7 @@ def _cross_part_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) -> 
                 f"{_splitting_ranks(run)}; use strategy=data (or grid.pr=1) or an "
                 f"element-wise optimizer (sgd, adam, adamw, torch.optim.RMSprop, ...)")
     problems += _micro_batch_problems(run, parts, grid_ok)
+    problems += _compile_problems(run, parts)
     problems += _gradient_problems(run, parts)
     if spec is not None and run.trainer.batch_size > spec.train_size:
         problems.append(f"trainer.batch_size={run.trainer.batch_size} is larger than the "
@@ -199,6 +200,18 @@ def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) ->
                             f"global batch, so micro-batches would draw other masks: {drawn}; "
                             f"strategy=data draws them by row")
     return problems
+
+
+def _compile_problems(run: RunConfig, parts: CheckedParts) -> list[str]:
+    """trainer.compile=blocks on a model without repeated blocks (fsdp compiles its own units
+    instead)."""
+    from strategies.compiled import no_blocks_problem
+    from strategies.recompute import repeated_blocks
+
+    if (run.trainer.compile != "blocks" or parts.model is None or run.strategy.name == "fsdp"
+            or repeated_blocks(parts.model)):
+        return []
+    return [no_blocks_problem(parts.model)]
 
 
 def _gradient_problems(run: RunConfig, parts: CheckedParts) -> list[str]:

@@ -33,6 +33,7 @@ LOGGERS = ("none", "tensorboard")
 COMM_BACKENDS = ("mpi", "torch")
 DEVICES = ("cpu", "cuda", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
+COMPILE_MODES = ("none", "blocks", "model")  # trainer.compile (`strategies.compiled`)
 CUDA_AWARE = ("auto", "true", "false")
 PLUGIN_GROUPS = ("model", "dataset", "strategy", "optimizer")
 # What a run's task returns to a Hydra sweeper (Optuna...): a summary key, and its direction.
@@ -164,6 +165,14 @@ class TrainerConfig:
     """Recompute activations in backward instead of keeping them: none; units (the children of
     the model's largest nn.ModuleList, its repeated blocks); or a glob over the model's
     named_modules() (e.g. 'blocks.*', '2')."""
+    compile: str = one_of(COMPILE_MODES, "none")
+    """torch.compile, after the strategy has split the model, with every collective outside
+    the graphs: none; blocks (each of the model's repeated blocks, fsdp's strategy.units); model
+    (the whole model). A module that cannot be one graph (a collective or a graph break inside)
+    runs eagerly and its children are compiled instead; the summary's `compile` names them."""
+    compile_cache: Optional[str] = None  # noqa: UP045
+    """Where compiled graphs are cached, reused by later runs, resumed ones and every rank
+    (null: $GRIDRUN_CACHE/compile, else ~/.cache/gridrun/compile)."""
 
 
 @dataclass

@@ -566,3 +566,29 @@ class CountedComm:
             counter.in_flight = ("barrier", self.name, self.size, label, time.perf_counter())
             transport.barrier()
             counter.in_flight = None
+
+
+# The calls through which data moves between ranks: `outside_compiled_graphs` keeps them out
+# of every compiled graph.
+_MOVING = {CountedComm: ("allreduce_", "allreduce", "reduce", "iallreduce_", "exchange", "bcast_",
+                         "allgatherv_", "iallgatherv_", "reduce_scatter_", "alltoallv_",
+                         "allgather_object", "barrier"),
+           PendingOp: ("test", "wait")}
+OUTSIDE_GRAPHS = "a collective, counted outside compiled graphs"  # dynamo's reason for a break
+
+
+def outside_compiled_graphs() -> None:
+    """Mark every call that moves data never to be traced by `torch.compile` (`trainer.compile`):
+    a compiled region that reaches one breaks its graph there, so a collective always runs,
+    and is counted, as the eager step runs it; a `fullgraph` region that reaches one is refused
+    before it runs. Done once, by a run that compiles (importing torch._dynamo costs a rank
+    1-2 s: one that compiles nothing never pays it)."""
+    import torch._dynamo
+
+    for cls, names in _MOVING.items():
+        for name in names:
+            method = cls.__dict__[name]
+            if not getattr(method, "_gridrun_outside_graphs", False):
+                disabled = torch._dynamo.disable(method, recursive=True, reason=OUTSIDE_GRAPHS)
+                disabled._gridrun_outside_graphs = True
+                setattr(cls, name, disabled)

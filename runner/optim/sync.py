@@ -410,6 +410,19 @@ def _torch_problem(torch_class: type[torch.optim.Optimizer], arguments: Mapping[
     return f"optimizer: {name} refuses these options: {reason}"
 
 
+def fused_by_default(torch_class: type[torch.optim.Optimizer], arguments: Mapping[str, Any],
+                     devices: set[str]) -> bool:
+    """Whether `torch_class` runs its fused kernels (one launch for every parameter: AdamW,
+    Adam, SGD, Adagrad take `fused`) where the user chose no implementation: on CUDA, where
+    they are the fast path and torch still defaults to foreach."""
+    if devices != {"cuda"} or "fused" in arguments or "foreach" in arguments:
+        return False
+    try:
+        return "fused" in inspect.signature(torch_class).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class TorchOptimizer(ReplicaOptimizer):
     """A `torch.optim` class run as a synchronous replica optimizer (`wrap_torch_optimizer`
     makes one per class): the strategy averages the replicas' gradients exactly as for `sgd`,
@@ -417,7 +430,8 @@ class TorchOptimizer(ReplicaOptimizer):
     `schedule` and `warmup_steps` set every param group's lr before each step.
 
     Its options are the class's constructor keywords (its signature is the schema) plus those
-    two. Its state is checkpointed by kind (`StateLayout`): tensors shaped like the parameter
+    two. On CUDA a class with fused kernels runs them unless the options choose (`fused`,
+    `foreach`). Its state is checkpointed by kind (`StateLayout`): tensors shaped like the parameter
     by rows, one-value state (Adam's `step`) once per parameter name."""
 
     torch_class: ClassVar[type[torch.optim.Optimizer]] = torch.optim.Optimizer
@@ -427,6 +441,9 @@ class TorchOptimizer(ReplicaOptimizer):
         self.total_steps, self.schedule, self.warmup_steps = total_steps, schedule, warmup_steps
         self.params = list(model.parameters())
         arguments = _torch_arguments(options)
+        if self.params and fused_by_default(self.torch_class, arguments,
+                                            {p.device.type for p in self.params}):
+            arguments["fused"] = True
         self.optimizer = self.torch_class(self.params, **arguments)
         self.base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.layout = state_layout(self.torch_class, arguments)

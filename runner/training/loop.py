@@ -68,6 +68,7 @@ from runner.weights.safetensors_file import WeightsFileError
 from runner.zoo.datasets import ClassificationData
 from strategies import ParallelModel
 from strategies.base import StepPrediction, accumulated_ops, predict_step
+from strategies.compiled import compile_modules, compile_targets
 from strategies.recompute import checkpoint_modules, checkpoint_targets
 
 __all__ = ["StepFailure", "Training", "build_training", "train"]
@@ -276,15 +277,22 @@ def _predictions(run: RunConfig, parts: RunParts, grid: ProcessGrid, precision: 
 
 
 def _parallel_model(run: RunConfig, parts: RunParts, grid: ProcessGrid) -> ParallelModel:
-    """The strategy's parallel model of this rank, its modules of
-    `trainer.activation_checkpointing` recomputed in backward (those a strategy rebuilt are
-    named in a warning, and in the model's `recomputed`)."""
+    """The strategy's parallel model of this rank, its modules of `trainer.compile` compiled
+    (`strategies.compiled`), those of `trainer.activation_checkpointing` recomputed in
+    backward (those a strategy rebuilt are named in a warning, and in the model's
+    `recomputed`)."""
     recomputed, problem = checkpoint_targets(parts.model, run.trainer.activation_checkpointing)
     if problem is not None:  # validation refuses it before any rank starts
         raise ValueError(problem)
     by_name = dict(parts.model.named_modules())
     model = parts.strategy.parallelize(parts.model, parts.spec.input_shape, grid,
                                        sync_replica_gradients=parts.optimizer_cls.syncs_gradients)
+    compiling, problem = compile_targets(model, parts.model, run.trainer.compile)
+    if problem is not None:  # validation refuses it before any rank starts
+        raise ValueError(problem)
+    if compiling:  # inside the recomputed forwards: a recomputation runs the compiled graph
+        model.compiled = compile_modules(model, parts.model, compiling, run.trainer.compile,
+                                         cache=run.trainer.compile_cache)
     wrapped, rebuilt = checkpoint_modules(model, {name: by_name[name] for name in recomputed})
     if rebuilt:
         get_logger().warning("trainer.activation_checkpointing: %s rebuilt by strategy=%s, "

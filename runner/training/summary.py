@@ -136,6 +136,8 @@ def _model_layout(setup: RunSetup, state: TrainingState) -> dict[str, Any]:
         "accumulate_steps": setup.run.trainer.accumulate_steps,
         # trainer.activation_checkpointing: the modules recomputed, and those a strategy rebuilt
         "activation_checkpointing": getattr(model, "recomputed", None),
+        # trainer.compile: the modules compiled, compiled around and eager; the compile seconds
+        "compile": model.compiled.report() if model.compiled is not None else None,
     }
 
 

@@ -255,6 +255,10 @@ class ShardedModel(ParallelModel):
             for unit in self.units:
                 unit.accumulating = False
 
+    def unit_names(self) -> list[str]:
+        """The sharded units but the whole model's own (what no block holds)."""
+        return [unit.path for unit in self.units if unit.path != ROOT]
+
     def recomputed_forward(self, module: nn.Module) -> Callable[..., Any]:
         """A unit's own module gathers its parameters inside its recomputation (the hooks,
         outside it, would leave its recomputation the pieces); any other module recomputes the
