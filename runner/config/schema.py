@@ -256,7 +256,8 @@ class DataConfig:
 
     workers: int = at_least(0, 1)
     """Threads that read the next steps' rows while a step computes (0: each step reads its
-    own rows when it starts)."""
+    own rows when it starts; tensors in host memory for a step on the host are read so
+    always)."""
     prefetch: int = at_least(1, 2)
     """Steps read ahead: what a rank holds of the data beyond the step it computes."""
 
