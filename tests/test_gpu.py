@@ -656,3 +656,41 @@ def test_on_cuda_a_step_waits_for_the_device_only_as_the_readme_states(
 
     waits = train_on_cuda(RUNS[name], tmp_path / "run", monkeypatch)
     assert waits == readme_waits(RUNS[name]), waits
+
+
+# trainer.compile on the GPU (inductor's Triton kernels): a small GPT, compiled by block, against
+# its eager run on the GPU, in fp32 and bf16, and split over two ranks sharing the GPU (its
+# projections' all-reduces outside the graphs).
+GPT_SMALL = [*LM, "model=gpt", "model.width=64", "model.layers=2"]
+COMPILED_GPU: dict[str, tuple[str, list[str]]] = {
+    "gpt_cuda_compiled": ("gpt_cuda", [*GPT_SMALL, *DATA, "grid.pc=1", *CUDA,
+                                       "trainer.compile=blocks"]),
+    "gpt_cuda_bf16_compiled": ("gpt_cuda_bf16", [*GPT_SMALL, *DATA, "grid.pc=1", *CUDA,
+                                                 "trainer.precision=bf16",
+                                                 "trainer.compile=blocks"]),
+    "gpt_cuda_tp_compiled": ("gpt_cuda", [*GPT_SMALL, "strategy=grid", "grid.pr=2",
+                                          "grid.pc=1", *CUDA, *STAGED,
+                                          "trainer.compile=blocks"]),
+}
+RUNS.update({"gpt_cuda": [*GPT_SMALL, *DATA, "grid.pc=1", *CUDA],
+             "gpt_cuda_bf16": [*GPT_SMALL, *DATA, "grid.pc=1", *CUDA, "trainer.precision=bf16"],
+             **{name: overrides for name, (_, overrides) in COMPILED_GPU.items()}})
+# inductor's fused kernels sum in other orders than eager's: a few float32 ulps per operation,
+# compounded over the steps (bf16: its own rounding, as between ranks)
+COMPILED_GAP = 1e-3
+
+
+@pytest.mark.parametrize("name", list(COMPILED_GPU))
+def test_on_cuda_compiled_blocks_train_what_eager_trains(gpu_runs: Runs, name: str) -> None:
+    reference, _ = COMPILED_GPU[name]
+    gap = BF16_GAP if "bf16" in name else COMPILED_GAP
+    assert _relative_gap(train_losses(gpu_runs(reference)), train_losses(gpu_runs(name))) <= gap
+    summary = read_summary(gpu_runs(name))
+    assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
+    compiled = summary["compile"]
+    assert compiled["mode"] == "blocks" and compiled["compile_s"] > 0
+    if name == "gpt_cuda_tp_compiled":  # the row-parallel projections all-reduce: eager
+        assert set(compiled["eager"]) == {f"blocks.{i}.{p}.proj" for i in (0, 1)
+                                          for p in ("attn", "mlp")}
+    else:
+        assert compiled["compiled"] == ["blocks.0", "blocks.1"]

@@ -461,3 +461,15 @@ def test_one_replica_is_torch_sgd_and_the_server_velocity_round_trips(cls: Any) 
         assert torch.allclose(velocity, -0.1 * buffers, rtol=0, atol=1e-13)
     server.close()
     resumed.close()
+
+
+def test_torch_optimizers_with_fused_kernels_run_them_on_cuda_unless_told() -> None:
+    from runner.optim.sync import fused_by_default
+
+    for torch_class in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+        assert fused_by_default(torch_class, {}, {"cuda"})
+        assert not fused_by_default(torch_class, {}, {"cpu"})  # torch's own default there
+        assert not fused_by_default(torch_class, {}, {"cuda", "cpu"})
+        assert not fused_by_default(torch_class, {"foreach": True}, {"cuda"})
+        assert not fused_by_default(torch_class, {"fused": False}, {"cuda"})
+    assert not fused_by_default(torch.optim.RMSprop, {}, {"cuda"})  # no fused kernels
