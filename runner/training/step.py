@@ -103,6 +103,8 @@ def reduce_control(loss: float | None, dtype: torch.dtype, comm: CountedComm, st
     whether any rank's gradients overflowed, so that they all stop, or skip, at the same step.
     `loss` None: not read this step (on every rank alike); its slot travels all the same, so
     every step moves the bytes the planner predicts."""
+    if comm.size == 1:  # nothing to agree on: no buffer to build and read back
+        return loss, stop, bool(overflow)
     values = [0.0 if loss is None else loss, float(stop)]
     values += [] if overflow is None else [float(overflow)]
     buffer = torch.tensor(values, dtype=dtype)  # host: control (and, when read, the loss)
