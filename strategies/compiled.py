@@ -25,7 +25,8 @@ torch's own (inductor's `fallback_random`), so a compiled run draws the dropout 
 run draws. Compiled graphs land in a cache (`TORCHINDUCTOR_CACHE_DIR`: `trainer.compile_cache`,
 else gridrun's cache directory) that a resumed run, a later run and every rank of a node reuse.
 A graph compiled again past dynamo's limit ends the run with dynamo's error rather than
-running eagerly unannounced.
+running eagerly unannounced (the limit is the model's module count: modules of one class share
+dynamo's graphs, one per shape).
 """
 
 from __future__ import annotations
@@ -198,7 +199,15 @@ def compile_modules(pmodel: ParallelModel, plain: nn.Module, targets: dict[str, 
 
     outside_compiled_graphs()
     torch._inductor.config.fallback_random = True  # eager's draws: the same dropout masks
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never eager unannounced
+    # Dynamo keeps its graphs per code object: modules of one class (every nn.Linear compiled
+    # around a collective) share one, a graph per shape, as many as there are modules. Past the
+    # limit a frame would run eagerly unannounced: the limit is the module count, and a frame
+    # that still hits it (a module compiled again step after step) ends the run.
+    modules = sum(1 for _ in pmodel.modules())
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, modules + 8)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * modules)
+    config.fail_on_recompile_limit_hit = True
     record = CompiledModules(mode, backend, str(directory))
 
     def compile_fn(fn: Callable[..., Any]) -> Callable[..., Any]:

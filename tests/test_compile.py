@@ -248,3 +248,29 @@ def test_compile_blocks_on_a_model_without_them_is_refused_before_ranks_start(
     assert result.stderr.strip().splitlines()[-1] == (
         "error: trainer.compile=blocks: Sequential has no nn.ModuleList of repeated blocks; "
         "compile the whole model instead (trainer.compile=model)")
+
+
+class _Widening(nn.Module):
+    """Twelve Linear layers of twelve shapes, an all-reduce between them: each Linear is
+    compiled on its own, the twelve sharing nn.Linear's forward (one code object) in dynamo."""
+
+    def __init__(self, comm: CountedComm) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2 + i, 3 + i) for i in range(12))
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            self.comm.allreduce_(x, label="between")
+        return x
+
+
+def test_modules_of_one_class_and_many_shapes_all_compile() -> None:
+    plain = _Widening(CountedComm(None, CommCounter()))
+    wrapped = _Wrapped(plain)
+    targets, _ = compile_targets(wrapped, plain, "model")
+    record = compile_modules(wrapped, plain, targets, "model", backend="eager")
+    _train_step(wrapped, torch.randn(3, 2))  # past dynamo's default 8 graphs of one frame
+    assert sorted(record.compiled) == sorted(f"layers.{i}" for i in range(12))
+    assert set(record.around) == {MODEL, "net"} and record.eager == {}
