@@ -1,8 +1,8 @@
 """gridrun on one GPU against a plain PyTorch loop, and on one rank per GPU.
 
     python bench/gpu.py [--device cuda|cpu] [--models resnet18 gpt] [--precisions fp32 bf16]
-                        [--steps 100] [--warmup 10] [--rounds 2] [--ranks N] [--small]
-                        [--out FILE] [--keep DIR]
+                        [--compile none blocks] [--steps 100] [--warmup 10] [--rounds 2]
+                        [--ranks N] [--small] [--compile-cache DIR] [--out FILE] [--keep DIR]
 
 Two workloads, both as `python -m runner` trains them (`strategy=data`, SGD lr 0.01, momentum
 0.9, seed 0, the loss read every step on both sides):
@@ -11,37 +11,65 @@ Two workloads, both as `python -m runner` trains them (`strategy=data`, SGD lr 0
 - `gpt`: a GPT-2-small-sized decoder (`model=gpt`: width 768, 12 layers, 12 heads, 124M weights
   with its tied 50,257-token vocabulary) on next tokens of synthetic documents of 1,024 tokens
   (`dataset=tokens`), global batch 8 (8,192 tokens).
-`--small` makes both tiny, so that `--device cpu --small` checks the whole script in a minute on
-a machine without a GPU; its numbers are the CPU's, and the JSON says that no GPU was measured.
+`--small` makes both tiny, so that `--device cpu --small` checks the whole script on a machine
+without a GPU (a minute eager; the compiled runs add inductor's compiles, tens of seconds each on
+a CPU when the cache is cold); its numbers are the CPU's, and the JSON says that no GPU was
+measured.
 
-1. One device, per workload and precision (fp32; bf16 under autocast), in alternating rounds
-   (a drift of the machine hits both alike), each side a fresh process:
+Each comparison runs eager and compiled (`--compile`, default both):
+- `none`: no `torch.compile` on either side (`trainer.compile=none`);
+- `blocks`: gridrun `trainer.compile=blocks` (`strategies.compiled`: the children of the model's
+  largest `nn.ModuleList`, each through `torch.compile(fullgraph=True)`), against the plain loop
+  with `blocks[i] = torch.compile(blocks[i], fullgraph=True)` for each child of the same
+  `nn.ModuleList` (the first of the largest, as gridrun picks it), as torchtitan compiles a
+  transformer's blocks. The GPT's are its 12 (`--small`: 2) transformer blocks. The ResNet has
+  no `nn.ModuleList` (its stages are `nn.Sequential`), so gridrun refuses `blocks` for it: its
+  compiled comparison is `model` on both sides (`BLOCKS_MODE`), recorded as such in the JSON;
+- `model`: gridrun `trainer.compile=model` against `torch.compile(model, fullgraph=True)`.
+  Compiling happens in the warmup steps (the first training step traces and compiles forward
+  and backward), outside the timed ones; gridrun's summary (`compile`) names what it compiled,
+  compiled around and left eager, and its compile seconds. Both sides compile into one private
+  cache (`--compile-cache`, default a folder of the benchmark's run directory): a later round,
+  and the side that compiles second, may read graphs from it, which changes no timed step.
+Both sides update with torch's SGD as torch picks its implementation: gridrun's `optimizer=sgd`
+calls `torch.optim.sgd.sgd(..., foreach=None)` without `fused` (runner/optim/sync.py), the plain
+loop `torch.optim.SGD(..., foreach=None, fused=None)`: the multi-tensor (foreach) kernels on CUDA,
+the per-parameter loop on the CPU, neither fused; the plain worker records the one torch chose.
+
+1. One device, per workload, precision (fp32; bf16 under autocast) and compile mode, in
+   alternating rounds (a drift of the machine hits both alike), each side a fresh process:
    a. `plain`: the loop a user writes for one GPU (`--plain-worker`, this file): the same model
       and data (built by gridrun's own model zoo from the same config, under the same seed),
       the train tensors moved to the device once, per step: a batch indexed from a seeded
       per-epoch permutation (gridrun's sample order), zero_grad, forward and cross-entropy
       (under `torch.autocast(device, bfloat16)` in bf16), backward, `torch.optim.SGD.step`,
-      `loss.item()`;
+      `loss.item()`; its blocks or whole model compiled as above under `blocks` and `model`;
    b. `gridrun`: `python -m runner strategy=data grid.pr=1 grid.pc=1 trainer.device=D
-      trainer.precision=P ...` in this file's `--gridrun-worker`, which runs the runner's own
-      command line in its process after wrapping its per-step record (`Training.log_step`) to
-      mark the end of two steps.
+      trainer.precision=P trainer.compile=C ...` in this file's `--gridrun-worker`, which runs
+      the runner's own command line in its process after wrapping its per-step record
+      (`Training.log_step`) to mark the end of two steps.
    Both sides are timed alike: the `--steps` steps after the first `--warmup`, between a mark at
    the end of step `warmup` (its loss read) and one at the end of the last step; on cuda the
    marks are CUDA events recorded on the current stream and the time is the events' elapsed
    time once the last has completed (on the CPU, `time.perf_counter`). No synchronisation is
    added inside the timed steps on either side: each reads its loss with `.item()`, as a user
    does. samples/s = batch · steps / seconds; the median over the rounds; `ratio = gridrun /
-   plain`, target >= 0.95. Both sides start from the same weights and see the same batches:
-   the largest per-step loss gap shows they do the same work (float rounding in fp32; bf16
-   rounds more). gridrun's summary gives its TFLOP/s per GPU, MFU and peak device memory.
+   plain`, target >= 0.95, for each compile mode. Both sides start from the same weights and
+   see the same batches: the largest per-step loss gap shows they do the same work (float
+   rounding in fp32; bf16, and compiled kernels, round more). gridrun's summary gives its
+   TFLOP/s per GPU, MFU (model FLOPs of a step over its median step time, every step counted,
+   the compiling first one too, against the GPU's dense peak) and peak device memory; `mfu` is
+   the median over the rounds, `mfu_timed` the same FLOPs over the CUDA-event timing. For the
+   GPT in bf16 compiled: target MFU >= 0.35 (with the ratio >= 0.95).
 2. `--ranks P` (default: every GPU torch sees, when it sees 2 or more; on the CPU 2; 0 skips):
    gridrun `strategy=data` on 1 × P ranks, one per GPU, under `comm.backend=torch` (NCCL on
-   cuda): samples/s, the share of the step spent communicating and the bytes per step,
-   measured against predicted, from its `metrics.jsonl` (each step timed by the runner with
-   `time.perf_counter`) and `summary.json`.
+   cuda), per compile mode: samples/s, the share of the step spent communicating and the
+   bytes per step, measured against predicted, from its `metrics.jsonl` (each step timed by the
+   runner with `time.perf_counter`) and `summary.json` (with what it compiled).
 Prints one JSON document (also written to `--out`): the machine, the exact sizes, each command
-line, and each measurement.
+line, and each measurement. A compiled comparison whose process fails (gridrun refusing or
+failing to compile) is recorded in its place and under `failed`, with the end of its output, the
+others still run, and the script exits 1 once the JSON is out; a failing eager one ends it.
 """
 
 from __future__ import annotations
@@ -58,11 +86,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.95  # gridrun's samples/s on one GPU at least this share of the plain loop's
+MFU_TARGET = 0.35  # the GPT's MFU in bf16 compiled, from gridrun's summary
+MFU_TARGET_CASE = ("gpt", "bf16")  # the workload and precision MFU_TARGET holds for, compiled
+COMPILE_MODES = ("none", "blocks", "model")  # --compile: trainer.compile on gridrun's side
+# What `--compile blocks` is per workload: trainer.compile=blocks compiles the children of the
+# model's largest nn.ModuleList, and the ResNet has none (its stages are nn.Sequential: gridrun
+# refuses `blocks` for it), so its compiled comparison compiles the whole model on both sides.
+BLOCKS_MODE = {"resnet18": "model", "gpt": "blocks"}
 LR, MOMENTUM, SEED = 0.01, 0.9, 0
 EVAL_SAMPLES = 64  # the one evaluation at the end (after the timed steps): kept short
 # Each workload: its overrides and global batch, full size and --small.
@@ -92,13 +129,24 @@ def _workload(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def common_overrides(workload: dict[str, Any], device: str, precision: str, ranks: int,
-                     steps: int) -> list[str]:
-    """The run both sides train (the plain loop builds its model and data from it too)."""
+                     steps: int, compile_mode: str = "none",
+                     compile_cache: Path | None = None) -> list[str]:
+    """The run both sides train (the plain loop builds its model and data from it too, and
+    compiles as its `trainer.compile` says)."""
+    cache = ([f"trainer.compile_cache={compile_cache}"]
+             if compile_mode != "none" and compile_cache is not None else [])
     return [*workload["overrides"], "strategy=data", "grid.pr=1", f"grid.pc={ranks}",
             f"trainer.device={device}", f"trainer.precision={precision}",
             "optimizer=sgd", f"optimizer.lr={LR}", f"optimizer.momentum={MOMENTUM}",
             f"trainer.steps={steps}", f"trainer.batch_size={workload['batch']}",
-            "trainer.eval_every=null", f"trainer.eval_samples={EVAL_SAMPLES}", f"seed={SEED}"]
+            "trainer.eval_every=null", f"trainer.eval_samples={EVAL_SAMPLES}", f"seed={SEED}",
+            f"trainer.compile={compile_mode}", *cache]
+
+
+def compile_mode(name: str, asked: str) -> str:
+    """gridrun's trainer.compile for workload `name` when `--compile asked`: `blocks` is the
+    whole model for a model without an nn.ModuleList (BLOCKS_MODE)."""
+    return BLOCKS_MODE[name] if asked == "blocks" else asked
 
 
 # --- the marks both sides time between --------------------------------------------------------
@@ -125,8 +173,43 @@ def _seconds(start: Any, end: Any) -> float:
 
 # --- the plain loop (its own process, like each gridrun run) -------------------------------
 
+def _compile_plain(model: Any, mode: str) -> tuple[Any, list[str]]:
+    """The plain loop's model compiled as a user compiles it for `trainer.compile=mode` (the
+    module doc): the module to call, and the names of those compiled."""
+    import torch
+    from torch import nn
+
+    if mode == "none":
+        return model, []
+    if mode == "model":
+        return torch.compile(model, fullgraph=True), ["(model)"]
+    lists = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module)]
+    if not lists:
+        raise SystemExit(f"--compile blocks: {type(model).__name__} has no nn.ModuleList")
+    name, blocks = max(lists, key=lambda item: len(item[1]))  # the first of the largest
+    for i, block in enumerate(blocks):  # torch.compile of a module is a module (its wrapper)
+        blocks[i] = cast(nn.Module, torch.compile(block, fullgraph=True))
+    return model, [f"{name}.{i}" if name else str(i) for i in range(len(blocks))]
+
+
+def _optimizer_path(params: list[Any]) -> str:
+    """The SGD implementation torch picks for `params` when told neither foreach nor fused
+    (gridrun's `sgd` and the plain loop both leave it to torch)."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False,
+                                                      use_fused=False)
+    except (ImportError, TypeError):  # a private helper: another torch may lack it
+        return "unknown"
+    return "fused" if fused else "foreach" if foreach else "for-loop"
+
+
 def plain_worker(spec: dict[str, Any]) -> None:
     """What a user writes to train this model on one device; prints its timing and losses."""
+    if spec.get("compile_cache"):  # the private cache gridrun's side compiles into too
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = spec["compile_cache"]
     import torch
     import torch.nn.functional as F
 
@@ -142,7 +225,11 @@ def plain_worker(spec: dict[str, Any]) -> None:
     data = parts.dataset.load()
     x, y = data.train_x.to(device), data.train_y.to(device)
     model = parts.model.to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    params = list(model.parameters())
+    # torch's default implementation, as gridrun's `sgd` (foreach=None, no fused): foreach
+    # kernels on CUDA, the per-parameter loop on the CPU
+    optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, foreach=None, fused=None)
+    model, compiled = _compile_plain(model, run.trainer.compile)
 
     def autocast() -> Any:
         if spec["precision"] == "bf16":
@@ -176,8 +263,8 @@ def plain_worker(spec: dict[str, Any]) -> None:
                     "cuda": torch.version.cuda,
                     "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     print(json.dumps({"seconds": _seconds(start, end), "losses": losses,
-                      "parameters": sum(p.numel() for p in model.parameters()),
-                      "machine": machine}))
+                      "parameters": sum(p.numel() for p in params), "compiled": compiled,
+                      "optimizer_path": _optimizer_path(params), "machine": machine}))
 
 
 # --- gridrun's side, timed at the same points ---------------------------------------------------
@@ -215,8 +302,12 @@ def _run(command: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
     return result, time.perf_counter() - start
 
 
-def _fail(command: list[str], result: subprocess.CompletedProcess[str]) -> None:
-    raise SystemExit(f"bench/gpu.py: `{shlex.join(command)}` exited {result.returncode}\n"
+class RunFailed(Exception):
+    """A benchmark process that exited with an error: its command and the end of its output."""
+
+
+def _fail(command: list[str], result: subprocess.CompletedProcess[str]) -> NoReturn:
+    raise RunFailed(f"`{shlex.join(command)}` exited {result.returncode}\n"
                      f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
@@ -231,7 +322,7 @@ def _loss_gap(a: list[float], b: list[float]) -> dict[str, float]:
 # summary.json's keys a benchmark reports beside its own timing
 SUMMARY_KEYS = ("median_step_time_s", "predicted_step_time_s", "tflops_per_gpu", "mfu",
                 "gpu_peak", "device_memory_peak_bytes", "model_flops_per_step", "devices",
-                "device_buffers")
+                "device_buffers", "compile")
 
 
 class Runner:
@@ -245,15 +336,16 @@ class Runner:
         self.count += 1
         return self.root / f"{self.count:02d}_{label}"
 
-    def overrides(self, name: str, precision: str, ranks: int) -> list[str]:
+    def overrides(self, name: str, precision: str, ranks: int, mode: str) -> list[str]:
         a = self.args
         return common_overrides(_workload(a, name), a.device, precision, ranks,
-                                a.warmup + a.steps)
+                                a.warmup + a.steps, mode, a.compile_cache)
 
-    def plain(self, name: str, precision: str) -> dict[str, Any]:
+    def plain(self, name: str, precision: str, mode: str) -> dict[str, Any]:
         a = self.args
         spec = {"device": a.device, "precision": precision, "warmup": a.warmup,
-                "steps": a.steps, "overrides": self.overrides(name, precision, 1)}
+                "steps": a.steps, "overrides": self.overrides(name, precision, 1, mode),
+                "compile_cache": str(a.compile_cache) if mode != "none" else None}
         command = [sys.executable, str(Path(__file__).resolve()), "--plain-worker",
                    json.dumps(spec)]
         result, wall = _run(command)
@@ -263,16 +355,18 @@ class Runner:
         batch = _workload(a, name)["batch"]
         return {"command": shlex.join(command), "process_wall_s": wall,
                 "seconds": out["seconds"], "samples_per_s": batch * a.steps / out["seconds"],
+                "compiled": out["compiled"], "_optimizer_path": out["optimizer_path"],
                 "_losses": out["losses"], "_parameters": out["parameters"],
                 "_machine": out["machine"]}
 
-    def gridrun_one(self, name: str, precision: str) -> dict[str, Any]:
+    def gridrun_one(self, name: str, precision: str, mode: str) -> dict[str, Any]:
         """gridrun at one rank, timed at the plain loop's points."""
         a = self.args
-        run_dir = self._dir(f"{name}_{precision}_p1")
+        run_dir = self._dir(f"{name}_{precision}_{mode}_p1")
         timing = run_dir.with_suffix(".timing.json")
         spec = {"warmup": a.warmup, "steps": a.steps, "timing": str(timing),
-                "overrides": [*self.overrides(name, precision, 1), f"hydra.run.dir={run_dir}"]}
+                "overrides": [*self.overrides(name, precision, 1, mode),
+                              f"hydra.run.dir={run_dir}"]}
         command = [sys.executable, str(Path(__file__).resolve()), "--gridrun-worker",
                    json.dumps(spec)]
         result, wall = _run(command)
@@ -287,11 +381,11 @@ class Runner:
                 "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
                 "_losses": [m["loss"] for m in lines if "split" not in m]}
 
-    def gridrun_ranks(self, name: str, precision: str, ranks: int) -> dict[str, Any]:
+    def gridrun_ranks(self, name: str, precision: str, ranks: int, mode: str) -> dict[str, Any]:
         """gridrun on `ranks` ranks, one per GPU, under comm.backend=torch."""
         a = self.args
-        run_dir = self._dir(f"{name}_{precision}_p{ranks}_torch")
-        command = [sys.executable, "-m", "runner", *self.overrides(name, precision, ranks),
+        run_dir = self._dir(f"{name}_{precision}_{mode}_p{ranks}_torch")
+        command = [sys.executable, "-m", "runner", *self.overrides(name, precision, ranks, mode),
                    "comm.backend=torch", f"hydra.run.dir={run_dir}"]
         result, wall = _run(command)
         if result.returncode != 0:
@@ -305,6 +399,7 @@ class Runner:
         batch = _workload(a, name)["batch"]
         return {
             "command": shlex.join(command), "process_wall_s": wall, "ranks": ranks,
+            "compile": mode,
             "samples_per_s": batch / statistics.median(m["step_time_s"] for m in timed),
             "comm_time_share": sum(m["comm_time_s"] for m in timed) / step_s,
             "comm_bytes_per_step": measured, "predicted_comm_bytes_per_step": predicted,
@@ -314,22 +409,63 @@ class Runner:
         }
 
 
-def one_device(runner: Runner, name: str, precision: str) -> dict[str, Any]:
-    """The plain loop against gridrun at one rank, alternating, `--rounds` times each."""
+def _mfu(grids: list[dict[str, Any]], samples_per_s: float, batch: int) -> dict[str, Any]:
+    """gridrun's MFU: its summaries' (median over the rounds), and the same FLOPs per step
+    over the benchmark's own timing (None where no GPU was measured)."""
+    summaries = [r["summary"] for r in grids]
+    values = [s["mfu"] for s in summaries]
+    mfu = statistics.median(values) if None not in values else None
+    flops, peak = summaries[0]["model_flops_per_step"], summaries[0]["gpu_peak"]
+    timed = (flops * samples_per_s / batch / (peak["tflops"] * 1e12)
+             if flops and peak and peak.get("tflops") else None)
+    return {"mfu": mfu, "mfu_rounds": values, "mfu_timed": timed}
+
+
+def one_device(runner: Runner, name: str, precision: str, mode: str) -> dict[str, Any]:
+    """The plain loop against gridrun at one rank, alternating, `--rounds` times each, both
+    compiled as `mode` says."""
     plains, grids = [], []
     for _ in range(runner.args.rounds):
-        plains.append(runner.plain(name, precision))
-        grids.append(runner.gridrun_one(name, precision))
+        plains.append(runner.plain(name, precision, mode))
+        grids.append(runner.gridrun_one(name, precision, mode))
     plain = statistics.median(r["samples_per_s"] for r in plains)
     ours = statistics.median(r["samples_per_s"] for r in grids)
     ratio = ours / plain
-    return {"model": name, "precision": precision, "batch": _workload(runner.args, name)["batch"],
+    batch = _workload(runner.args, name)["batch"]
+    mfu = _mfu(grids, ours, batch)
+    if (name, precision) == MFU_TARGET_CASE and mode != "none":
+        mfu |= {"mfu_target": f">= {MFU_TARGET}",
+                "meets_mfu_target": None if mfu["mfu"] is None else mfu["mfu"] >= MFU_TARGET}
+    compiled = grids[0]["summary"].get("compile") or {}
+    return {"model": name, "precision": precision, "compile": mode, "batch": batch,
             "plain": {"samples_per_s": plain, "rounds": [_public(r) for r in plains]},
             "gridrun": {"samples_per_s": ours, "rounds": [_public(r) for r in grids]},
-            "ratio": ratio, "target": f">= {TARGET}", "meets_target": ratio >= TARGET,
+            "ratio": ratio, "target": f">= {TARGET}", "meets_target": ratio >= TARGET, **mfu,
+            # what each side compiled: the same modules, or the reason gridrun did not
+            "compiled": {"plain": plains[0]["compiled"],
+                         "gridrun": compiled.get("compiled", []),
+                         "gridrun_compiled_around": compiled.get("compiled_around", {}),
+                         "gridrun_eager": compiled.get("eager", {})},
+            "optimizer_path": plains[0]["_optimizer_path"],
             # same start, same batches: the same training, to rounding
             **_loss_gap(plains[0]["_losses"], grids[0]["_losses"]),
             "_machine": plains[0]["_machine"], "_parameters": plains[0]["_parameters"]}
+
+
+def _attempt(label: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`measure()`; a compiled comparison (`label["compile"]` not none) whose process fails is
+    recorded as failed, under `label`, with the end of its output, and the benchmark goes on
+    (an eager one ends it, as before)."""
+    try:
+        return measure()
+    except RunFailed as exc:
+        if label["compile"] == "none":
+            raise SystemExit(f"bench/gpu.py: {exc}") from None
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        print(f"bench/gpu.py: {label} failed, recorded: {lines[-1] if lines else ''}",
+              file=sys.stderr)
+        return {**label, "failed": lines[-1] if lines else "failed",
+                "command": lines[0] if lines else None, "output_tail": lines[-40:]}
 
 
 def _public(run: dict[str, Any]) -> dict[str, Any]:
@@ -355,6 +491,13 @@ def parse_args() -> argparse.Namespace:
                         default=list(WORKLOADS))
     parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"),
                         default=["fp32", "bf16"])
+    parser.add_argument("--compile", nargs="+", choices=COMPILE_MODES, default=["none", "blocks"],
+                        help="trainer.compile of each comparison, the plain loop compiled alike "
+                             "(blocks: the whole model for the ResNet, which has no "
+                             "nn.ModuleList)")
+    parser.add_argument("--compile-cache", type=Path,
+                        help="the compile cache both sides use (default: a private folder of "
+                             "the run directory)")
     parser.add_argument("--steps", type=int, default=100, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (>= 1)")
     parser.add_argument("--rounds", type=int, default=2,
@@ -398,11 +541,23 @@ def main() -> None:
             root = args.keep
         else:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gridrun-gpu-")))
+        if args.compile_cache is None:
+            args.compile_cache = root / "compile-cache"
+        args.compile_cache = args.compile_cache.resolve()
         runner = Runner(args, root)
-        single = [one_device(runner, name, p) for name in args.models for p in args.precisions]
-        ranks = ([runner.gridrun_ranks(name, p, args.ranks) | {"model": name, "precision": p}
-                  for name in args.models for p in args.precisions] if args.ranks else [])
-    machine = single[0]["_machine"]
+        modes = {name: list(dict.fromkeys(compile_mode(name, c) for c in args.compile))
+                 for name in args.models}
+        cases = [(name, p, mode) for name in args.models for p in args.precisions
+                 for mode in modes[name]]
+        single = [_attempt({"model": name, "precision": p, "compile": mode},
+                           partial(one_device, runner, name, p, mode))
+                  for name, p, mode in cases]
+        ranks = ([_attempt({"model": name, "precision": p, "compile": mode, "ranks": args.ranks},
+                           partial(runner.gridrun_ranks, name, p, args.ranks, mode))
+                  | {"model": name, "precision": p} for name, p, mode in cases]
+                 if args.ranks else [])
+    failed = [s for s in [*single, *ranks] if "failed" in s]
+    machine: dict[str, Any] = next((s["_machine"] for s in single if "_machine" in s), {})
     gpu = machine.get("cuda_device")
     report = {
         "benchmark": "gpu",
@@ -414,18 +569,31 @@ def main() -> None:
         "gpu_figures_measured": bool(gpu),
         "models": {name: {"overrides": _workload(args, name)["overrides"],
                           "batch": _workload(args, name)["batch"],
-                          "parameters": next(s["_parameters"] for s in single
-                                             if s["model"] == name)}
+                          "compile_modes": modes[name],
+                          "parameters": next((s["_parameters"] for s in single
+                                              if s["model"] == name and "_parameters" in s),
+                                             None)}
                    for name in args.models},
         "steps_timed": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds,
-        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM}, "seed": SEED,
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM,
+                      "implementation": "torch's default on both sides (foreach=None, fused "
+                                        "not set): see each comparison's optimizer_path"},
+        "seed": SEED, "compile_asked": args.compile, "compile_cache": str(args.compile_cache),
         "terms": {
             "plain": "one process, model and train tensors on the device, per step: batch "
                      "indexed from a seeded per-epoch permutation, zero_grad, forward and "
                      "cross_entropy (autocast bfloat16 in bf16, none in fp32), backward, "
-                     "torch.optim.SGD.step, loss.item()",
-            "gridrun": "python -m runner strategy=data at 1 rank (comm.backend=mpi) in the "
-                       "benchmark's worker process, its per-step record wrapped to mark steps",
+                     "torch.optim.SGD.step, loss.item(); compiled per `compile`",
+            "gridrun": "python -m runner strategy=data at 1 rank (comm.backend=mpi) "
+                       "trainer.compile=<compile> in the benchmark's worker process, its "
+                       "per-step record wrapped to mark steps",
+            "compile": "none: eager on both sides; blocks: gridrun trainer.compile=blocks, the "
+                       "plain loop torch.compile(block, fullgraph=True) for each child of the "
+                       "model's largest nn.ModuleList; model: trainer.compile=model against "
+                       "torch.compile(model, fullgraph=True) (the ResNet's `blocks`, as it "
+                       "has no nn.ModuleList). Compiling falls in the warmup steps",
+            "mfu": "gridrun summary's MFU (median step time, every step counted), median over "
+                   "the rounds; mfu_timed: the same FLOPs over the timed steps",
             "timing": "both sides: from the end of step warmup_steps to the end of the last "
                       "step, CUDA events on cuda (perf_counter on the CPU), no synchronisation "
                       "added between; each reads its loss every step",
@@ -437,12 +605,18 @@ def main() -> None:
         "one_device": [{k: v for k, v in s.items() if not k.startswith("_")} for s in single],
         "one_rank_per_gpu": ranks if ranks else {"skipped": (
             "--ranks 0" if args.ranks_given else "torch sees fewer than 2 GPUs here")},
+        # compiled comparisons that failed (each also in its place above, with its output)
+        "failed": [{k: s[k] for k in ("model", "precision", "compile", "ranks") if k in s}
+                   for s in failed],
         "bench_wall_s": time.perf_counter() - started,
     }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    if failed:
+        raise SystemExit(f"bench/gpu.py: {len(failed)} compiled comparison(s) failed: see "
+                         f"`failed` in the JSON")
 
 
 if __name__ == "__main__":
