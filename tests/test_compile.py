@@ -2,13 +2,14 @@
 collective outside the graphs.
 
 Through the real command line, with inductor's C++ backend on the CPU: a GPT and a user's
-planned language model trained compiled under data, fsdp stage 3 (recomputed, two micro-batches
-a step), the GPT's tensor parallelism and grid with a parallel plan repeat one eager process's
-losses to float64 rounding and move the bytes the planner predicts; bf16 compiled trains what
-bf16 eager trains within bf16's rounding; a resumed compiled run repeats the uninterrupted one
-and finds its graphs in the compile cache. Without MPI: which modules `blocks` and `model`
-compile, a collective breaking a graph (the module compiled around, the collective run and
-counted eagerly), and validation's refusal.
+planned language model trained compiled under data, fsdp stage 3 (its blocks recomputed), the
+GPT's tensor parallelism and grid with a parallel plan (two micro-batches a step) repeat one
+eager process's losses to float64 rounding and move the bytes the planner predicts; bf16
+compiled trains what bf16 eager trains within bf16's rounding; a resumed compiled run repeats
+the uninterrupted one and finds its graphs in the compile cache. Without MPI: which modules
+`blocks` and `model` compile, a collective breaking a graph (the module compiled around, the
+collective run and counted eagerly), modules of one class and many shapes, and validation's
+refusal.
 
 Cold compiles cost the most (inductor's C++, ~15 s a graph on 2 cores): every run shares one
 compile cache, the eager references run first, and each compiled configuration once.
@@ -50,7 +51,8 @@ COMPILED = {
                                         *BLOCKS]),
     "planned_grid": ("planned_one", [*PLANNED, "strategy=grid", "grid.pr=2", "grid.pc=1",
                                      "strategy.plan={blocks.*.fc1: colwise, "
-                                     "blocks.*.fc2: rowwise}", *BLOCKS]),
+                                     "blocks.*.fc2: rowwise}", *BLOCKS,
+                                     "trainer.accumulate_steps=2"]),
     "mlp_bf16": ("mlp_bf16_one", [*MLP_BF16, *ONE, "trainer.compile=model"]),
 }
 EAGER = {"gpt_one": [*GPT, *ONE], "planned_one": [*PLANNED, *ONE],

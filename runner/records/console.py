@@ -158,6 +158,7 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("step time (median)", f"{_fmt(summary.get('median_step_time_s', 0) * 1e3, '.2f')} ms "
                                f"measured, {_ms(summary.get('predicted_step_time_s'))} "
                                f"predicted"),
+        *([("compiled", _compile_cell(summary["compile"]))] if summary.get("compile") else []),
         *([("layouts", " ".join(f"{k}:{v}" for k, v in summary["layouts"].items()))]
           if summary.get("layouts") else []),
         *([("GPU compute", _gpu_cell(summary))]
@@ -189,6 +190,21 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     for key, value in rows:
         table.add_row(plain(key), plain(value))  # a run's text: never markup
     return table
+
+
+def _compile_cell(compiled: Mapping[str, Any]) -> str:
+    """'trainer.compile=model: 14 modules compiled, 6 eager, 8 compiled around; 47.7 s
+    compiling, 2 graphs from the cache, 17 compiled (summary.json: compile)' (graphs: forward
+    and backward ones)."""
+    cache = compiled.get("cache") or {}
+    eager, around = compiled.get("eager") or {}, compiled.get("compiled_around") or {}
+    return (f"trainer.compile={compiled.get('mode')}: {len(compiled.get('compiled') or [])} "
+            f"modules compiled"
+            + (f", {len(eager)} eager" if eager else "")
+            + (f", {len(around)} compiled around" if around else "")
+            + f"; {_fmt(compiled.get('compile_s'), '.1f')} s compiling, "
+              f"{cache.get('hits', 0)} graphs from the cache, {cache.get('misses', 0)} compiled "
+              f"(summary.json: compile)")
 
 
 def _gpu_cell(summary: Mapping[str, Any]) -> str:
