@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +84,6 @@ class CompiledModules:
     around: dict[str, str] = field(default_factory=dict)
     eager: dict[str, str] = field(default_factory=dict)
     rebuilt: list[str] = field(default_factory=list)  # targets the strategy replaced
-    first_call_s: float = 0.0  # the first training calls of the compiled modules (tracing)
 
     def report(self) -> dict[str, Any]:
         """The summary's `compile`: where it was applied and what it cost (`compile_s`: the
@@ -137,7 +135,6 @@ def _compiling(module: nn.Module, name: str, record: CompiledModules,
             return own(*args, **kwargs)
         if state["decided"] == "compiled":
             return compiled(*args, **kwargs)
-        began = time.perf_counter()
         try:
             out = compiled(*args, **kwargs)
         except _not_one_graph() as exc:  # found while tracing: nothing of it has run
@@ -152,7 +149,6 @@ def _compiling(module: nn.Module, name: str, record: CompiledModules,
             return own(*args, **kwargs)
         state["decided"] = "compiled"
         record.compiled.append(name)
-        record.first_call_s += time.perf_counter() - began
         return out
 
     module.forward = forward

@@ -29,14 +29,17 @@ from strategies.base import ParallelModel
 from strategies.compiled import MODEL, compile_modules, compile_targets
 from tests.conftest import assert_ok, read_summary, run_cli, run_cli_together, train_losses
 
+# Small runs, one thread a rank (the suite's other worker shares the cores), validated on a
+# few samples at the end (eagerly, on either side)
+SMALL = ["trainer.threads=1", "trainer.eval_every=null", "trainer.eval_samples=32", "seed=2"]
 GPT = ["model=gpt", "model.width=32", "model.layers=2", "dataset=tokens", "dataset.vocab_size=64",
-       "dataset.seq_len=16", "trainer.batch_size=8", "trainer.steps=4", "trainer.dtype=float64",
-       "trainer.eval_every=null", "seed=2"]
+       "dataset.seq_len=16", "dataset.samples=512", "trainer.batch_size=8", "trainer.steps=4",
+       "trainer.dtype=float64", *SMALL]
 PLANNED = ["model._target_=tests.plan_models.UserBlockLM", "dataset=tokens",
-           "dataset.vocab_size=64", "dataset.seq_len=16", "trainer.batch_size=8",
-           "trainer.steps=4", "trainer.dtype=float64", "trainer.eval_every=null", "seed=2"]
-MLP_BF16 = ["model=mlp", "trainer.precision=bf16", "trainer.steps=6", "trainer.eval_every=null",
-            "trainer.batch_size=32", "seed=2"]
+           "dataset.vocab_size=64", "dataset.seq_len=16", "dataset.samples=512",
+           "trainer.batch_size=8", "trainer.steps=4", "trainer.dtype=float64", *SMALL]
+MLP_BF16 = ["model=mlp", "trainer.precision=bf16", "trainer.steps=6", "trainer.batch_size=32",
+            *SMALL]
 ONE = ["strategy=data", "grid.pr=1", "grid.pc=1"]
 BLOCKS = ["trainer.compile=blocks"]
 GPT_DATA = [*GPT, "strategy=data", "grid.pr=1", "grid.pc=2", *BLOCKS]

@@ -97,7 +97,8 @@ def test_the_schema_names_every_unknown_key_and_wrong_type() -> None:
         "grid.pc=x: must be an integer",
         "trainer: unknown key(s) trainer.stepz; valid: steps, batch_size, log_every, eval_every, "
         "eval_samples, checkpoint_every, export, keep_checkpoints, resume, comm_timeout_s, "
-        "threads, dtype, device, precision, accumulate_steps, activation_checkpointing",
+        "threads, dtype, device, precision, accumulate_steps, activation_checkpointing, compile, "
+        "compile_cache",
         "trainer.steps=1.5: must be an integer",
         "debug.isolate_comm=yes: must be true or false",
         "optimizer: missing (choose one with optimizer=NAME)"]
