@@ -246,13 +246,22 @@ def test_evaluation_runs_the_eager_modules() -> None:
     assert record.compiled == ["blocks.0", "blocks.1"]
 
 
-def test_compile_blocks_on_a_model_without_them_is_refused_before_ranks_start(
+def test_compile_blocks_without_blocks_or_an_unwritable_cache_is_refused_before_ranks_start(
         tmp_path: Path) -> None:
     result = run_cli("trainer.compile=blocks", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: trainer.compile=blocks: Sequential has no nn.ModuleList of repeated blocks; "
         "compile the whole model instead (trainer.compile=model)")
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    result = run_cli("model=gpt", "dataset=tokens", "trainer.compile=blocks",
+                     f"trainer.compile_cache={blocked / 'cache'}",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: trainer.compile_cache={blocked / 'cache'}: the compile cache "
+        f"{blocked / 'cache'} cannot be written (Not a directory)")
 
 
 class _Widening(nn.Module):

@@ -13,6 +13,7 @@ Every problem is named; the caller prints them on one line. The machine's checks
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -204,14 +205,28 @@ def _micro_batch_problems(run: RunConfig, parts: CheckedParts, grid_ok: bool) ->
 
 def _compile_problems(run: RunConfig, parts: CheckedParts) -> list[str]:
     """trainer.compile=blocks on a model without repeated blocks (fsdp compiles its own units
-    instead)."""
-    from strategies.compiled import no_blocks_problem
+    instead); a compile cache that cannot be written."""
+    from strategies.compiled import compile_cache_dir, no_blocks_problem
     from strategies.recompute import repeated_blocks
 
-    if (run.trainer.compile != "blocks" or parts.model is None or run.strategy.name == "fsdp"
-            or repeated_blocks(parts.model)):
-        return []
-    return [no_blocks_problem(parts.model)]
+    trainer, problems = run.trainer, []
+    if trainer.compile == "none":
+        return problems
+    if (trainer.compile == "blocks" and parts.model is not None and run.strategy.name != "fsdp"
+            and not repeated_blocks(parts.model)):
+        problems.append(no_blocks_problem(parts.model))
+    directory = compile_cache_dir(trainer.compile_cache)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        writable = os.access(directory, os.W_OK | os.X_OK)
+    except OSError as exc:
+        writable, why = False, exc.strerror or type(exc).__name__
+    else:
+        why = "not writable"
+    if not writable:
+        problems.append(f"trainer.compile_cache={trainer.compile_cache or directory}: the compile "
+                        f"cache {directory} cannot be written ({why})")
+    return problems
 
 
 def _gradient_problems(run: RunConfig, parts: CheckedParts) -> list[str]:
