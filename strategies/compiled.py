@@ -172,14 +172,9 @@ def compile_cache_dir(configured: str | None) -> Path:
     """Where compiled graphs are cached: `trainer.compile_cache`, else `$GRIDRUN_CACHE/compile`,
     else gridrun's cache directory's `compile/` (not inductor's own default, per user under
     /tmp, which torch itself writes into the environment: a user's choice is not told apart)."""
-    if configured:
-        return Path(configured).expanduser()
-    explicit = os.environ.get("GRIDRUN_CACHE")
-    if explicit:
-        return Path(explicit).expanduser() / "compile"
-    from runner.config.machine import cache_dir
+    from runner.config.machine import cache_subdir
 
-    return cache_dir() / "compile"
+    return cache_subdir("compile", configured)
 
 
 def compile_modules(pmodel: ParallelModel, plain: nn.Module, targets: dict[str, nn.Module],

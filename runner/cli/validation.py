@@ -33,7 +33,8 @@ def device_problems(run: RunConfig) -> list[str]:
     """trainer.device, trainer.precision and comm.cuda_aware; a GPU asked for where torch sees
     none is refused here, before any rank starts (the head runs where the ranks do, but for a
     Slurm batch job's: they run on the nodes Slurm gives it)."""
-    trainer, problems = run.trainer, []
+    trainer = run.trainer
+    problems: list[str] = []
     if trainer.device == "cuda" and run.launcher.slurm is None:
         import torch
 
@@ -209,7 +210,8 @@ def _compile_problems(run: RunConfig, parts: CheckedParts) -> list[str]:
     from strategies.compiled import compile_cache_dir, no_blocks_problem
     from strategies.recompute import repeated_blocks
 
-    trainer, problems = run.trainer, []
+    trainer = run.trainer
+    problems: list[str] = []
     if trainer.compile == "none":
         return problems
     if (trainer.compile == "blocks" and parts.model is not None and run.strategy.name != "fsdp"

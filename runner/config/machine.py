@@ -31,6 +31,17 @@ def cache_dir() -> Path:
     return base / "gridrun"
 
 
+def cache_subdir(name: str, configured: str | None = None) -> Path:
+    """Where gridrun keeps one kind of cached files (`tokens`, `compile`): `configured` (a
+    config option), else `$GRIDRUN_CACHE/<name>`, else `cache_dir()/<name>`."""
+    if configured:
+        return Path(configured).expanduser()
+    explicit = os.environ.get("GRIDRUN_CACHE")
+    if explicit:
+        return Path(explicit).expanduser() / name
+    return cache_dir() / name
+
+
 def calibration_path() -> Path:
     """Where this machine's calibration is stored: `$GRIDRUN_CALIBRATION`, else a file per host
     in the user's cache (machines sharing a home directory keep their own)."""

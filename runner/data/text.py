@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from runner.config.machine import cache_dir as user_cache_dir
+from runner.config.machine import cache_subdir
 from runner.config.registry import register_dataset
 from runner.data.rows import DataFileError
 from runner.data.token_file import TokenFile, listed_paths
@@ -50,12 +50,7 @@ SAID_BYTES = 8 << 20  # inputs from this size on are announced on standard error
 
 def token_cache_dir(cache_dir: str | None = None) -> Path:
     """Where dataset=text keeps its token files (module docstring)."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    explicit = os.environ.get("GRIDRUN_CACHE")
-    if explicit:
-        return Path(explicit).expanduser() / "tokens"
-    return user_cache_dir() / "tokens"
+    return cache_subdir("tokens", cache_dir)
 
 
 def _input_stat(path: Path, key: str) -> os.stat_result:
