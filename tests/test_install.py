@@ -121,17 +121,22 @@ def test_help_text_lists_groups_options_keys_and_examples() -> None:
 
 
 def test_help_and_version_import_neither_torch_nor_mpi() -> None:
+    # the help's time against torch's import, in the same process after it: a ratio, which a
+    # loaded machine slows alike (absolute seconds failed under a busy suite)
     probe = ("import sys, time; start = time.perf_counter()\n"
              "from runner.cli.help import help_text, plan_help_text, version_text\n"
              "help_text(); plan_help_text(); text = version_text()\n"
-             "print(time.perf_counter() - start)\n"
-             "print(sorted(m for m in ('torch', 'mpi4py', 'strategies') if m in sys.modules))\n"
+             "seconds = time.perf_counter() - start\n"
+             "imported = sorted(m for m in ('torch', 'mpi4py', 'strategies') if m in sys.modules)\n"
+             "start = time.perf_counter(); import torch\n"
+             "print(seconds / (time.perf_counter() - start))\n"
+             "print(imported)\n"
              "print(text)")
     result = run(sys.executable, "-c", probe, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    seconds, imported, *version = result.stdout.splitlines()
+    ratio, imported, *version = result.stdout.splitlines()
     assert imported == "[]"
-    assert float(seconds) < 2.0  # ~0.25 s here: Hydra's ConfigStore and the YAML files
+    assert float(ratio) < 0.5  # ~0.15 on 2 cores: Hydra's ConfigStore and the YAML files
     assert version[0] == f"gridrun {VERSION}"
     assert "Hydra 1." in version[1] and "torch " in version[1] and "mpi4py " in version[1]
 
