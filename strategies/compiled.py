@@ -84,6 +84,7 @@ class CompiledModules:
     around: dict[str, str] = field(default_factory=dict)
     eager: dict[str, str] = field(default_factory=dict)
     rebuilt: list[str] = field(default_factory=list)  # targets the strategy replaced
+    wrapped: set[int] = field(default_factory=set, repr=False)  # the modules wrapped, by id
 
     def report(self) -> dict[str, Any]:
         """The summary's `compile`: where it was applied and what it cost (`compile_s`: the
@@ -125,7 +126,11 @@ def _compiling(module: nn.Module, name: str, record: CompiledModules,
                compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
                plain_names: dict[int, str]) -> None:
     """Replace `module`'s forward by one that runs compiled in training, or, when its first
-    training call finds it cannot be one graph, eagerly with its children tried in turn."""
+    training call finds it cannot be one graph, eagerly with its children tried in turn. A
+    module met twice (one called from two places) is wrapped once."""
+    if id(module) in record.wrapped:
+        return
+    record.wrapped.add(id(module))
     own = module.forward
     compiled = compile_fn(own)
     state = {"decided": ""}

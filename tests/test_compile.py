@@ -288,3 +288,41 @@ def test_modules_of_one_class_and_many_shapes_all_compile() -> None:
     _train_step(wrapped, torch.randn(3, 2))  # past dynamo's default 8 graphs of one frame
     assert sorted(record.compiled) == sorted(f"layers.{i}" for i in range(12))
     assert set(record.around) == {MODEL, "net"} and record.eager == {}
+
+
+class _Holder(nn.Module):
+    def __init__(self, layer: nn.Linear, comm: CountedComm) -> None:
+        super().__init__()
+        self.layer, self.comm = layer, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer(x)
+        self.comm.allreduce_(x, label="held")
+        return x
+
+
+class _Shared(nn.Module):
+    """One Linear held by two modules, each compiled around its all-reduce."""
+
+    def __init__(self, comm: CountedComm) -> None:
+        super().__init__()
+        layer = nn.Linear(4, 4)
+        self.a, self.b = _Holder(layer, comm), _Holder(layer, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_module_held_twice_is_compiled_once() -> None:
+    torch.manual_seed(0)
+    plain = _Shared(CountedComm(None, CommCounter()))
+    eager = _Shared(CountedComm(None, CommCounter()))
+    eager.load_state_dict(plain.state_dict())
+    wrapped = _Wrapped(plain)
+    targets, _ = compile_targets(wrapped, plain, "model")
+    record = compile_modules(wrapped, plain, targets, "model", backend="eager")
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(_train_step(wrapped, x),
+                                                     _train_step(eager, x), strict=True))
+    assert record.compiled == ["a.layer"] and set(record.around) == {MODEL, "net", "a", "b"}
