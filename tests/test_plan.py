@@ -162,7 +162,14 @@ def test_an_unwritable_plan_out_is_refused_before_planning() -> None:
 
 def test_calibration_is_stored_and_used(tmp_path: Path) -> None:
     env = {"GRIDRUN_CALIBRATION": str(tmp_path / "ab.json")}
-    result = plan_cli("plan.calibrate=true", "plan.calibrate_repeats=1", env=env)
+    # A sweep taken while the suite's other worker runs ranks may not grow with the message
+    # size, which the planner refuses in one line and stores nothing: a busy machine's right
+    # answer, not this test's subject. It sweeps again, up to three times.
+    for _ in range(3):
+        result = plan_cli("plan.calibrate=true", "plan.calibrate_repeats=1", env=env)
+        if "did not grow with the message size" not in result.stderr:
+            break
+        assert result.returncode == 2 and not (tmp_path / "ab.json").exists()
     assert result.returncode == 0, result.stderr
     stored = json.loads((tmp_path / "ab.json").read_text())
     for kind in ("point_to_point", "collective"):
