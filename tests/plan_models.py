@@ -57,6 +57,48 @@ def hf_llama(vocab_size: int, input_shape: tuple[int, ...], key_value_heads: int
 hf_llama.objective = "next_token"  # type: ignore[attr-defined]
 
 
+def _own_norms(model: nn.Module, norm_class: str) -> nn.Module:
+    """`model` with each of its `norm_class` norms computing in the model's dtype (`RMSNorm`)."""
+    norms = [(name, module) for name, module in model.named_modules()
+             if type(module).__name__ == norm_class]
+    for name, module in norms:
+        model.set_submodule(name, RMSNorm(module.weight, module.variance_epsilon))
+    return model
+
+
+def hf_phi3(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """The transformers library's Phi-3, by its declared plan: fused q/k/v and gate/up
+    projections `colwise_gather_output`, their outputs' readers `rowwise_split_input`; its
+    head untied (a tied head is a plan of its own)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                        max_position_embeddings=max(16, input_shape[0]), bos_token_id=0,
+                        eos_token_id=0, pad_token_id=None, tie_word_embeddings=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    return _own_norms(Phi3ForCausalLM(config), "Phi3RMSNorm")
+
+
+hf_phi3.objective = "next_token"  # type: ignore[attr-defined]
+
+
+def hf_olmo2(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """The transformers library's OLMo-2, by its declared plan: q/k/v gathered
+    (`colwise_gather_output`: its q and k norms read all heads), o `rowwise_split_input`, the
+    MLP `colwise`/`rowwise`."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                         max_position_embeddings=max(16, input_shape[0]), bos_token_id=0,
+                         eos_token_id=0, pad_token_id=None, tie_word_embeddings=False)
+    return _own_norms(Olmo2ForCausalLM(config), "Olmo2RMSNorm")
+
+
+hf_olmo2.objective = "next_token"  # type: ignore[attr-defined]
+
+
 def hf_gpt2(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
     """The transformers library's GPT-2, 4 heads (it splits over 2 or 4 ranks)."""
     from transformers import GPT2Config, GPT2LMHeadModel

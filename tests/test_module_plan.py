@@ -64,7 +64,7 @@ def test_the_users_plan_comes_before_the_models_declared_one() -> None:
     # the base model's patterns resolved under `model.`, the head's from the wrapper
     assert declared.layouts["model.layers.1.self_attn.k_proj"] == "colwise"
     assert declared.layouts["model.layers.0.mlp.down_proj"] == "rowwise"
-    assert declared.layouts["lm_head"] == "colwise"
+    assert declared.layouts["lm_head"] == "colwise_gather_output"  # the library's own name
     given = module_plan(llama, {"model.layers.*.mlp.up_proj": "colwise"})
     assert given is not None and given.source == USER_SOURCE
     assert set(given.layouts) == {"model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"}
@@ -194,6 +194,32 @@ def test_split_features_must_be_summed_before_anything_reads_them_whole() -> Non
     assert ("blocks.0.fc2 (Linear) is rowwise but no colwise module before it splits its input "
             "features") in plan_problems(only_down, lm, (T,), 2)
     assert plan_problems(match_plan(lm, plan_models.BLOCK_PLAN, USER_SOURCE), lm, (T,), 2) == []
+
+
+def test_gathered_outputs_and_split_inputs_read_whole_features_and_nothing_else() -> None:
+    # the norm that reads split features under colwise/rowwise reads whole ones once the
+    # projection's output is gathered, and the next projection takes its own features from them
+    model = NormBetween()
+    gathered = match_plan(model, {"up": "colwise_gather_output", "down": "rowwise_split_input"},
+                          USER_SOURCE)
+    assert plan_problems(gathered, model, (8,), 2) == []
+    relu_between = nn.Sequential()
+    relu_between.up, relu_between.act, relu_between.down = nn.Linear(8, 16), nn.ReLU(), \
+        nn.Linear(16, 4)
+    for styles, reader in (({"up": "colwise", "down": "rowwise_split_input"}, "down"),
+                           ({"up": "colwise", "down": "colwise_gather_output"}, "down")):
+        plan = match_plan(relu_between, styles, USER_SOURCE)
+        assert plan_problems(plan, relu_between, (8,), 2) == [
+            f"{reader} (Linear) runs on the features up split over the model group before a "
+            f"rowwise module sums them: plan it too, or end the split before it"], styles
+    # the transformers library's styles gridrun does not run are named, the library's name given
+    declared = NormBetween()
+    declared.config = type("Config", (), {"base_model_tp_plan": {"up": "packed_colwise"}})()
+    plan = module_plan(declared, {}, (8,), 2)
+    assert plan is not None and plan.given_problems == [
+        "the model's declared plan: up: packed_colwise is not a style gridrun runs (one of "
+        "colwise, rowwise, fused_qkv, colwise_gather_output, rowwise_split_input, vocab, "
+        "sequence, replicate); give strategy.plan instead"]
 
 
 def test_a_forward_that_reshapes_by_the_whole_width_is_refused_before_any_rank_starts() -> None:
@@ -533,20 +559,33 @@ LLAMA_BY_CLASS = ["model._target_=transformers.LlamaForCausalLM", "model.hidden_
                   "trainer.batch_size=8", "trainer.eval_every=null"]
 
 
+# Phi-3's declared plan gathers its fused projections' outputs and splits its readers' inputs
+PHI3_BY_CLASS = ["model._target_=transformers.Phi3ForCausalLM",
+                 *LLAMA_BY_CLASS[1:7], "model.pad_token_id=null", "model.bos_token_id=0",
+                 "model.eos_token_id=0", *LLAMA_BY_CLASS[7:]]
+
+
 def test_a_transformers_class_named_on_the_command_line_trains_split_by_its_declared_plan(
         tmp_path: Path) -> None:
-    jobs = [[*LLAMA_BY_CLASS, "strategy=grid", "grid.pr=2", "grid.pc=2",
-             f"hydra.run.dir={tmp_path / 'grid'}"],
-            [*LLAMA_BY_CLASS, "strategy=data", "grid.pr=1", "grid.pc=1",
-             f"hydra.run.dir={tmp_path / 'one'}"]]
+    models = {"llama": LLAMA_BY_CLASS, "phi3": PHI3_BY_CLASS}
+    jobs = [[*overrides, *where, f"hydra.run.dir={tmp_path / name / run}"]
+            for name, overrides in models.items()
+            for run, where in (("grid", ["strategy=grid", "grid.pr=2", "grid.pc=2"]),
+                               ("one", ["strategy=data", "grid.pr=1", "grid.pc=1"]))]
     for result in run_cli_together(*jobs):
         assert_ok(result)
-    one, grid = train_losses(tmp_path / "one"), train_losses(tmp_path / "grid")
-    assert len(one) == len(grid) == 3
-    # float32 (the library's RMSNorm computes in float32 whatever the model's dtype)
-    assert max(abs(a - b) / abs(b) for a, b in zip(grid, one, strict=True)) <= 1e-5, (grid, one)
-    summary = read_summary(tmp_path / "grid")
-    assert summary["layouts"]["model.layers.0.self_attn.q_proj"] == "colwise"
-    assert summary["layouts"]["model.layers.1.mlp.down_proj"] == "rowwise"
-    assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
-    assert summary["plan_source"] == "the model's declared plan"
+    for name in models:
+        one, grid = train_losses(tmp_path / name / "one"), train_losses(tmp_path / name / "grid")
+        assert len(one) == len(grid) == 3
+        # float32 (the library's RMSNorm computes in float32 whatever the model's dtype)
+        assert max(abs(a - b) / abs(b) for a, b in zip(grid, one, strict=True)) <= 1e-5, \
+            (name, grid, one)
+        summary = read_summary(tmp_path / name / "grid")
+        assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
+        assert summary["plan_source"] == "the model's declared plan"
+    layouts = read_summary(tmp_path / "llama" / "grid")["layouts"]
+    assert layouts["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert layouts["model.layers.1.mlp.down_proj"] == "rowwise"
+    layouts = read_summary(tmp_path / "phi3" / "grid")["layouts"]
+    assert layouts["model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
+    assert layouts["model.layers.1.mlp.down_proj"] == "rowwise_split_input"

@@ -107,7 +107,7 @@ def test_llamas_declared_plan_keeps_gathering_and_a_users_plan_splits_the_loss()
     grid = ProcessGrid(1, 1)
     strategy = STRATEGIES.get("model")()
     declared = strategy.parallelize(plan_models.hf_llama(VOCAB, (T,)), (T,), grid)
-    assert type(declared) is PlannedModel and declared.layouts["lm_head"] == "colwise"
+    assert type(declared) is PlannedModel and declared.layouts["lm_head"] == "colwise_gather_output"
     plan = {"model.layers.*.mlp.up_proj": "colwise", "lm_head": "vocab"}
     given = STRATEGIES.get("model")(plan=plan).parallelize(
         plan_models.hf_llama(VOCAB, (T,)), (T,), grid)

@@ -6,9 +6,10 @@ reads them whole, and that the user's `forward` runs on one rank's pieces at all
   `fused_qkv`) opens a stretch of split features that a `rowwise` module closes by summing its
   partial products. Inside the stretch only modules without parameters (activations, dropout)
   may run: a LayerNorm or an unplanned Linear there would compute on a rank's features as if
-  they were all of them — a silently wrong model — so it is refused by name. A `rowwise` module
-  outside a stretch would be fed whole features, and a stretch the forward never closes leaves
-  the features split where the model reads them whole: both refused.
+  they were all of them — a silently wrong model — so it is refused by name, as is a
+  `colwise_gather_output` or `rowwise_split_input` module there, which reads whole features.
+  A `rowwise` module outside a stretch would be fed whole features, and a stretch the forward
+  never closes leaves the features split where the model reads them whole: both refused.
 - **Shapes.** The user's `forward` is run once, on the meta device, with each planned module
   replaced by a stand-in of one rank's shapes (and the attention attributes the plan adjusts,
   adjusted): a forward that reshapes by the whole width (`reshape(B, N, C)` with C read from its
@@ -59,7 +60,8 @@ def pairing_problems(styles: dict[str, PlanStyle], model: nn.Module,
                 problems.append(f"{path} ({type(call.module).__name__}) is rowwise but no "
                                 f"colwise module before it splits its input features")
             opened, refused = [], False
-        elif opened and (name == "sequence" or (style is None and _has_parameters(call.module))):
+        elif opened and (name == "sequence" or (style is not None and style.whole_features)
+                         or (style is None and _has_parameters(call.module))):
             problems.append(f"{path} ({type(call.module).__name__}) runs on the features "
                             f"{', '.join(opened)} split over the model group before a rowwise "
                             f"module sums them: plan it too, or end the split before it")
@@ -95,7 +97,7 @@ def shape_problems(styles: dict[str, PlanStyle], model: nn.Module,
         reads_tokens(twin)
     for path, style in styles.items():
         twin.set_submodule(path, _stand_in(twin.get_submodule(path), style, pr,
-                                           path == gathered))
+                                           path == gathered or style.whole_features))
     for owner, attribute, value in adjusted:
         setattr(twin.get_submodule(owner), attribute, value)
     if sequence is not None:

@@ -73,10 +73,10 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
             module = local_module(call.module, style, grid.pr)
             name = style.name
             projection = Projection.of(call.module)
-            if name == "rowwise" and projection is not None:
+            if name in ("rowwise", "rowwise_split_input") and projection is not None:
                 shape = (*shape[:-1], Partition(projection.in_features, grid.pr).sizes[0])
                 split_widths.clear()
-            elif (isinstance(plan.styles[path], Colwise) and projection is not None
+            elif (isinstance(style, Colwise) and style.splits_output and projection is not None
                     and path != gathered):
                 chunks = getattr(plan.styles[path], "chunks", 1)
                 split_widths.add(projection.out_features // chunks)
@@ -89,8 +89,8 @@ def plan_compute_seconds(model: nn.Module, plan: ModulePlan, sample_shape: tuple
     # A module that holds split projections runs its own operators (attention's products and
     # softmax, rotary embeddings, a gated MLP's product) on its rank's heads or features.
     split_owners = {id(_parent(model, path)) for path, style in plan.splits().items()
-                    if isinstance(style, Colwise) and not isinstance(style, VocabHead)
-                    and path != gathered}
+                    if isinstance(style, Colwise) and style.splits_output
+                    and not isinstance(style, VocabHead) and path != gathered}
     return total + operators_seconds(
         model, sample_shape, rows, rates,
         share=lambda owner: 1 / grid.pr if id(owner) in split_owners else 1.0)

@@ -58,7 +58,13 @@ from strategies.plans.sequence_parallel import (
     install_sequence,
     sequence_layout,
 )
-from strategies.plans.styles import STYLES, PlanStyle, Projection, ReplicatedKeyValue
+from strategies.plans.styles import (
+    STYLES,
+    PlanStyle,
+    Projection,
+    ReplicatedKeyValue,
+    Rowwise,
+)
 from strategies.probe import EMBEDDINGS, logits_of, probe
 
 USER_SOURCE = "strategy.plan"
@@ -67,10 +73,13 @@ DECLARED_SOURCE = "the model's declared plan"
 DERIVED_SOURCE = "derived from the module structure"
 
 # The transformers library's style names, as gridrun runs them (a colwise head is gathered
-# wherever it is the model's output).
-DECLARED_STYLES = {"colwise": "colwise", "colwise_gather_output": "colwise",
-                   "rowwise": "rowwise", "embedding_rowwise": "vocab",
-                   "replicated_with_grad_allreduce": "replicate"}
+# wherever it is the model's output); `docs/plans.md` lists the library's others, refused by
+# name.
+DECLARED_STYLES = {"colwise": "colwise", "colwise_gather_output": "colwise_gather_output",
+                   "colwise_rep": "colwise_gather_output", "rowwise": "rowwise",
+                   "rowwise_split_input": "rowwise_split_input",
+                   "rowwise_rep": "rowwise_split_input", "embedding_rowwise": "vocab",
+                   "replicated_with_grad_allreduce": "replicate", "replicate": "replicate"}
 
 # Integer attributes of an attention module that count its heads, or the width of its heads
 # together: divided by Pr on the module owning split projections.
@@ -584,7 +593,7 @@ def plan_param_items(model: nn.Module, plan: ModulePlan, pr: int,
                     (split if local.split else whole).append(item)
             # a rowwise bias is the module's own: counted once, wherever it is seen again
             seen_params.update(id(p) for p in module.parameters(recurse=False)
-                               if style.name == "rowwise" and p.dim() == 1)
+                               if isinstance(style, Rowwise) and p.dim() == 1)
             return
         for _, param in module.named_parameters(recurse=False):
             if id(param) in seen_params:

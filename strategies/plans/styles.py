@@ -7,6 +7,13 @@ style, holding what follows from it for one module of the user's model.
                output
     rowwise    input features split, the partial outputs summed over the model group
                (`all_sum_reduce`, adjoint: itself), the bias added once after the sum
+    colwise_gather_output
+               colwise, its output gathered whole right after it (`all_gather`, adjoint:
+               reduce-scatter): what follows runs whole on every rank of the group (Phi-3's
+               fused q/k/v and gate/up projections, OLMo-2's attention)
+    rowwise_split_input
+               rowwise fed its whole input: it takes its own input features first (no
+               communication: its input's gradient is a partial sum, zero outside them)
     fused_qkv  a fused q/k/v projection: each of its 3 chunks split as `colwise`, so each rank
                holds its heads of q, of k and of v
     vocab      an Embedding's rows (the vocabulary) split: a masked lookup, then the sum over
@@ -150,9 +157,11 @@ class RowwiseProjection(nn.Module):
     scattered along the sequence: each rank keeps its piece of the positions."""
 
     def __init__(self, layer: nn.Module, cols: slice, transposed: bool, comm: CountedComm,
-                 label: str) -> None:
+                 label: str, split_input: bool = False) -> None:
         super().__init__()
         self.transposed, self.comm, self.label = transposed, comm, label
+        # fed the whole input (rowwise_split_input): its own features taken first
+        self.input_features = cols if split_input else None
         weight = weight_of(layer)
         self.weight: nn.Parameter
         if transposed:
@@ -167,6 +176,8 @@ class RowwiseProjection(nn.Module):
         self.sequence: SequenceScatter | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_features is not None:
+            x = x[..., self.input_features]
         partial = project(x, self.weight, None, self.transposed)
         y = (all_sum_reduce(partial, self.comm, self.label) if self.sequence is None
              else self.sequence.reduce_scatter(partial, self.label))
@@ -213,6 +224,9 @@ class PlanStyle:
     summary: ClassVar[str]
     # whether its output's last dim stays split over the model group
     splits_output: ClassVar[bool] = False
+    # whether its module takes and gives whole features, however it splits its work (what a
+    # forward run on one rank's shapes sees of it is the module itself)
+    whole_features: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return self.name
@@ -400,6 +414,42 @@ class Rowwise(ProjectionStyle):
                             projection.out_features, device, dtype)
 
 
+class ColwiseGatherOutput(Colwise):
+    """Output features over the model group, the output gathered whole right after: what
+    reads it runs whole on every rank of the group."""
+
+    name = "colwise_gather_output"
+    summary = "output features over Pr, gathered whole after it"
+    splits_output = False
+    whole_features = True
+
+    def ops(self, module: nn.Module, path: str, out_elements: int, pr: int, itemsize: int,
+            gather: bool) -> list[CommOp]:
+        return super().ops(module, path, out_elements, pr, itemsize, True)
+
+    def build(self, module: nn.Module, path: str, comm: CountedComm, index: int,
+              gather: bool) -> tuple[nn.Module, list[nn.Parameter]]:
+        return super().build(module, path, comm, index, True)
+
+
+class RowwiseSplitInput(Rowwise):
+    """Input features over the model group, taken from the whole input it is fed; the partial
+    outputs summed."""
+
+    name = "rowwise_split_input"
+    summary = "input features over Pr, taken from its whole input; partial sums all-reduced"
+    whole_features = True
+
+    def build(self, module: nn.Module, path: str, comm: CountedComm, index: int,
+              gather: bool) -> tuple[nn.Module, list[nn.Parameter]]:
+        projection = Projection.of(module)
+        assert projection is not None
+        cols = Partition(projection.in_features, comm.size).slice(index)
+        built = RowwiseProjection(module, cols, projection.transposed, comm, path,
+                                  split_input=True)
+        return built, [built.weight]
+
+
 class VocabHead(Colwise):
     """The model's output projection by its rows (vocabulary or classes) over the model
     group: its output features as `colwise`, its logits never gathered but scored split."""
@@ -582,4 +632,5 @@ class Replicate(PlanStyle):
 
 
 STYLES: dict[str, PlanStyle] = {style.name: style for style in (
-    Colwise(), Rowwise(), FusedQKV(), Vocab(), Sequence(), Replicate())}
+    Colwise(), Rowwise(), FusedQKV(), ColwiseGatherOutput(), RowwiseSplitInput(), Vocab(),
+    Sequence(), Replicate())}

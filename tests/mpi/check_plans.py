@@ -5,7 +5,9 @@ launch:
 conformance corpus) and `check_weights.py` (pretrained weights in, trained weights out), which
 it imports: the ranks import torch and the transformers library once).
 
-The transformers library's Llama (its declared plan), GPT-2 and BERT (plans given) and a user's
+The transformers library's Llama, Phi-3 and OLMo-2 (their declared plans: Phi-3's gathered
+fused projections and split inputs, `colwise_gather_output` and `rowwise_split_input`), GPT-2
+and BERT (plans given) and a user's
 attention block (a plan given, and one derived from its structure under model and auto; the
 Llama and the block also with their norms `sequence`: Megatron-LM's sequence parallelism), in
 float64, under strategy=model 2x1 (GPT-2 also 4x1) and strategy=grid 2x2:
@@ -105,6 +107,14 @@ def bert() -> nn.Module:
     return plan_models.hf_bert(VOCAB, CLASSES, (T,))
 
 
+def phi3() -> nn.Module:
+    return plan_models.hf_phi3(VOCAB, (T,))
+
+
+def olmo2() -> nn.Module:
+    return plan_models.hf_olmo2(VOCAB, (T,))
+
+
 def user_block() -> nn.Module:
     return plan_models.UserBlockLM(VOCAB)
 
@@ -119,6 +129,10 @@ def transformers_models_by_plan_equal_one_process() -> None:
         compare(bert, plan_models.BERT_PLAN, strategy_name, shape, classes=CLASSES)
     compare(gpt2, plan_models.GPT2_PLAN, "model", (4, 1))
     compare(llama, {}, "grid", (2, 2), opt="adamw")
+    # declared plans that gather outputs mid-model and split whole inputs
+    compare(phi3, {}, "model", (2, 1))
+    compare(phi3, {}, "grid", (2, 2))
+    compare(olmo2, {}, "grid", (2, 2))
     # 4 ranks, 2 key/value heads: each held whole, each rank computing its query heads' one
     compare(llama, LLAMA_BLOCKS_PLAN, "model", (4, 1))
 
