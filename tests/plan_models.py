@@ -99,6 +99,38 @@ def hf_olmo2(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
 hf_olmo2.objective = "next_token"  # type: ignore[attr-defined]
 
 
+class OnePlusRMSNorm(nn.Module):
+    """Gemma's RMSNorm (a scale of 1 + weight) in the input's dtype (`RMSNorm`'s reason)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def hf_gemma(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """The transformers library's Gemma, its head tied to its token table (one weight): its
+    declared plan splits the head, and the table with it, by vocabulary."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                         intermediate_size=32, max_position_embeddings=max(16, input_shape[0]),
+                         bos_token_id=0, eos_token_id=0, pad_token_id=None,
+                         tie_word_embeddings=True)
+    model = GemmaForCausalLM(config)
+    norms = [(name, module) for name, module in model.named_modules()
+             if type(module).__name__ == "GemmaRMSNorm"]
+    for name, module in norms:
+        model.set_submodule(name, OnePlusRMSNorm(module.weight, module.eps))
+    return model
+
+
+hf_gemma.objective = "next_token"  # type: ignore[attr-defined]
+
+
 def hf_gpt2(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
     """The transformers library's GPT-2, 4 heads (it splits over 2 or 4 ranks)."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from runner.core import ProcessGrid
 from strategies import STRATEGIES
 from strategies.plans.module_plan import (
     DECLARED_SOURCE,
@@ -101,14 +102,24 @@ def test_gpt2s_attention_attributes_are_divided_and_reported() -> None:
     assert "adjusted transformer.h.1.attn.num_heads 4 → 2" in [str(a) for a in found]
 
 
-def test_a_split_of_a_tied_weight_is_refused() -> None:
+def test_a_tied_table_splits_by_vocabulary_with_its_head_or_is_refused() -> None:
     model = plan_models.UserBlockLM(VOCAB, (T,))
     model.head.weight = model.embed.weight
+    # the head split by rows takes the table along, by vocabulary: one piece, both uses
     plan = module_plan(model, {"head": "colwise"})
-    assert plan is not None
-    assert plan_problems(plan, model, (T,), 2) == [
-        "head (Linear): its weights are shared with embed (tied): a plan splits untied "
-        "weights only"]
+    assert plan is not None and plan.layouts == {"embed": "vocab", "head": "colwise"}
+    assert list(plan.layouts) == ["embed", "head"]  # in the model's order
+    assert plan_problems(plan, model, (T,), 2) == []
+    # a tied weight split otherwise (the table by its features) is refused by name
+    plan = match_plan(model, {"head": "rowwise"}, USER_SOURCE)
+    problems = plan_problems(plan, model, (T,), 2)
+    assert any(p.startswith("head (Linear): its weights are shared with embed (tied): a plan "
+                            "splits a tied weight only by its vocabulary rows") for p in problems)
+    # the split model holds one parameter for both, at its rows of the table
+    strategy = STRATEGIES.get("model")(plan={"head": "colwise"})
+    pmodel = strategy.parallelize(model, (T,), ProcessGrid(1, 1))
+    inner = pmodel.module
+    assert inner.embed.weight is inner.head.weights[0]
 
 
 def _shape(pr: int, pc: int = 1):  # type: ignore[no-untyped-def]

@@ -64,20 +64,22 @@ def test_a_vocabulary_that_does_not_divide_is_refused() -> None:
         "divide over grid.pr=3 ranks"]
 
 
-def test_a_vocab_head_tied_to_the_embedding_is_refused() -> None:
+def test_a_vocab_head_tied_to_the_embedding_takes_the_table_along() -> None:
+    # its rows split with the head's (tests/mpi/check_plans.py: GPT-2 as one process)
     model = block_lm()
     model.head.weight = model.embed.weight
-    assert problems(model, {"head": "vocab"}) == [
-        "strategy=model: head (Linear): its weights are shared with embed (tied): a plan "
-        "splits untied weights only"]
+    assert problems(model, {"head": "vocab"}) == []
+    # a table tied to a head split by its input features cannot be: named
+    model.head.weight = model.embed.weight
+    assert problems(model, {"embed": "vocab", "head": "rowwise"})[0].startswith(
+        "strategy=model: embed (Embedding): its weights are shared with head (tied): a plan "
+        "splits a tied weight only by its vocabulary rows")
 
 
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transformers not installed")
-def test_gpt2s_tied_head_is_refused() -> None:
+def test_gpt2s_tied_head_splits_its_table_by_vocabulary_too() -> None:
     gpt2 = plan_models.hf_gpt2(VOCAB, (T,))
-    found = problems(gpt2, {**plan_models.GPT2_PLAN, "lm_head": "vocab"})
-    assert found == ["strategy=model: lm_head (Linear): its weights are shared with "
-                     "transformer.wte (tied): a plan splits untied weights only"], found
+    assert problems(gpt2, {**plan_models.GPT2_PLAN, "lm_head": "vocab"}) == []
 
 
 def test_a_module_vocab_cannot_split_is_named() -> None:

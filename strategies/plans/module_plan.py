@@ -65,6 +65,13 @@ from strategies.plans.styles import (
     ReplicatedKeyValue,
     Rowwise,
 )
+from strategies.plans.ties import (
+    share_table,
+    splits_rows_as_a_table,
+    table_of,
+    tied_holders,
+    tied_tables,
+)
 from strategies.probe import EMBEDDINGS, logits_of, probe
 
 USER_SOURCE = "strategy.plan"
@@ -150,10 +157,12 @@ def module_plan(model: nn.Module, user_plan: Mapping[str, str],
     the samples' shape and the model group's size) one derived from its structure, else
     None."""
     if user_plan:
-        return replicated_key_values(match_plan(model, dict(user_plan), USER_SOURCE), model, pr)
+        return replicated_key_values(
+            _with_tied_tables(match_plan(model, dict(user_plan), USER_SOURCE), model), model, pr)
     declared = declared_plan(model)
     if declared:
-        return replicated_key_values(match_plan(model, declared, DECLARED_SOURCE), model, pr)
+        return replicated_key_values(
+            _with_tied_tables(match_plan(model, declared, DECLARED_SOURCE), model), model, pr)
     if sample_shape is not None and pr is not None:
         return derived_plan(model, sample_shape, pr)
     return None
@@ -183,7 +192,7 @@ def _derive(model: nn.Module, sample_shape: tuple[int, ...], pr: int) -> ModuleP
         return None
     groups = candidate_groups(model, sample_shape)
     calls = owner_calls(model, sample_shape, {g.owner for g in groups if g.kind != "vocab"})
-    holders = _tied(model)
+    holders = tied_holders(model)
     tried: dict[tuple[object, ...], bool] = {}
     styles: dict[str, str] = {}
     for group in groups:
@@ -264,6 +273,11 @@ def replicated_key_values(plan: ModulePlan, model: nn.Module, pr: int | None) ->
 def _out_features(module: nn.Module) -> int:
     projection = Projection.of(module)
     return projection.out_features if projection is not None else 0
+
+
+def _with_tied_tables(plan: ModulePlan, model: nn.Module) -> ModulePlan:
+    plan.styles = tied_tables(plan.styles, model)
+    return plan
 
 
 def match_plan(model: nn.Module, patterns: dict[str, str], source: str) -> ModulePlan:
@@ -400,15 +414,6 @@ def _whole_heads(style: PlanStyle, path: str, module: nn.Module, width: int,
     return []
 
 
-def _tied(model: nn.Module) -> dict[int, list[str]]:
-    """Parameter id → the paths of every module holding it."""
-    holders: dict[int, list[str]] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        for param in module.parameters(recurse=False):
-            holders.setdefault(id(param), []).append(path)
-    return holders
-
-
 def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, ...],
                   pr: int, pc: int = 1) -> list[str]:
     """Every reason the plan cannot split `model` over `pr` ranks (the batch over `pc`), one
@@ -421,7 +426,7 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
                  if plan.whole_weights and style.name not in DOMAIN_STYLES]
     if splitting:
         return problems + splitting
-    holders = _tied(model)
+    holders = tied_holders(model)
     for path, style in plan.splits().items():
         module = model.get_submodule(path)
         found = style.problems(path, module, pr)
@@ -430,10 +435,13 @@ def plan_problems(plan: ModulePlan, model: nn.Module, sample_shape: tuple[int, .
             continue
         for param in module.parameters(recurse=False):
             others = [p for p in holders[id(param)] if p != path]
-            if others:
+            if others and not all(splits_rows_as_a_table(plan.styles.get(p),
+                                                          model.get_submodule(p))
+                                  for p in [path, *others]):
                 problems.append(f"{path} ({type(module).__name__}): its weights are shared "
-                                f"with {', '.join(others)} (tied): a plan splits untied "
-                                f"weights only")
+                                f"with {', '.join(others)} (tied): a plan splits a tied weight "
+                                f"only by its vocabulary rows, an embedding (vocab) and a "
+                                f"projection (colwise, colwise_gather_output or vocab) together")
                 break
     if problems:
         return problems
@@ -539,9 +547,13 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     if problems:
         raise ValueError("; ".join(problems))
     split_ids: set[int] = set()
+    shards: dict[int, nn.Parameter] = {}  # a tied table's piece, by the whole weight's id
     for path, style in plan.splits().items():
-        built, split = style.build(model.get_submodule(path), path, grid.model,
-                                   grid.model_index, path == gathered)
+        module = model.get_submodule(path)
+        whole = getattr(module, "weight", None)
+        built, split = style.build(module, path, grid.model, grid.model_index, path == gathered)
+        if isinstance(whole, torch.Tensor) and splits_rows_as_a_table(style, module):
+            share_table(built, shards.setdefault(id(whole), table_of(built)))
         model.set_submodule(path, built)
         split_ids.update(id(p) for p in split)
     for change in changes:
@@ -587,7 +599,13 @@ def plan_param_items(model: nn.Module, plan: ModulePlan, pr: int,
         seen_modules.add(id(module))
         style = plan.styles.get(path)
         if style is not None and style.name != "replicate":
-            for local in style.local_params(module, pr):
+            locals_ = style.local_params(module, pr)
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and splits_rows_as_a_table(style, module):
+                if id(weight) in seen_params:  # a tied table's piece: counted where first seen
+                    locals_ = locals_[1:]
+                seen_params.add(id(weight))
+            for local in locals_:
                 if local.trainable or not trainable_only:
                     item = (path, [(local.elements * local.dtype.itemsize, local.dtype)])
                     (split if local.split else whole).append(item)

@@ -184,9 +184,20 @@ class RowwiseProjection(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def scaled_table(module: nn.Module) -> torch.Tensor | None:
+    """The scale of the transformers library's scaled token tables (Gemma's, BART's: an
+    nn.Embedding whose forward is the lookup times `embed_scale`), None for any other module."""
+    if not (isinstance(module, nn.Embedding)
+            and type(module).__name__.endswith("ScaledWordEmbedding")):
+        return None
+    scale: object = getattr(module, "embed_scale", None)
+    return torch.as_tensor(scale) if isinstance(scale, torch.Tensor | float) else None
+
+
 class VocabEmbedding(nn.Module):
-    """Rows `rows` of an Embedding's table; the sum over the group completes every lookup.
-    The padding row, where this rank holds it, gets no gradient (as the whole table's)."""
+    """Rows `rows` of an Embedding's table; the sum over the group completes every lookup
+    (times a scaled table's scale). The padding row, where this rank holds it, gets no
+    gradient (as the whole table's)."""
 
     def __init__(self, table: nn.Embedding, rows: slice, comm: CountedComm,
                  label: str) -> None:
@@ -197,10 +208,15 @@ class VocabEmbedding(nn.Module):
         self.padding_idx = (padding - rows.start
                             if padding is not None and rows.start <= padding < rows.stop
                             else None)
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer("embed_scale", scaled_table(table), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return vocab_embedding_sum(ids, self.weight, self.start, self.comm, self.label,
-                                   padding_idx=self.padding_idx)
+        looked_up = vocab_embedding_sum(ids, self.weight, self.start, self.comm, self.label,
+                                        padding_idx=self.padding_idx)
+        if self.embed_scale is None:
+            return looked_up
+        return looked_up * self.embed_scale.to(looked_up.dtype)
 
 
 # -- the styles ---------------------------------------------------------------------------------
@@ -488,7 +504,8 @@ class Vocab(PlanStyle):
     def fits(self, module: nn.Module) -> str | None:
         if Projection.of(module) is not None:
             return None
-        if type(module) is not nn.Embedding:
+        if not isinstance(module, nn.Embedding) or (type(module) is not nn.Embedding
+                                                    and scaled_table(module) is None):
             return f"{self.name} splits an nn.Embedding, or the model's output Linear or Conv1D"
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return (f"{self.name} splits a plain table (no max_norm, scale_grad_by_freq or "

@@ -115,6 +115,10 @@ def olmo2() -> nn.Module:
     return plan_models.hf_olmo2(VOCAB, (T,))
 
 
+def gemma() -> nn.Module:
+    return plan_models.hf_gemma(VOCAB, (T,))
+
+
 def user_block() -> nn.Module:
     return plan_models.UserBlockLM(VOCAB)
 
@@ -133,6 +137,11 @@ def transformers_models_by_plan_equal_one_process() -> None:
     compare(phi3, {}, "model", (2, 1))
     compare(phi3, {}, "grid", (2, 2))
     compare(olmo2, {}, "grid", (2, 2))
+    # a head tied to the token table: one piece of one weight on each rank, both uses
+    compare(gemma, {}, "model", (2, 1))
+    compare(gemma, {}, "grid", (2, 2), opt="adamw")
+    # GPT-2's tied head split by vocabulary, scored split, its table split with it
+    compare(gpt2, {**plan_models.GPT2_PLAN, "lm_head": "vocab"}, "grid", (2, 2))
     # 4 ranks, 2 key/value heads: each held whole, each rank computing its query heads' one
     compare(llama, LLAMA_BLOCKS_PLAN, "model", (4, 1))
 
