@@ -576,27 +576,39 @@ PHI3_BY_CLASS = ["model._target_=transformers.Phi3ForCausalLM",
                  "model.eos_token_id=0", *LLAMA_BY_CLASS[7:]]
 
 
+# Gemma's head is tied to its token table: the two split by vocabulary together
+GEMMA_BY_CLASS = ["model._target_=transformers.GemmaForCausalLM", *LLAMA_BY_CLASS[1:7],
+                  "model.head_dim=4", *LLAMA_BY_CLASS[7:]]
+
+
 def test_a_transformers_class_named_on_the_command_line_trains_split_by_its_declared_plan(
         tmp_path: Path) -> None:
-    models = {"llama": LLAMA_BY_CLASS, "phi3": PHI3_BY_CLASS}
-    jobs = [[*overrides, *where, f"hydra.run.dir={tmp_path / name / run}"]
-            for name, overrides in models.items()
-            for run, where in (("grid", ["strategy=grid", "grid.pr=2", "grid.pc=2"]),
-                               ("one", ["strategy=data", "grid.pr=1", "grid.pc=1"]))]
+    models = {"llama": LLAMA_BY_CLASS, "phi3": PHI3_BY_CLASS, "gemma": GEMMA_BY_CLASS}
+    runs = {"grid": ["strategy=grid", "grid.pr=2", "grid.pc=2"],
+            "fsdp": ["strategy=fsdp", "grid.pr=2", "grid.pc=2"],
+            "one": ["strategy=data", "grid.pr=1", "grid.pc=1"]}
+    split = {"llama": ["grid"], "phi3": ["grid"], "gemma": ["grid", "fsdp"]}
+    jobs = [[*overrides, *runs[run], f"hydra.run.dir={tmp_path / name / run}"]
+            for name, overrides in models.items() for run in [*split[name], "one"]]
     for result in run_cli_together(*jobs):
         assert_ok(result)
     for name in models:
-        one, grid = train_losses(tmp_path / name / "one"), train_losses(tmp_path / name / "grid")
-        assert len(one) == len(grid) == 3
-        # float32 (the library's RMSNorm computes in float32 whatever the model's dtype)
-        assert max(abs(a - b) / abs(b) for a, b in zip(grid, one, strict=True)) <= 1e-5, \
-            (name, grid, one)
-        summary = read_summary(tmp_path / name / "grid")
-        assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
-        assert summary["plan_source"] == "the model's declared plan"
+        one = train_losses(tmp_path / name / "one")
+        for run in split[name]:
+            losses = train_losses(tmp_path / name / run)
+            assert len(one) == len(losses) == 3
+            # float32 (the library's RMSNorm computes in float32 whatever the model's dtype)
+            assert max(abs(a - b) / abs(b) for a, b in zip(losses, one, strict=True)) <= 1e-5, \
+                (name, run, losses, one)
+            summary = read_summary(tmp_path / name / run)
+            assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]
+            assert summary["plan_source"] == "the model's declared plan"
     layouts = read_summary(tmp_path / "llama" / "grid")["layouts"]
     assert layouts["model.layers.0.self_attn.q_proj"] == "colwise"
     assert layouts["model.layers.1.mlp.down_proj"] == "rowwise"
     layouts = read_summary(tmp_path / "phi3" / "grid")["layouts"]
     assert layouts["model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
     assert layouts["model.layers.1.mlp.down_proj"] == "rowwise_split_input"
+    layouts = read_summary(tmp_path / "gemma" / "grid")["layouts"]
+    assert layouts["model.embed_tokens"] == "vocab"
+    assert layouts["lm_head"] == "colwise_gather_output"
