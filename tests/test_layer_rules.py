@@ -118,3 +118,35 @@ def test_per_sample_normalizations_run_batch_parallel_and_are_refused_elsewhere(
         problems = STRATEGIES.get(strategy)().check_model(net, (1, 8, 8), GridShape(2, 1))
         assert len(problems) == 1 and "middle (GroupNorm): a per-sample normalization" in \
             problems[0], (strategy, problems)
+
+
+class _PooledNormAct(nn.Module):
+    """EfficientNet's squeeze-excite with timm's BatchNormAct2d after the pooling: a node of
+    one value per channel and sample, its `self.training` traced as it was (batch statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.corpus_models import BatchNormAct2d
+
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.reduce = nn.Conv2d(4, 4, 1)
+        self.norm = BatchNormAct2d(4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = self.conv(x).mean((2, 3), keepdim=True)
+        return self.head(self.norm(self.reduce(pooled)).flatten(1))
+
+
+@pytest.mark.parametrize("strategy", ["model", "grid", "domain"])
+def test_a_traced_graph_is_never_fed_one_value_per_channel_nor_moves_the_models_buffers(
+        strategy: str, capfd: pytest.CaptureFixture[str]) -> None:
+    model = _PooledNormAct()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    problems = STRATEGIES.get(strategy)().check_model(model, (1, 8, 8), GridShape(2, 1))
+    # named by its module in one line (it once died in the probe, its stack printed)
+    assert problems and all("\n" not in p for p in problems), problems
+    assert all("Expected more than 1 value per channel" not in p for p in problems), problems
+    assert "Traceback" not in capfd.readouterr().err
+    for name, b in model.named_buffers():
+        assert torch.equal(b, before[name]), name

@@ -58,6 +58,8 @@ one plan for both.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,11 +127,14 @@ class TreeRefused(ValueError):
 
 def trace(model: nn.Module, sample_shape: Sequence[int]) -> tuple[torch.fx.GraphModule,
                                                                   dict[str, tuple[int, ...]]]:
-    """The model's graph, and every node's per-sample output shape (one sample pushed through
+    """The model's graph, and every node's per-sample output shape (two samples pushed through
     in evaluation mode, on the model's device: no memory or compute on the meta device)."""
+    # tracing runs the forward's own code on the model's buffers (timm's num_batches_tracked)
+    buffers = {name: b.clone() for name, b in model.named_buffers() if b.device.type != "meta"}
     try:
         graph = torch.fx.GraphModule(model, _Tracer().trace(model))
     except Exception as exc:  # data-dependent control flow, unsupported Python
+        _put_back(model, buffers)
         raise TreeRefused(f"torch.fx cannot trace {type(model).__name__}: "
                           f"{type(exc).__name__}: {exc}") from None
     param = next(model.parameters(), None)
@@ -137,23 +142,35 @@ def trace(model: nn.Module, sample_shape: Sequence[int]) -> tuple[torch.fx.Graph
     training = model.training
     model.eval()
     graph.eval()
+    # Two samples, never one: a module whose forward reads `self.training` is traced as it was
+    # (timm's BatchNormAct2d: batch statistics), and one value per channel cannot give them.
+    # Whatever tracing or such a graph updates (running statistics) is put back.
     try:
-        with torch.no_grad():
-            ShapeProp(graph).propagate(torch.zeros(1, *sample_shape, device=device,
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints
+            ShapeProp(graph).propagate(torch.zeros(2, *sample_shape, device=device,
                                                    dtype=sample_dtype(model)))
     except Exception as exc:  # the traced graph does not run as the model does
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        cause = exc.__cause__ or exc  # ShapeProp's error holds the node's own
+        first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         raise TreeRefused(f"{type(model).__name__}: its traced graph does not run ({first})"
                           ) from None
     finally:
         model.train(training)
         graph.train(training)
+        _put_back(model, buffers)
     shapes = {}
     for node in graph.graph.nodes:
         meta = node.meta.get("tensor_meta")
         if meta is not None and hasattr(meta, "shape"):
             shapes[node.name] = tuple(meta.shape[1:])
     return graph, shapes
+
+
+def _put_back(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
 
 
 class _Tracer(torch.fx.Tracer):
