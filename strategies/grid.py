@@ -69,6 +69,7 @@ from strategies.plans.module_plan import (
     plan_problems,
     predict_plan_ops,
 )
+from strategies.probe import DrawPlan, draw_plan
 from strategies.registry import register_strategy
 from strategies.transformer.gpt import GPT, is_gpt
 from strategies.transformer.tensor_parallel import (
@@ -247,6 +248,31 @@ class GridParallel(Strategy):
         assert isinstance(model, nn.Sequential)
         return [f"strategy={self.name} cannot split {p}"
                 for p in whole_norm_problems(list(model), self.split(model))]
+
+    def _draws_by_plan(self, model: nn.Module, sample_shape: tuple[int, ...],
+                       grid: GridShape) -> DrawPlan | None:
+        """The draws a planned model makes by rows as one process does (`PlannedModel`), None
+        where it has no plan of split weights, or a plan whose sequence region or whole weights
+        run on pieces of the positions, which draw otherwise."""
+        plan = self.module_plan(model, sample_shape, grid.pr)
+        if plan is None or plan.whole_weights or any(
+                style.name == "sequence" for style in plan.styles.values()):
+            return None
+        return draw_plan(model, sample_shape)
+
+    def reproduces_random_draws(self, model: nn.Module, sample_shape: tuple[int, ...],
+                                grid: GridShape) -> bool:
+        draws = self._draws_by_plan(model, sample_shape, grid)
+        if draws is not None:
+            return not draws.problems
+        return super().reproduces_random_draws(model, sample_shape, grid)
+
+    def draws_rows_alike(self, model: nn.Module, sample_shape: tuple[int, ...],
+                         grid: GridShape) -> bool:
+        draws = self._draws_by_plan(model, sample_shape, grid)
+        if draws is not None:
+            return not draws.problems and None not in draws.cuts
+        return super().draws_rows_alike(model, sample_shape, grid)
 
     def parallelize(self, model: nn.Module, sample_shape: tuple[int, ...], grid: ProcessGrid,
                     sync_replica_gradients: bool = True) -> ParallelModel:

@@ -387,6 +387,8 @@ class DrawPlan:
 
     cuts: tuple[int | None, ...]
     problems: tuple[str, ...]
+    # each draw's dims after dim 0 in one process (a split model's rank draws a piece of them)
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 @contextlib.contextmanager
@@ -416,6 +418,7 @@ def draw_plan(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Dr
         return DrawPlan((), (*problems, f"{named('')}: its random draws change with the batch "
                                        f"size"))
     cuts: list[int | None] = []
+    shapes = tuple(tuple(a.shape[1:]) for a in two.ops)
     for a, b in zip(two.ops, three.ops, strict=True):
         rows_made = (len(a.shape) == len(b.shape) > 0 and a.shape[1:] == b.shape[1:]
                      and a.shape[0] % 2 == 0 and b.shape[0] == a.shape[0] // 2 * 3)
@@ -429,7 +432,7 @@ def draw_plan(model: nn.Module, sample_shape: tuple[int, ...] | list[int]) -> Dr
                      "cut into rows")
             problems.append(f"{named(a.module)}: {a.op} over a tensor of shape {b.shape} for 3 "
                             f"samples ({where})")
-    return DrawPlan(tuple(cuts), tuple(dict.fromkeys(problems)))
+    return DrawPlan(tuple(cuts), tuple(dict.fromkeys(problems)), shapes)
 
 
 def training_calls(model: nn.Module, sample_shape: tuple[int, ...] | list[int],

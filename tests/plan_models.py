@@ -1,7 +1,7 @@
 """Models split by a parallel plan by module name (`strategies.plans.module_plan`), and their plans:
 the transformers library's Llama (its declared plan), GPT-2 and BERT (plans given), and a
-user's own attention block. Tiny, built from configs (no weights downloaded), dropout 0: under
-model splitting each rank would draw its own masks (validation refuses that)."""
+user's own attention block. Tiny, built from configs (no weights downloaded), dropout 0 (the
+equivalences with dropout are in tests/test_module_plan.py and tests/test_whole_batch.py)."""
 
 from __future__ import annotations
 

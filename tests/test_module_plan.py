@@ -583,12 +583,18 @@ GEMMA_BY_CLASS = ["model._target_=transformers.GemmaForCausalLM", *LLAMA_BY_CLAS
 
 def test_a_transformers_class_named_on_the_command_line_trains_split_by_its_declared_plan(
         tmp_path: Path) -> None:
-    models = {"llama": LLAMA_BY_CLASS, "phi3": PHI3_BY_CLASS, "gemma": GEMMA_BY_CLASS}
+    # with dropout drawn as one process draws it: Llama's attention dropout over a rank's heads
+    # (its grid run in two micro-batches a step), Phi-3's over whole hidden states and heads
+    models = {"llama": [*LLAMA_BY_CLASS, "model.attention_dropout=0.5"],
+              "phi3": [*PHI3_BY_CLASS, "model.attention_dropout=0.5", "model.resid_pdrop=0.5",
+                       "model.embd_pdrop=0.5"],
+              "gemma": GEMMA_BY_CLASS}
     runs = {"grid": ["strategy=grid", "grid.pr=2", "grid.pc=2"],
             "fsdp": ["strategy=fsdp", "grid.pr=2", "grid.pc=2"],
             "one": ["strategy=data", "grid.pr=1", "grid.pc=1"]}
     split = {"llama": ["grid"], "phi3": ["grid"], "gemma": ["grid", "fsdp"]}
-    jobs = [[*overrides, *runs[run], f"hydra.run.dir={tmp_path / name / run}"]
+    jobs = [[*overrides, *runs[run], f"hydra.run.dir={tmp_path / name / run}",
+             *(["trainer.accumulate_steps=2"] if (name, run) == ("llama", "grid") else [])]
             for name, overrides in models.items() for run in [*split[name], "one"]]
     for result in run_cli_together(*jobs):
         assert_ok(result)
@@ -597,8 +603,9 @@ def test_a_transformers_class_named_on_the_command_line_trains_split_by_its_decl
         for run in split[name]:
             losses = train_losses(tmp_path / name / run)
             assert len(one) == len(losses) == 3
-            # float32 (the library's RMSNorm computes in float32 whatever the model's dtype)
-            assert max(abs(a - b) / abs(b) for a, b in zip(losses, one, strict=True)) <= 1e-5, \
+            # float32 (the library's RMSNorm computes in float32 whatever the model's dtype);
+            # dropout 0.5 moves these losses by ~1e-3: other masks could not pass
+            assert max(abs(a - b) / abs(b) for a, b in zip(losses, one, strict=True)) <= 1e-6, \
                 (name, run, losses, one)
             summary = read_summary(tmp_path / name / run)
             assert summary["comm_bytes_per_step"] == summary["predicted_comm_bytes_per_step"]

@@ -220,16 +220,17 @@ class _DropoutMLP(nn.Module):
         return self.head(self.drop(self.fc2(torch.relu(self.fc1(x)))))
 
 
-def test_auto_leaves_out_candidates_that_would_draw_random_numbers_per_rank() -> None:
+def test_auto_keeps_plans_whose_dropout_draws_as_one_process() -> None:
     from runner.core import GridShape
     from strategies import STRATEGIES, PricingContext
 
     torch.manual_seed(0)
     model = _DropoutMLP()
     auto = STRATEGIES.get("auto")(pricing=PricingContext(global_batch=8))
-    [problem] = auto.check_model(model, (8,), GridShape(2, 2))
-    assert "grid by the plan derived from the module structure draws random numbers per rank" \
-        in problem and "drop (Dropout)" in problem, problem
-    # one rank per model group: data draws as one process does, and runs it
+    # a planned model draws each row's masks by its place in the global batch (a rank of a
+    # model group its piece of a split tensor's): the candidates by plan stay in
+    assert auto.check_model(model, (8,), GridShape(2, 2)) == []
+    grid = STRATEGIES.get("grid")()
+    assert grid.reproduces_random_draws(model, (8,), GridShape(2, 2))
+    assert grid.draws_rows_alike(model, (8,), GridShape(2, 2))
     assert auto.check_model(model, (8,), GridShape(1, 2)) == []
-    assert auto.tree_choice(model, (8,), GridShape(1, 2), 8)[0].name == "data"

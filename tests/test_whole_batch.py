@@ -73,3 +73,43 @@ def test_each_rank_draws_its_rows_as_one_process_does(case: str) -> None:
     torch.manual_seed(2)
     with RowDraws(draw_plan(model, shape), forward_key(), 0, 6):
         assert not torch.allclose(model(x), whole)
+
+
+class HeadsDropout(nn.Module):
+    """Attention weights of `heads` heads, dropped: a model split by heads holds some of them."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = x.view(x.shape[0], self.heads, 4, -1).softmax(-1)  # B, heads, T, T
+        return F.dropout(weights, 0.4, training=self.training).flatten(1)
+
+
+@pytest.mark.parametrize("dim", ["heads", "features"])
+def test_a_rank_of_a_split_model_draws_its_piece_of_each_rows_whole_draw(dim: str) -> None:
+    # one process: 4 heads (or 8 features); two ranks of a model group: 2 heads (4 features)
+    # each, every rank drawing the group's rows, keeping its piece of each row's mask
+    torch.manual_seed(0)
+    x = torch.randn(6, 4 * 4 * 4 if dim == "heads" else 8, dtype=torch.float64)
+
+    def build(pieces: int) -> nn.Module:
+        if dim == "heads":
+            return HeadsDropout(4 // pieces)
+        return nn.Dropout(0.4)
+
+    plan = draw_plan(build(1), x.shape[1:])
+    torch.manual_seed(1)
+    key = forward_key()
+    with RowDraws(plan, key, 0, 6):
+        whole = build(1).train()(x).view(6, 2, -1)  # halves: rank 0's heads, rank 1's
+    for piece in (0, 1):
+        local = x.view(6, 2, -1)[:, piece].reshape(6, -1)
+        with RowDraws(plan, key, 0, 6, pieces=2, piece=piece):
+            mine = build(2).train()(local)
+        torch.testing.assert_close(mine, whole[:, piece].reshape(6, -1), rtol=0, atol=0)
+    # a tensor that is no rank's piece of the row's draw is refused, never drawn otherwise
+    with (pytest.raises(RuntimeError, match="not one rank's piece"),
+          RowDraws(plan, key, 0, 6, pieces=3, piece=0)):
+        build(2).train()(x.view(6, 2, -1)[:, 0].reshape(6, -1))

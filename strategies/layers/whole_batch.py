@@ -92,17 +92,21 @@ class RowDraws(TorchDispatchMode):
     draws its rows only. Draws of a fixed shape come from the run's generator as they are."""
 
     def __init__(self, plan: DrawPlan, key: int, start: int, rows: int,
-                 first_draw: int = 0) -> None:
+                 first_draw: int = 0, pieces: int = 1, piece: int = 0) -> None:
         super().__init__()
         self.plan, self.cuts, self.key = plan, plan.cuts, key
         self.start, self.rows = start, rows
+        # a model split over `pieces` ranks (this one `piece`): a draw over a tensor split
+        # along one dim draws the row's whole and keeps this rank's contiguous piece of it
+        self.pieces, self.piece = pieces, piece
         self.calls = first_draw  # random operators seen in this forward
         self._attention = math_attention()
 
     def again(self) -> RowDraws:
         """A mode that makes the draws this one makes from now on over again (a checkpointed
         module's recomputation): the same key and rows, its draw indices from here."""
-        return RowDraws(self.plan, self.key, self.start, self.rows, first_draw=self.calls)
+        return RowDraws(self.plan, self.key, self.start, self.rows, first_draw=self.calls,
+                        pieces=self.pieces, piece=self.piece)
 
     def __enter__(self) -> RowDraws:
         self._attention.__enter__()
@@ -124,15 +128,47 @@ class RowDraws(TorchDispatchMode):
 
     def _each_row(self, x: torch.Tensor, per_row: int, method: str,
                   args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
-        """`x`'s rows (`per_row` entries of dim 0 each) drawn in place by `method`, each from
-        its row's generator."""
+        """`x`'s rows (`per_row` entries of dim 0 each in one process) drawn in place by
+        `method`, each from its row's generator; on a split model, a rank's piece of the row's
+        whole draw."""
         options = {k: v for k, v in (kwargs or {}).items() if k != "generator"}
+        piece = self._piece(x, per_row)
+        if piece is not None:
+            if any(isinstance(a, torch.Tensor) and a.dim() for a in args):
+                raise RandomDrawError("a draw with a probability per element over a tensor the "
+                                      "plan splits, which no rank can draw whole")
+            whole, dim, start, size = piece
+            for i, generator in enumerate(self._generators(x.device)):
+                block = torch.empty(whole, dtype=x.dtype, device=x.device)
+                getattr(block, method)(*args, generator=generator, **options)
+                rows = slice(i * (x.shape[0] // self.rows), (i + 1) * (x.shape[0] // self.rows))
+                x[rows] = block.narrow(dim, start, size)
+            return
         for i, generator in enumerate(self._generators(x.device)):
             rows = slice(i * per_row, (i + 1) * per_row)
             # a tensor argument shaped like `x` (a probability per element) is cut alike
             cut = [a[rows] if isinstance(a, torch.Tensor) and a.dim() and
                    a.shape[0] == x.shape[0] else a for a in args]
             getattr(x[rows], method)(*cut, generator=generator, **options)
+
+    def _piece(self, x: torch.Tensor, per_row: int
+               ) -> tuple[tuple[int, ...], int, int, int] | None:
+        """Where this rank's `x` is a piece of one process's draw (a row's whole shape, the
+        split dim, this rank's start and size in it), None where it is the whole."""
+        index = self.calls - 1
+        if self.pieces == 1 or index >= len(self.plan.shapes):
+            return None
+        whole = (per_row, *self.plan.shapes[index])
+        local = (x.shape[0] // self.rows, *x.shape[1:])
+        if local == whole:
+            return None
+        differ = [d for d, (a, b) in enumerate(zip(local, whole, strict=False)) if a != b]
+        if (len(local) != len(whole) or len(differ) != 1
+                or whole[differ[0]] != local[differ[0]] * self.pieces):
+            raise RandomDrawError(f"a draw of shape {tuple(x.shape)} on this rank where one "
+                                  f"process draws rows of {whole}: not one rank's piece of them")
+        dim = differ[0]
+        return whole, dim, self.piece * local[dim], local[dim]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -169,6 +205,9 @@ class RowDraws(TorchDispatchMode):
             self._each_row(out, per_row, "uniform_" if name == "rand_like" else "normal_")
             return out
         if name == "bernoulli":  # a probability per element
+            if self._piece(first, per_row) is not None:
+                raise RandomDrawError(f"{func}: a probability per element over a tensor the "
+                                      f"plan splits, which no rank can draw whole")
             out = torch.empty_like(first)
             for i, generator in enumerate(self._generators(first.device)):
                 rows = slice(i * per_row, (i + 1) * per_row)

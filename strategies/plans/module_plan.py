@@ -28,11 +28,13 @@ that it does not know refuses the plan by name.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +51,7 @@ from strategies.layers.norm import (
 )
 from strategies.layers.split import activation_itemsize
 from strategies.layers.vocab_head import SplitLogitsScoring, returns_logits_of
+from strategies.layers.whole_batch import RowDraws, forward_key
 from strategies.plans.checks import pairing_problems, shape_problems
 from strategies.plans.derive import candidate_groups, owner_calls, signature, trial
 from strategies.plans.sequence_parallel import (
@@ -72,7 +75,14 @@ from strategies.plans.ties import (
     tied_holders,
     tied_tables,
 )
-from strategies.probe import EMBEDDINGS, logits_of, probe
+from strategies.probe import (
+    EMBEDDINGS,
+    DrawPlan,
+    draw_plan,
+    logits_of,
+    probe,
+    random_draws,
+)
 
 USER_SOURCE = "strategy.plan"
 WHOLE_MODEL = "(the model)"  # how an adjustment names the root module as its owner
@@ -500,10 +510,42 @@ class PlannedModel(ParallelModel):
         self.layouts = layouts
         self.plan_adjustments = adjusted
         self.plan_source: str | None = None  # where the plan came from (`ModulePlan.source`)
+        # the model's random draws (dropout), made by rows as one process makes them
+        # (`strategies.layers.whole_batch.RowDraws`), None where it draws nothing
+        self.draws: DrawPlan | None = None
+        self._key = 0
+        self._draws: RowDraws | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = logits_of(self.module(x))
+        out = logits_of(self.run_module(x))
         return out[Partition(out.shape[0], self.grid.pr).slice(self.grid.model_index)]
+
+    def run_module(self, x: torch.Tensor) -> Any:
+        """The user's forward on the group's rows `x`. Its random draws are made row by row
+        by each row's place in the global batch, as one process makes them: every rank of the
+        model group draws a whole tensor's rows alike, and a tensor the plan splits (a rank's
+        heads or features) as its piece of the row's whole draw."""
+        if not (self.training and self.draws is not None):
+            return self.module(x)
+        micro = self.micro  # a step's micro-batches share its key, rows by their place
+        if micro is None or micro.index == 0:
+            self._key = forward_key()
+        start = (self.input_rows(x.shape[0] * self.grid.pc).start if micro is None
+                 else micro.inputs.start)
+        with RowDraws(self.draws, self._key, start, x.shape[0], pieces=self.grid.pr,
+                      piece=self.grid.model_index) as draws:
+            self._draws = draws
+            try:
+                return self.module(x)
+            finally:
+                self._draws = None
+
+    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[None],
+                                          contextlib.AbstractContextManager[Any]]:
+        """A recomputation draws what its forward drew (`RowDraws.again`)."""
+        if self._draws is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return contextlib.nullcontext(), self._draws.again()
 
 
 class VocabScoredModel(SplitLogitsScoring, PlannedModel):
@@ -517,7 +559,7 @@ class VocabScoredModel(SplitLogitsScoring, PlannedModel):
         self.vocab_start = vocab_start  # this rank's first row of the head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return logits_of(self.module(x))
+        return logits_of(self.run_module(x))
 
 
 
@@ -542,6 +584,8 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     changes, problems = adjustments(plan, model, grid.pr, gathered)
     if problems:
         raise ValueError("; ".join(problems))
+    # the draws one process makes, from the whole model (a rank then draws its pieces)
+    draws = draw_plan(model, sample_shape) if random_draws(model, sample_shape) else None
     vocab_start = _vocab_start(plan, model, grid)
     sequence, problems = plan_region(plan, model, sample_shape, grid.pr)
     if problems:
@@ -572,6 +616,7 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     pmodel = (PlannedModel(grid, model, plan.layouts, adjusted) if vocab_start is None
               else VocabScoredModel(grid, model, plan.layouts, adjusted, vocab_start))
     pmodel.plan_source = plan.source
+    pmodel.draws = draws
     pmodel.replicated_in_model_group = replicated
     pmodel.reducers = split_model_exchanges(grid, split_params, replicated,
                                             sync_replica_gradients, bucket_cap_bytes,
