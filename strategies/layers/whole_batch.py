@@ -37,15 +37,18 @@ too, so that one process is what P ranks reproduce.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.core import CountedComm
+from runner.core import CountedComm, ProcessGrid
+from strategies.base import ParallelModel
 from strategies.layers.norm import global_batch_norm
 from strategies.probe import DrawPlan, is_random_op, math_attention, op_name
 
@@ -236,3 +239,43 @@ def _dropout_p(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
 
 class RandomDrawError(RuntimeError):
     """A random draw over the batch's rows that no rank can cut out of the global batch's."""
+
+
+class RowDrawingModel(ParallelModel):
+    """A parallel model whose ranks of a model group run their group's rows, split its
+    modules over the group, and draw as one process draws: the user's forward runs inside
+    `RowDraws` with the group's rows (a micro-batch's by their place in the global batch), every
+    rank of the group drawing a whole tensor's rows alike, and a tensor split over the group (a
+    rank's heads or features) as its piece of each row's whole draw."""
+
+    def __init__(self, grid: ProcessGrid) -> None:
+        super().__init__(grid)
+        # the model's random draws in one process (`probe.draw_plan`), None: it draws nothing
+        self.draws: DrawPlan | None = None
+        self._key = 0
+        self._draws: RowDraws | None = None
+        self.module: nn.Module
+
+    def run_module(self, x: torch.Tensor) -> Any:
+        """`self.module` on the group's rows `x`, drawing by rows in training."""
+        if not (self.training and self.draws is not None):
+            return self.module(x)
+        micro = self.micro  # a step's micro-batches share its key
+        if micro is None or micro.index == 0:
+            self._key = forward_key()
+        start = (self.input_rows(x.shape[0] * self.grid.pc).start if micro is None
+                 else micro.inputs.start)
+        with RowDraws(self.draws, self._key, start, x.shape[0], pieces=self.grid.pr,
+                      piece=self.grid.model_index) as draws:
+            self._draws = draws
+            try:
+                return self.module(x)
+            finally:
+                self._draws = None
+
+    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[None],
+                                          contextlib.AbstractContextManager[Any]]:
+        """A recomputation draws what its forward drew (`RowDraws.again`)."""
+        if self._draws is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return contextlib.nullcontext(), self._draws.again()

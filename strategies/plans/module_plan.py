@@ -28,20 +28,18 @@ that it does not know refuses the plan by name.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import math
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from runner.core import CountedComm, GridShape, Partition, ProcessGrid
 from runner.cost.collectives import CommOp
-from strategies.base import ParallelModel, split_model_exchanges
+from strategies.base import split_model_exchanges
 from strategies.exchange.buckets import predict_gradient_ops
 from strategies.layers.norm import (
     batch_norm_ops,
@@ -51,7 +49,7 @@ from strategies.layers.norm import (
 )
 from strategies.layers.split import activation_itemsize
 from strategies.layers.vocab_head import SplitLogitsScoring, returns_logits_of
-from strategies.layers.whole_batch import RowDraws, forward_key
+from strategies.layers.whole_batch import RowDrawingModel
 from strategies.plans.checks import pairing_problems, shape_problems
 from strategies.plans.derive import candidate_groups, owner_calls, signature, trial
 from strategies.plans.sequence_parallel import (
@@ -77,7 +75,6 @@ from strategies.plans.ties import (
 )
 from strategies.probe import (
     EMBEDDINGS,
-    DrawPlan,
     draw_plan,
     logits_of,
     probe,
@@ -498,10 +495,10 @@ def batch_norm_problems(model: nn.Module, pc: int) -> list[str]:
 # -- the parallel model ---------------------------------------------------------------------------
 
 
-class PlannedModel(ParallelModel):
+class PlannedModel(RowDrawingModel):
     """The user's model with its planned modules swapped for their split forms (its own
     forward runs them); every rank of a model group runs the group's rows, and keeps its own
-    sub-shard of the (whole) output."""
+    sub-shard of the (whole) output. Its random draws are one process's (`RowDrawingModel`)."""
 
     def __init__(self, grid: ProcessGrid, module: nn.Module, layouts: dict[str, str],
                  adjusted: list[str]) -> None:
@@ -510,42 +507,10 @@ class PlannedModel(ParallelModel):
         self.layouts = layouts
         self.plan_adjustments = adjusted
         self.plan_source: str | None = None  # where the plan came from (`ModulePlan.source`)
-        # the model's random draws (dropout), made by rows as one process makes them
-        # (`strategies.layers.whole_batch.RowDraws`), None where it draws nothing
-        self.draws: DrawPlan | None = None
-        self._key = 0
-        self._draws: RowDraws | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = logits_of(self.run_module(x))
         return out[Partition(out.shape[0], self.grid.pr).slice(self.grid.model_index)]
-
-    def run_module(self, x: torch.Tensor) -> Any:
-        """The user's forward on the group's rows `x`. Its random draws are made row by row
-        by each row's place in the global batch, as one process makes them: every rank of the
-        model group draws a whole tensor's rows alike, and a tensor the plan splits (a rank's
-        heads or features) as its piece of the row's whole draw."""
-        if not (self.training and self.draws is not None):
-            return self.module(x)
-        micro = self.micro  # a step's micro-batches share its key, rows by their place
-        if micro is None or micro.index == 0:
-            self._key = forward_key()
-        start = (self.input_rows(x.shape[0] * self.grid.pc).start if micro is None
-                 else micro.inputs.start)
-        with RowDraws(self.draws, self._key, start, x.shape[0], pieces=self.grid.pr,
-                      piece=self.grid.model_index) as draws:
-            self._draws = draws
-            try:
-                return self.module(x)
-            finally:
-                self._draws = None
-
-    def recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[None],
-                                          contextlib.AbstractContextManager[Any]]:
-        """A recomputation draws what its forward drew (`RowDraws.again`)."""
-        if self._draws is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        return contextlib.nullcontext(), self._draws.again()
 
 
 class VocabScoredModel(SplitLogitsScoring, PlannedModel):

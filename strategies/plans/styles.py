@@ -191,7 +191,9 @@ def scaled_table(module: nn.Module) -> torch.Tensor | None:
             and type(module).__name__.endswith("ScaledWordEmbedding")):
         return None
     scale: object = getattr(module, "embed_scale", None)
-    return torch.as_tensor(scale) if isinstance(scale, torch.Tensor | float) else None
+    if not isinstance(scale, torch.Tensor | float):
+        return None
+    return torch.as_tensor(scale, device=module.weight.device)
 
 
 class VocabEmbedding(nn.Module):
