@@ -35,6 +35,17 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
+def _own_norms(model: nn.Module, norm_class: str, norm: type[nn.Module] | None = None,
+               eps: str = "variance_epsilon") -> nn.Module:
+    """`model` with each of its `norm_class` norms computing in the model's dtype (`norm`, by
+    default `RMSNorm`, given the library's weight and its `eps` attribute)."""
+    found = [(name, module) for name, module in model.named_modules()
+             if type(module).__name__ == norm_class]
+    for name, module in found:
+        model.set_submodule(name, (norm or RMSNorm)(module.weight, getattr(module, eps)))
+    return model
+
+
 def hf_llama(vocab_size: int, input_shape: tuple[int, ...], key_value_heads: int = 2
              ) -> nn.Module:
     """The transformers library's Llama: 4 query heads sharing `key_value_heads` key/value
@@ -46,24 +57,10 @@ def hf_llama(vocab_size: int, input_shape: tuple[int, ...], key_value_heads: int
                          intermediate_size=32,
                          max_position_embeddings=max(16, input_shape[0]), bos_token_id=0,
                          eos_token_id=0, pad_token_id=None)
-    model = LlamaForCausalLM(config)
-    norms = [(name, module) for name, module in model.named_modules()
-             if type(module).__name__ == "LlamaRMSNorm"]
-    for name, module in norms:
-        model.set_submodule(name, RMSNorm(module.weight, module.variance_epsilon))
-    return model
+    return _own_norms(LlamaForCausalLM(config), "LlamaRMSNorm")
 
 
 hf_llama.objective = "next_token"  # type: ignore[attr-defined]
-
-
-def _own_norms(model: nn.Module, norm_class: str) -> nn.Module:
-    """`model` with each of its `norm_class` norms computing in the model's dtype (`RMSNorm`)."""
-    norms = [(name, module) for name, module in model.named_modules()
-             if type(module).__name__ == norm_class]
-    for name, module in norms:
-        model.set_submodule(name, RMSNorm(module.weight, module.variance_epsilon))
-    return model
 
 
 def hf_phi3(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
@@ -120,12 +117,7 @@ def hf_gemma(vocab_size: int, input_shape: tuple[int, ...]) -> nn.Module:
                          intermediate_size=32, max_position_embeddings=max(16, input_shape[0]),
                          bos_token_id=0, eos_token_id=0, pad_token_id=None,
                          tie_word_embeddings=True)
-    model = GemmaForCausalLM(config)
-    norms = [(name, module) for name, module in model.named_modules()
-             if type(module).__name__ == "GemmaRMSNorm"]
-    for name, module in norms:
-        model.set_submodule(name, OnePlusRMSNorm(module.weight, module.eps))
-    return model
+    return _own_norms(GemmaForCausalLM(config), "GemmaRMSNorm", OnePlusRMSNorm, "eps")
 
 
 hf_gemma.objective = "next_token"  # type: ignore[attr-defined]
