@@ -8,6 +8,10 @@ primitive, and that adjoint is its backward:
     all-sum-reduce                             ↔  itself
     all-gather  (pieces along a dim → whole)   ↔  reduce-scatter (sum, then each its piece)
     repartition (split along a → split along b) ↔ repartition (split along b → split along a)
+    exchange rows (send_counts[k] rows of x to ↔  exchange rows with the counts swapped (each
+                 rank k; receive recv_counts[k]     row back to the rank it came from, in its
+                 from each: an all-to-all of        place: a mixture of experts' tokens sent to
+                 uneven counts)                     their experts and back)
     redistribute (Cartesian partition → another) ↔ its scatter-add: each block back to the rank
                                                    it was read from, summed there
                                                    (`runner.core.cartesian`)
@@ -198,6 +202,28 @@ def repartition_op(x: torch.Tensor, comm: CountedComm, split_dim: int, split: Pa
     return torch.cat(pieces, dim=split_dim)
 
 
+def exchange_rows_op(x: torch.Tensor, comm: CountedComm, send_counts: tuple[int, ...],
+                     recv_counts: tuple[int, ...], label: str = "") -> torch.Tensor:
+    """Rows of `x` (dim 0), grouped by destination in rank order, `send_counts[k]` of them to
+    rank k (this rank's own kept in place), and the rows every rank sends here, `recv_counts[k]`
+    from rank k, in rank order: an all-to-all of uneven counts (the tokens of a mixture of
+    experts sent to the ranks holding their experts, or sent back)."""
+    if len(send_counts) != comm.size or len(recv_counts) != comm.size:
+        raise ValueError(f"exchange rows: {len(send_counts)} send and {len(recv_counts)} "
+                         f"receive counts for a group of {comm.size}")
+    if x.shape[0] != sum(send_counts) or min((*send_counts, *recv_counts), default=0) < 0:
+        raise ValueError(f"exchange rows: rank {comm.rank} holds {x.shape[0]} rows, its send "
+                         f"counts {list(send_counts)} sum to {sum(send_counts)}")
+    row = math.prod(x.shape[1:])
+    out = torch.empty(sum(recv_counts) * row, dtype=x.dtype, device=x.device)
+    if comm.size == 1:
+        return out.copy_(x.detach().reshape(-1)).view(sum(recv_counts), *x.shape[1:])
+    # counted as an all-to-all whose payload is this rank's whole input, its own rows included
+    comm.alltoallv_(_dense(x.detach()).reshape(-1), [n * row for n in send_counts], out,
+                    [n * row for n in recv_counts], label)
+    return out.view(sum(recv_counts), *x.shape[1:])
+
+
 def ring_shift_op(x: torch.Tensor, comm: CountedComm, dim: int, sizes: tuple[int, ...],
                   offset: int = 1, label: str = "") -> torch.Tensor:
     """y_k = x_{(k − offset) mod P}: every rank sends its tensor `offset` places on around the
@@ -329,6 +355,10 @@ repartition: Callable[..., torch.Tensor] = _operator(
     "Repartition", repartition_op,
     lambda g, comm, split_dim, split, new_dim, new_split, label="": repartition_op(
         g, comm, new_dim, new_split, split_dim, split, label))
+exchange_rows: Callable[..., torch.Tensor] = _operator(
+    "ExchangeRows", exchange_rows_op,
+    lambda g, comm, send_counts, recv_counts, label="": exchange_rows_op(
+        g, comm, recv_counts, send_counts, label))
 ring_shift: Callable[..., torch.Tensor] = _operator(
     "RingShift", ring_shift_op, ring_shift_adjoint_op)
 take_piece: Callable[..., torch.Tensor] = _operator(

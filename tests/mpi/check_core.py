@@ -291,6 +291,26 @@ def repartition_and_its_reverse_uneven() -> None:
                          P.repartition_op(t, c, b, sb, a, sa), x, y)
 
 
+@check
+def exchange_rows_and_its_reverse_uneven() -> None:
+    # uneven counts, zeros among them (a rank sending nothing to one, receiving nothing from
+    # another), as a mixture of experts' router makes them; every rank's counts from one table
+    for where, comm, dtype in cases():
+        p, me = comm.size, comm.rank
+        counts = [[(3 * i + 2 * j + 1) % 4 for j in range(p)] for i in range(p)]  # i sends j
+        send, recv = tuple(counts[me]), tuple(counts[i][me] for i in range(p))
+        rows = [seeded((counts[i][j], 3, 2), 110 + 10 * i + j, dtype)
+                for i in range(p) for j in range(p)]  # the block i sends to j
+        x = torch.cat([rows[me * p + j] for j in range(p)])
+        moved = P.exchange_rows_op(x, comm, send, recv)
+        assert torch.equal(moved, torch.cat([rows[i * p + me] for i in range(p)])), where
+        assert torch.equal(P.exchange_rows_op(moved, comm, recv, send), x), where  # and back
+        y = seeded(moved.shape, 140 + me, dtype)
+        dot_test(f"exchange_rows {where}", comm,
+                 lambda t, c=comm, s=send, r=recv: P.exchange_rows(t, c, s, r),
+                 lambda t, c=comm, s=send, r=recv: P.exchange_rows_op(t, c, r, s), x, y)
+
+
 def halo_cases(group_size: int):
     """(input length, window) pairs: uneven slabs, thin slabs (halo wider than a slab)."""
     for n_in in (3 * group_size + 2, group_size + 1, 2 * group_size + 5):
