@@ -78,7 +78,6 @@ from strategies.probe import (
     draw_plan,
     logits_of,
     probe,
-    random_draws,
 )
 
 USER_SOURCE = "strategy.plan"
@@ -87,8 +86,8 @@ DECLARED_SOURCE = "the model's declared plan"
 DERIVED_SOURCE = "derived from the module structure"
 
 # The transformers library's style names, as gridrun runs them (a colwise head is gathered
-# wherever it is the model's output); `docs/plans.md` lists the library's others, refused by
-# name.
+# wherever it is the model's output); docs/strategies.md lists the library's others, refused
+# by name.
 DECLARED_STYLES = {"colwise": "colwise", "colwise_gather_output": "colwise_gather_output",
                    "colwise_rep": "colwise_gather_output", "rowwise": "rowwise",
                    "rowwise_split_input": "rowwise_split_input",
@@ -550,7 +549,7 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     if problems:
         raise ValueError("; ".join(problems))
     # the draws one process makes, from the whole model (a rank then draws its pieces)
-    draws = draw_plan(model, sample_shape) if random_draws(model, sample_shape) else None
+    draws = draw_plan(model, sample_shape)
     vocab_start = _vocab_start(plan, model, grid)
     sequence, problems = plan_region(plan, model, sample_shape, grid.pr)
     if problems:
@@ -581,7 +580,7 @@ def build_planned_model(model: nn.Module, plan: ModulePlan, sample_shape: tuple[
     pmodel = (PlannedModel(grid, model, plan.layouts, adjusted) if vocab_start is None
               else VocabScoredModel(grid, model, plan.layouts, adjusted, vocab_start))
     pmodel.plan_source = plan.source
-    pmodel.draws = draws
+    pmodel.draws = draws if draws.cuts else None  # None: it draws nothing
     pmodel.replicated_in_model_group = replicated
     pmodel.reducers = split_model_exchanges(grid, split_params, replicated,
                                             sync_replica_gradients, bucket_cap_bytes,
