@@ -156,6 +156,7 @@ def test_a_rank_names_the_signal_the_head_got(tmp_path: Path, relayed: str | Non
         path.parent.mkdir()
         path.write_text(json.dumps({"signal": relayed, "time": time.time()}))
     interrupt.relay_stop_signal_from(path)
+    before = {s: signal.getsignal(s) for s in interrupt.STOP_SIGNALS}
     try:
         with interrupt.StopRequest() as stop:
             assert not stop.requested and stop.signal_name is None
@@ -164,8 +165,16 @@ def test_a_rank_names_the_signal_the_head_got(tmp_path: Path, relayed: str | Non
             while not stop.requested and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert stop.requested and stop.signal_name == named
+        # stopped: a repeated request (srun relaying the head's SIGUSR1 after Slurm's SIGTERM)
+        # cannot kill the process before it writes its summary; Ctrl-C is as it was
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) \
+            == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
+        os.kill(os.getpid(), signal.SIGUSR1)  # ignored: the test goes on
     finally:
         interrupt.relay_stop_signal_from(None)
+        for signum, handler in before.items():  # this test's process carries on
+            signal.signal(signum, handler)
 
 
 # -- which file, and why -------------------------------------------------------------------------

@@ -6,7 +6,8 @@ and the one it relays, to a file: a rank that gets the relayed signal names the 
 (`relay_stop_signal_from`), so Ctrl-C reads "SIGINT" in the summary. A rank only notes the
 signal here. Ranks see it at different moments, so the training loop agrees on when to stop
 through a collective it already makes each step (the loss all-reduce).
-A second signal to a 1-process run (the head trains itself) interrupts at once, as usual.
+A second signal to a 1-process run (the head trains itself) interrupts at once, as usual; once
+the stop is made, SIGTERM and SIGUSR1 are ignored for the rest of the process.
 """
 
 from __future__ import annotations
@@ -84,5 +85,10 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # After a stop, the process only writes its checkpoint's summary and ends: a
+            # repeated request (srun passing on the head's SIGUSR1 after Slurm's own SIGTERM
+            # reached the rank) is the same stop, and must not kill it with the default action
+            # before it says so. Ctrl-C still interrupts.
+            stopping = self.requested and signum != signal.SIGINT
+            signal.signal(signum, signal.SIG_IGN if stopping else handler)
         self._previous.clear()
