@@ -158,19 +158,23 @@ def test_a_rank_names_the_signal_the_head_got(tmp_path: Path, relayed: str | Non
     interrupt.relay_stop_signal_from(path)
     before = {s: signal.getsignal(s) for s in interrupt.STOP_SIGNALS}
     try:
-        with interrupt.StopRequest() as stop:
+        with interrupt.StopRequest(ends_process=True) as stop:
             assert not stop.requested and stop.signal_name is None
             os.kill(os.getpid(), sent)
             deadline = time.monotonic() + 5
             while not stop.requested and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert stop.requested and stop.signal_name == named
-        # stopped: a repeated request (srun relaying the head's SIGUSR1 after Slurm's SIGTERM)
-        # cannot kill the process before it writes its summary; Ctrl-C is as it was
+        # a rank stopped: a repeated request (srun relaying the head's SIGUSR1 after Slurm's
+        # SIGTERM) cannot kill it before it writes its summary; Ctrl-C is as it was
         assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) \
             == signal.SIG_IGN
         assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
         os.kill(os.getpid(), signal.SIGUSR1)  # ignored: the test goes on
+        with interrupt.StopRequest() as stop:  # a run in a caller's process: handlers back
+            os.kill(os.getpid(), signal.SIGUSR1)
+            wait_until(lambda: stop.requested, "the stop noted")
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN  # what it was before it
     finally:
         interrupt.relay_stop_signal_from(None)
         for signum, handler in before.items():  # this test's process carries on

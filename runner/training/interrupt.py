@@ -7,7 +7,7 @@ and the one it relays, to a file: a rank that gets the relayed signal names the 
 signal here. Ranks see it at different moments, so the training loop agrees on when to stop
 through a collective it already makes each step (the loss all-reduce).
 A second signal to a 1-process run (the head trains itself) interrupts at once, as usual; once
-the stop is made, SIGTERM and SIGUSR1 are ignored for the rest of the process.
+the stop is made, a rank's process ignores SIGTERM and SIGUSR1 until it ends.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def _relayed_name(received: int) -> str:
 class StopRequest:
     """A context that turns stop signals into a flag while training runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, ends_process: bool = False) -> None:
+        self.ends_process = ends_process  # the process ends with the run (a rank's)
         self._received: int | None = None
         self._name: str | None = None
         self._previous: dict[int, Any] = {}
@@ -85,10 +86,11 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
-            # After a stop, the process only writes its checkpoint's summary and ends: a
+            # After a stop, a process that ends with the run only writes the stop's summary: a
             # repeated request (srun passing on the head's SIGUSR1 after Slurm's own SIGTERM
             # reached the rank) is the same stop, and must not kill it with the default action
-            # before it says so. Ctrl-C still interrupts.
-            stopping = self.requested and signum != signal.SIGINT
+            # before it says so. Ctrl-C still interrupts. A process that goes on (a run in a
+            # caller's process) gets its own handlers back.
+            stopping = self.ends_process and self.requested and signum != signal.SIGINT
             signal.signal(signum, signal.SIG_IGN if stopping else handler)
         self._previous.clear()

@@ -488,9 +488,10 @@ def _completed(t: Training, started: float) -> dict[str, Any]:
 
 
 def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
-          device: torch.device | None = None) -> dict[str, Any]:
+          device: torch.device | None = None, ends_process: bool = False) -> dict[str, Any]:
     """Train `run` as this rank of `grid` on `device` (cpu when None); returns the summary
-    (rank 0 also writes it)."""
+    (rank 0 also writes it). `ends_process`: the process ends with the run (a rank's), and
+    after a stop ignores the stop signals still on their way (`StopRequest`)."""
     started = time.perf_counter()
     _set_up_rank(run, grid)
     t = build_training(run, run_dir, grid, device)
@@ -500,7 +501,8 @@ def train(run: RunConfig, run_dir: RunDir, grid: ProcessGrid,
     title = f"{run.strategy.name} {grid.pr}x{grid.pc}"
     pace = grid.counter.pace  # what the watchdog's deadlines derive from
     device_times = DeviceStepTimes(t.device.type == "cuda")
-    with StopRequest() as stop, ProgressReporter(grid.rank == 0, steps, title) as progress:
+    with (StopRequest(ends_process) as stop,
+          ProgressReporter(grid.rank == 0, steps, title) as progress):
         for step in range(t.start.step + 1, steps + 1):
             state.step = step
             unread, stopping = _train_one_step(t, step, stop, progress, device_times)

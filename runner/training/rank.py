@@ -333,7 +333,7 @@ def _train_watched(run: RunConfig, directory: RunDir, grid: ProcessGrid, device:
 
     watchdog = _start_watchdog(run.trainer.comm_timeout_s, grid, directory, mpi_comm)
     try:
-        train(run, directory, grid, device)
+        train(run, directory, grid, device, ends_process=True)
     finally:
         if watchdog is not None:
             watchdog.stop()
